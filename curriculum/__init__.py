@@ -1,0 +1,1 @@
+"""Staged data curriculum: stages, schedule, deterministic mixer, plan."""

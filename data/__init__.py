@@ -1,0 +1,1 @@
+"""Corpus to token shards: readers, cleaning, parallel tokenize-and-pack, the .bin/.idx format."""

@@ -1,0 +1,1 @@
+"""ayumi's own Llama: layers, the model, presets, parameter and FLOP counts."""

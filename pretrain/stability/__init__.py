@@ -1,0 +1,1 @@
+"""Training-stability machinery: spike detection, recovery policy, telemetry."""

@@ -1,0 +1,1 @@
+"""Merged SentencePiece tokenizer builder: per-domain models, merge, evaluation, HF export."""
