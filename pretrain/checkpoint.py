@@ -1,0 +1,195 @@
+"""Checkpoint mechanism: atomic, self-describing checkpoint folders and the `latest` pointer.
+
+Layout under the checkpoint root::
+
+    step_0000100/                 DeepSpeed's files (every rank writes its own shards)
+        ayumi_state.pt            trainer state shared by all ranks (counters, data position, ...)
+        ayumi_rank00000.pt        per-rank state (RNG of torch, numpy, python, CUDA)
+        ayumi.json                written last by rank 0: marks the folder complete, describes it
+    latest                        the newest complete tag, replaced atomically after ayumi.json
+
+A crash mid-save leaves a folder without `ayumi.json` and `latest` still naming the previous
+checkpoint; such folders are never loaded and are removed by the next save. *When* to save
+(interval, signals, end of run) is the trainer's policy, not this module's.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pretrain.model.config import ModelConfig
+
+LATEST = "latest"
+META = "ayumi.json"
+SHARED_STATE = "ayumi_state.pt"
+TAG_PREFIX = "step_"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, or does not fit this run."""
+
+
+def tag_for(step: int) -> str:
+    return f"{TAG_PREFIX}{step:07d}"
+
+
+def step_of(tag: str) -> int:
+    return int(tag[len(TAG_PREFIX):])
+
+
+def rank_state_name(rank: int) -> str:
+    return f"ayumi_rank{rank:05d}.pt"
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write via a temporary file and rename: readers see the old or the new file, never half."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def is_complete(tag_dir: Path) -> bool:
+    return (tag_dir / META).is_file()
+
+
+def complete_tags(root: Path) -> list[str]:
+    """Complete checkpoint tags under root, oldest first."""
+    if not root.is_dir():
+        return []
+    tags = [p.name for p in root.iterdir() if p.is_dir() and p.name.startswith(TAG_PREFIX) and is_complete(p)]
+    return sorted(tags, key=step_of)
+
+
+def latest_tag(root: Path) -> str | None:
+    """The tag `latest` names, if that checkpoint is complete; else the newest complete one."""
+    pointer = root / LATEST
+    if pointer.is_file():
+        tag = pointer.read_text().strip()
+        if tag and is_complete(root / tag):
+            return tag
+    tags = complete_tags(root)
+    return tags[-1] if tags else None
+
+
+def capture_rng() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class Checkpointer:
+    """Saves and loads ayumi checkpoints for one run (all ranks call every method)."""
+
+    def __init__(self, root: Path, keep_last: int, rank: int, barrier):
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self.rank = rank
+        self._barrier = barrier
+
+    def save(self, engine, step: int, shared_state: dict[str, Any], meta: dict[str, Any]) -> Path:
+        tag = tag_for(step)
+        tag_dir = self.root / tag
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if tag_dir.exists():  # left by a crash mid-save, or a re-save of the same step
+                shutil.rmtree(tag_dir)
+        self._barrier()
+        engine.save(self.root, tag, client_state={"ayumi_step": step})
+        atomic_torch_save(capture_rng(), tag_dir / rank_state_name(self.rank))
+        if self.rank == 0:
+            atomic_torch_save(shared_state, tag_dir / SHARED_STATE)
+        self._barrier()  # every rank's files are on disk before the folder is declared complete
+        if self.rank == 0:
+            meta = {**meta, "step": step, "tag": tag, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            atomic_write_text(tag_dir / META, json.dumps(meta, indent=2, default=str) + "\n")
+            atomic_write_text(self.root / LATEST, tag + "\n")
+            self._prune()
+        self._barrier()
+        return tag_dir
+
+    def _prune(self) -> None:
+        """Drop old complete checkpoints beyond keep_last and any incomplete leftovers."""
+        tags = complete_tags(self.root)
+        newest = tags[-1] if tags else None
+        for tag in tags[:-self.keep_last] if self.keep_last > 0 else []:
+            if tag != newest:
+                shutil.rmtree(self.root / tag, ignore_errors=True)
+        for path in self.root.iterdir():
+            if path.is_dir() and path.name.startswith(TAG_PREFIX) and not is_complete(path):
+                if newest is None or step_of(path.name) < step_of(newest):
+                    shutil.rmtree(path, ignore_errors=True)
+
+    def load(self, engine, tag: str, root: Path | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Load engine state and return (shared state, meta); restores this rank's RNG last."""
+        root = Path(root or self.root)
+        tag_dir = root / tag
+        if not is_complete(tag_dir):
+            raise CheckpointError(f"{tag_dir} is not a complete ayumi checkpoint (no {META})")
+        engine.load(root, tag)
+        shared = torch.load(tag_dir / SHARED_STATE, map_location="cpu", weights_only=False)
+        rank_file = tag_dir / rank_state_name(self.rank)
+        if rank_file.exists():
+            restore_rng(torch.load(rank_file, map_location="cpu", weights_only=False))
+        meta = json.loads((tag_dir / META).read_text())
+        return shared, meta
+
+
+def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
+    """(root, tag) from a tag folder, a checkpoint root (uses latest) or a run dir."""
+    path = Path(path)
+    if is_complete(path):
+        return path.parent, path.name
+    for root in (path, path / "checkpoints"):
+        if root.is_dir():
+            tag = latest_tag(root)
+            if tag:
+                return root, tag
+    raise CheckpointError(
+        f"no complete ayumi checkpoint at {path}: give a run dir, its checkpoints/ folder, or a step_XXXXXXX folder"
+    )
+
+
+def model_config_from_meta(meta: dict[str, Any]) -> ModelConfig:
+    return ModelConfig(**meta["model"])
+
+
+def load_for_export(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelConfig, dict[str, Any]]:
+    """Consolidated fp32 weights, the model config, and tokenizer facts of a checkpoint."""
+    from pretrain.engine import consolidated_state_dict
+
+    root, tag = resolve_checkpoint(path)
+    meta = json.loads((root / tag / META).read_text())
+    state = consolidated_state_dict(root, tag)
+    extra = {key: meta.get(key) for key in ("tokenizer_dir", "bos_id", "eos_id", "pad_id")}
+    return state, model_config_from_meta(meta), extra
+
+
+def model_meta(model_cfg: ModelConfig) -> dict[str, Any]:
+    return asdict(model_cfg)

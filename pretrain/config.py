@@ -1,0 +1,356 @@
+"""Structured configs for training: one dataclass per concern, registered with Hydra.
+
+`conf/config.yaml` composes these with the groups under `conf/` (model, optim, deepspeed,
+logging, stability, experiment). Hydra merges every YAML into the dataclasses below, so an
+unknown key or a wrongly typed value fails at composition with the key's full name.
+
+Configs hold values only; cross-checks (batch arithmetic, token budgets) live in named functions
+here that raise `ConfigError` with the field, the value and the fix.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import DictConfig, OmegaConf
+
+from pretrain.model.config import ModelConfig
+from pretrain.paths import CONF_DIR
+
+
+class ConfigError(ValueError):
+    """A configuration value is inconsistent; the message names the field(s) and the fix."""
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and the learning-rate schedule (a pure function of the step, see pretrain/optim.py)."""
+
+    lr: float = 3e-4
+    """Peak learning rate, reached at the end of warmup."""
+    min_lr: float = 3e-5
+    """Learning rate at the end of the decay (cosine, linear, wsd)."""
+    schedule: str = "cosine"
+    """After warmup: cosine | linear | constant | wsd (warmup-stable-decay)."""
+    warmup_steps: int = 100
+    """Linear warmup from 0 to lr over this many optimizer steps (keep it <= ~10% of the run)."""
+    wsd_decay_fraction: float = 0.2
+    """wsd only: share of the run spent in the final linear decay to min_lr."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.95
+    """Adam beta2 (0.95 is the large-LM norm; 0.999 is torch's default)."""
+    eps: float = 1e-8
+    """Adam epsilon; lowering it counters the shallow-layer second-moment collapse behind some spikes."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay; norms and biases are never decayed."""
+    grad_clip: float = 1.0
+    """Clip the global gradient L2 norm to this value; 0 turns clipping off."""
+
+
+@dataclass
+class DeepSpeedConfig:
+    """ZeRO stage, precision and memory options; rendered to DeepSpeed's JSON in pretrain/engine.py."""
+
+    zero_stage: int = 0
+    """ZeRO stage 0 (plain data parallel), 1 (optimizer states), 2 (+gradients) or 3 (+parameters)."""
+    precision: str = "bf16"
+    """bf16 | fp16 (dynamic loss scaling) | fp32."""
+    offload_optimizer: bool = False
+    """ZeRO 1-3: keep optimizer states (and the step) on the CPU (ZeRO-Offload)."""
+    offload_param: bool = False
+    """ZeRO 3 only: keep parameters on the CPU (ZeRO-Infinity style)."""
+    initial_scale_power: int = 16
+    """fp16: the loss scale starts at 2**this."""
+    loss_scale_window: int = 1000
+    """fp16: steps without overflow before the scale doubles."""
+    hysteresis: int = 2
+    """fp16: overflows tolerated before the scale halves (ZeRO 1-3)."""
+    min_loss_scale: float = 1.0
+    """fp16: the scale never drops below this; DeepSpeed raises if an overflow happens here."""
+    bf16_skip_nonfinite: bool = True
+    """bf16: skip a step whose gradients hold inf/NaN (otherwise DeepSpeed applies it and the model is lost)."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward: less memory, ~30% more compute."""
+    overlap_comm: bool = True
+    """ZeRO 1-3: overlap gradient reduction with the backward pass."""
+    reduce_bucket_size: int = 500_000_000
+    """ZeRO: elements per gradient reduce-scatter bucket."""
+    allgather_bucket_size: int = 500_000_000
+    """ZeRO 1-2: elements per parameter all-gather bucket."""
+    stage3_prefetch_bucket_size: int = 50_000_000
+    """ZeRO 3: elements of parameters prefetched ahead of use."""
+
+
+@dataclass
+class DataConfig:
+    """Where the training tokens come from (shards written by `ayumi data prepare`)."""
+
+    root: str = "${oc.env:AYUMI_DATA_ROOT,.cache}/shards/tiny"
+    """DATA_ROOT holding <domain>/{train,val}/*.idx|bin and manifest.json."""
+    domains: list[str] = field(default_factory=list)
+    """Domains to train on (sub-directories of root); empty = every domain found."""
+    tokenizer_dir: str | None = None
+    """The run's tokenizer directory; shards made with another tokenizer are refused. None skips the check."""
+    validation: bool = True
+    """Evaluate on each domain's val/ shards when present."""
+    prefetch_batches: int = 2
+    """Micro-batches assembled ahead in a background thread (0 = assemble inline)."""
+
+
+@dataclass
+class TrainConfig:
+    """Run length (in tokens), batch geometry, evaluation cadence."""
+
+    tokens: int = 200_000
+    """Tokens to train on; the number of optimizer steps is derived from it and printed before step 1."""
+    seq_len: int = 128
+    """Tokens per sample (the model sees seq_len inputs and predicts seq_len labels)."""
+    micro_batch_size: int = 4
+    """Samples per rank per forward/backward."""
+    global_batch_size: int = 8
+    """Samples per optimizer step over all ranks = micro_batch_size x grad_accum x data-parallel size."""
+    grad_accum: int = 0
+    """Micro-batches accumulated per step; 0 derives it from the global batch."""
+    seed: int = 1234
+    """Seed of model init, data order and every rank's RNG."""
+    eval_interval: int = 50
+    """Evaluate every this many steps (and at the end); 0 = only at the end."""
+    eval_samples: int = 32
+    """Samples per validation set per evaluation, split over ranks (the same samples at any world size)."""
+    log_interval: int = 1
+    """Write metrics every this many steps."""
+    max_steps: int = 0
+    """Stop after this many steps even if tokens remain (smoke tests); 0 = no limit. Never use it to set run length."""
+    device: str = "auto"
+    """auto (CUDA if available, else CPU) | cpu | cuda."""
+
+
+@dataclass
+class CheckpointConfig:
+    """When and where to save, what to keep, and how to resume."""
+
+    interval: int = 100
+    """Save every this many steps; 0 = only on signals and at the end."""
+    keep_last: int = 3
+    """Keep this many newest checkpoints (older ones are deleted after a new one is complete)."""
+    dir: str = "${run_dir}/checkpoints"
+    """Checkpoint root: step_XXXXXXX/ folders and the `latest` pointer."""
+    resume: bool = True
+    """Resume from `latest` in dir when it exists (exactly: model, optimizer, RNG, data position, counters)."""
+    load_from: str | None = None
+    """Start from this checkpoint folder instead (another run's); None = dir's latest."""
+    save_on_signal: bool = True
+    """On SIGTERM/SIGINT finish the current step, save, and exit 0 (SLURM preemption)."""
+    save_final: bool = True
+    """Save when training ends."""
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases (only metrics.py imports wandb)."""
+
+    enabled: bool = True
+    """Log to W&B at all (metrics.jsonl is always written)."""
+    mode: str = "offline"
+    """offline (default; `wandb sync` later) | online (needs WANDB_API_KEY) | disabled."""
+    project: str = "ayumi"
+    """W&B project."""
+    entity: str | None = None
+    """W&B entity (team or user); None = the key's default."""
+    group: str | None = None
+    """W&B group, e.g. a sweep or an experiment family."""
+    tags: list[str] = field(default_factory=list)
+    """W&B tags."""
+    name: str | None = None
+    """W&B run name; None = the ayumi run name."""
+
+
+@dataclass
+class LoggingConfig:
+    """Console, metrics.jsonl and W&B."""
+
+    console: bool = True
+    """Print a progress line per log step on rank 0."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """W&B settings."""
+
+
+@dataclass
+class StabilityConfig:
+    """Training-stability machinery (spike detection and recovery arrive with the stability work)."""
+
+    skip_nonfinite_loss: bool = True
+    """Skip the update of a step whose loss is NaN/inf on any rank (all ranks agree first)."""
+
+
+@dataclass
+class AyumiConfig:
+    """The whole training configuration (`conf/config.yaml`)."""
+
+    name: str = "debug"
+    """Run name; the run dir is run_root/name, so the same name resumes the same run."""
+    run_root: str = "${oc.env:AYUMI_RUN_ROOT,runs}"
+    """Where run directories are created."""
+    run_dir: str = "${run_root}/${name}"
+    """This run's directory, shared by all ranks: config.yaml, metrics.jsonl, checkpoints/, wandb/."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The Llama architecture (conf/model/)."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and LR schedule (conf/optim/)."""
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    """ZeRO and precision (conf/deepspeed/)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Training data (shards)."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Run length, batches, evaluation."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Saving and resuming."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Console, metrics.jsonl, W&B (conf/logging/)."""
+    stability: StabilityConfig = field(default_factory=StabilityConfig)
+    """Stability machinery (conf/stability/)."""
+
+
+SCHEMA_NAME = "ayumi_schema"
+
+
+def register_configs() -> None:
+    """Register the schema so `conf/config.yaml` can name it first in its defaults list."""
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=AyumiConfig)
+
+
+def compose_config(overrides: list[str] | tuple[str, ...] = (), config_name: str = "config") -> DictConfig:
+    """Compose conf/<config_name>.yaml with Hydra overrides (no output dir, no cwd change)."""
+    register_configs()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            return compose(config_name=config_name, overrides=list(overrides))
+    except Exception as err:  # Hydra/OmegaConf put the key and value in the chained causes
+        raise ConfigError(_describe_config_error(err)) from err
+
+
+def _describe_config_error(err: BaseException) -> str:
+    """One message from Hydra's exception chain (the outer one often lacks the key's name)."""
+    parts = []
+    while err is not None:
+        text = str(err).strip()
+        if text and text not in parts and "$VALUE" not in text:
+            parts.append(text)
+        err = err.__cause__ or err.__context__
+    return "invalid configuration: " + "\n  ".join(parts)
+
+
+def to_object(cfg: DictConfig) -> AyumiConfig:
+    """The composed config as typed dataclasses, every interpolation resolved."""
+    return OmegaConf.to_object(cfg)
+
+
+def split_cli_args(argv: list[str]) -> tuple[list[str], bool]:
+    """Hydra overrides and whether `--cfg job` was asked; drops the launcher's `--local_rank=N`.
+
+    The deepspeed launcher appends `--local_rank=N`, which Hydra would reject; the rank is read
+    from the environment instead, so the flag is simply ignored here.
+    """
+    overrides: list[str] = []
+    print_cfg = False
+    args = iter(argv)
+    for arg in args:
+        if arg.startswith("--local_rank") or arg.startswith("--local-rank"):
+            if "=" not in arg:
+                next(args, None)
+            continue
+        if arg in ("--cfg", "-c"):
+            what = next(args, "job")
+            if what not in ("job", "all"):
+                raise ConfigError(f"--cfg takes 'job', got {what!r}")
+            print_cfg = True
+            continue
+        if arg.startswith("-"):
+            raise ConfigError(f"unknown option {arg!r}: training takes Hydra overrides key=value (and --cfg job)")
+        overrides.append(arg)
+    return overrides, print_cfg
+
+
+def data_parallel_grad_accum(train: TrainConfig, world_size: int) -> int:
+    """Gradient-accumulation steps implied by the batch settings; ConfigError when they disagree."""
+    per_step = train.micro_batch_size * world_size
+    if train.micro_batch_size < 1 or train.global_batch_size < 1:
+        raise ConfigError(
+            f"train.micro_batch_size ({train.micro_batch_size}) and train.global_batch_size "
+            f"({train.global_batch_size}) must be >= 1"
+        )
+    if train.grad_accum == 0:
+        if train.global_batch_size % per_step:
+            raise ConfigError(
+                f"train.global_batch_size={train.global_batch_size} is not a multiple of "
+                f"train.micro_batch_size={train.micro_batch_size} x {world_size} data-parallel ranks "
+                f"= {per_step}; choose a global batch that divides, e.g. {per_step * max(1, train.global_batch_size // per_step)}"
+            )
+        return train.global_batch_size // per_step
+    if train.global_batch_size != per_step * train.grad_accum:
+        raise ConfigError(
+            f"train.global_batch_size={train.global_batch_size} != train.micro_batch_size="
+            f"{train.micro_batch_size} x train.grad_accum={train.grad_accum} x {world_size} data-parallel ranks "
+            f"= {per_step * train.grad_accum}; fix one of them or set train.grad_accum=0 to derive it"
+        )
+    return train.grad_accum
+
+
+def tokens_per_step(train: TrainConfig) -> int:
+    return train.global_batch_size * train.seq_len
+
+
+def total_steps(train: TrainConfig) -> int:
+    """Optimizer steps needed to see train.tokens tokens (the last step may overshoot a little)."""
+    if train.tokens <= 0:
+        raise ConfigError(f"train.tokens must be positive, got {train.tokens}")
+    return math.ceil(train.tokens / tokens_per_step(train))
+
+
+def check_config(cfg: AyumiConfig) -> None:
+    """Cross-field checks that need no hardware; the trainer adds the world-size ones."""
+    if cfg.train.seq_len > cfg.model.max_seq_len:
+        raise ConfigError(
+            f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}; "
+            "raise model.max_seq_len or lower train.seq_len"
+        )
+    if cfg.deepspeed.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"deepspeed.zero_stage must be 0, 1, 2 or 3, got {cfg.deepspeed.zero_stage}")
+    if cfg.deepspeed.precision not in ("bf16", "fp16", "fp32"):
+        raise ConfigError(f"deepspeed.precision must be bf16, fp16 or fp32, got {cfg.deepspeed.precision!r}")
+    if cfg.deepspeed.offload_param and cfg.deepspeed.zero_stage != 3:
+        raise ConfigError("deepspeed.offload_param needs deepspeed.zero_stage=3")
+    if cfg.deepspeed.offload_optimizer and cfg.deepspeed.zero_stage == 0:
+        raise ConfigError("deepspeed.offload_optimizer needs deepspeed.zero_stage >= 1")
+    if cfg.optim.schedule not in ("cosine", "linear", "constant", "wsd"):
+        raise ConfigError(f"optim.schedule must be cosine, linear, constant or wsd, got {cfg.optim.schedule!r}")
+    if cfg.optim.min_lr > cfg.optim.lr:
+        raise ConfigError(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}")
+    if cfg.logging.wandb.mode not in ("offline", "online", "disabled"):
+        raise ConfigError(f"logging.wandb.mode must be offline, online or disabled, got {cfg.logging.wandb.mode!r}")
+    total_steps(cfg.train)
+
+
+def config_as_yaml(cfg: DictConfig | AyumiConfig) -> str:
+    node = cfg if isinstance(cfg, DictConfig) else OmegaConf.structured(cfg)
+    return OmegaConf.to_yaml(node, resolve=True)
+
+
+def asdict_resolved(cfg: AyumiConfig) -> dict[str, Any]:
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+
+
+def print_config(cfg: DictConfig) -> None:
+    sys.stdout.write(OmegaConf.to_yaml(cfg, resolve=True))
+
+
+def resolve_path(path: str) -> Path:
+    return Path(path).expanduser().resolve()

@@ -1,0 +1,352 @@
+"""DeepSpeed, in one place: distributed set-up, the rendered DeepSpeed config, and a small facade.
+
+This is the only module that imports `deepspeed` (DESIGN.md). Everything DeepSpeed-specific that
+the trainer needs (a step, the grad norm, the loss scale, saving and loading) is a method of
+`TrainEngine`, so the trainer reads as plain training logic and the DeepSpeed quirks recorded in
+`shared/DEEPSPEED_CPU.md` are handled here once.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# DeepSpeed picks its accelerator when it is imported; on a machine without CUDA say "cpu"
+# up front instead of letting it guess (and warn).
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import deepspeed  # noqa: E402  (after DS_ACCELERATOR)
+import torch.distributed as dist  # noqa: E402
+
+from pretrain.config import AyumiConfig, ConfigError, data_parallel_grad_accum  # noqa: E402
+from pretrain.optim import param_groups  # noqa: E402
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _ensure_rank_env() -> None:
+    """A plain `python -m pretrain.train` is a 1-rank job (DeepSpeed would otherwise try MPI)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+
+def pick_device(preference: str) -> torch.device:
+    if preference == "cpu":
+        return torch.device("cpu")
+    if preference == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=auto or cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def init_distributed(device_preference: str = "auto") -> DistInfo:
+    """Join (or create) the process group: NCCL on GPUs, gloo on CPU."""
+    _ensure_rank_env()
+    device = pick_device(device_preference)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        # The shared-memory comm op costs a ~25 s JIT build and, with it, processes sometimes
+        # abort at exit; plain gloo is fast enough for CPU runs (DEEPSPEED_CPU.md).
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        backend = "gloo"
+        # 2 ranks on 2 cores: one intra-op thread each avoids oversubscription.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    return DistInfo(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        local_world_size=local_world,
+        device=device,
+    )
+
+
+def finalize_distributed() -> None:
+    """barrier + destroy: with the shm op off this avoids the flaky abort at exit (DEEPSPEED_CPU.md)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def render_ds_config(cfg: AyumiConfig, world_size: int) -> dict[str, Any]:
+    """DeepSpeed's JSON config, rendered from ayumi's config (the only place it is written)."""
+    ds = cfg.deepspeed
+    grad_accum = data_parallel_grad_accum(cfg.train, world_size)
+    config: dict[str, Any] = {
+        "train_batch_size": cfg.train.global_batch_size,
+        "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
+        "gradient_accumulation_steps": grad_accum,
+        "gradient_clipping": cfg.optim.grad_clip,
+        "steps_per_print": 10**12,  # ayumi logs; keep DeepSpeed's own step prints quiet
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": _zero_section(cfg),
+    }
+    if ds.precision == "bf16":
+        config["bf16"] = {"enabled": True, "check_grad_overflow": ds.bf16_skip_nonfinite}
+    elif ds.precision == "fp16":
+        config["fp16"] = {
+            "enabled": True,
+            "loss_scale": 0,  # 0 = dynamic
+            "initial_scale_power": ds.initial_scale_power,
+            "loss_scale_window": ds.loss_scale_window,
+            "hysteresis": ds.hysteresis,
+            "min_loss_scale": ds.min_loss_scale,
+        }
+    if ds.offload_optimizer:
+        # Offloaded states need DeepSpeed's CPU Adam (built once, then cached).
+        config["optimizer"] = {
+            "type": "AdamW",
+            "params": {
+                "lr": cfg.optim.lr,
+                "betas": [cfg.optim.beta1, cfg.optim.beta2],
+                "eps": cfg.optim.eps,
+                "weight_decay": cfg.optim.weight_decay,
+            },
+        }
+    return config
+
+
+def _zero_section(cfg: AyumiConfig) -> dict[str, Any]:
+    ds = cfg.deepspeed
+    zero: dict[str, Any] = {"stage": ds.zero_stage}
+    if ds.zero_stage == 0:
+        return zero
+    zero.update(overlap_comm=ds.overlap_comm, reduce_bucket_size=ds.reduce_bucket_size, contiguous_gradients=True)
+    if ds.zero_stage in (1, 2):
+        zero["allgather_bucket_size"] = ds.allgather_bucket_size
+        zero["reduce_scatter"] = True
+    if ds.zero_stage == 3:
+        zero["stage3_prefetch_bucket_size"] = ds.stage3_prefetch_bucket_size
+        zero["stage3_gather_16bit_weights_on_model_save"] = False
+    if ds.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if ds.offload_param:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    return zero
+
+
+def build_optimizer(model: torch.nn.Module, cfg: AyumiConfig, device: torch.device) -> torch.optim.Optimizer | None:
+    """torch AdamW for DeepSpeed to wrap (None when DeepSpeed builds its own for offload).
+
+    A client AdamW avoids DeepSpeed's CPU-Adam JIT build on CPU, and on CUDA torch's fused
+    kernel is among the fastest Adam implementations.
+    """
+    if cfg.deepspeed.offload_optimizer:
+        return None
+    groups = param_groups(model.named_parameters(), cfg.optim.weight_decay)
+    for group in groups:
+        group.pop("name")
+    return torch.optim.AdamW(
+        groups, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
+        weight_decay=cfg.optim.weight_decay, fused=device.type == "cuda",
+    )
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step did."""
+
+    applied: bool
+    """False when DeepSpeed skipped the update (fp16 overflow, non-finite bf16 gradients)."""
+    grad_norm: float | None
+    """Global gradient L2 norm before clipping (None when unavailable)."""
+    loss_scale: float | None
+    """fp16 dynamic loss scale after the step (None in bf16/fp32)."""
+
+
+class TrainEngine:
+    """DeepSpeed's engine behind the handful of calls the trainer makes."""
+
+    def __init__(self, model: torch.nn.Module, cfg: AyumiConfig, dist_info: DistInfo):
+        self.cfg = cfg
+        self.dist = dist_info
+        self.ds_config = render_ds_config(cfg, dist_info.world_size)
+        if cfg.deepspeed.activation_checkpointing:
+            model.set_activation_checkpointing(True)
+        optimizer = build_optimizer(model, cfg, dist_info.device)
+        model_parameters = None
+        if optimizer is None:
+            model_parameters = [
+                {k: v for k, v in group.items() if k != "name"}
+                for group in param_groups(model.named_parameters(), cfg.optim.weight_decay)
+            ]
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, model_parameters=model_parameters, config=self.ds_config,
+        )
+        self.precision = cfg.deepspeed.precision
+        self.grad_accum = self.ds_config["gradient_accumulation_steps"]
+        self._last_norm: float | None = None
+
+    # -- training -----------------------------------------------------------------------------
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    def train(self) -> None:
+        self.engine.train()
+
+    def eval(self) -> None:
+        self.engine.eval()
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor):
+        return self.engine(input_ids, labels)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def micro_step(self) -> StepResult | None:
+        """Call after every backward; at the accumulation boundary the optimizer steps."""
+        boundary = self.engine.is_gradient_accumulation_boundary()
+        norm = self._stage0_grad_norm() if boundary and self._needs_own_norm() else None
+        self.engine.step()
+        if not boundary:
+            return None
+        if norm is None:
+            norm = self.engine.get_global_grad_norm()
+        norm = None if norm is None else float(norm)
+        return StepResult(applied=self.engine.was_step_applied(), grad_norm=norm, loss_scale=self.loss_scale())
+
+    def _needs_own_norm(self) -> bool:
+        # Stage 0 fp32 reports no norm at all and stage 0 fp16 reports it divided by the loss
+        # scale (DEEPSPEED_CPU.md), so compute it from the gradients before DeepSpeed steps.
+        return self.cfg.deepspeed.zero_stage == 0 and self.precision in ("fp32", "fp16")
+
+    def _stage0_grad_norm(self) -> float:
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        if not grads:
+            return 0.0
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+        scale = self.loss_scale() or 1.0
+        # backward() at the boundary has already averaged the gradients across ranks, so the
+        # norm is the same on every rank.
+        return float(norm) / scale
+
+    @property
+    def global_steps(self) -> int:
+        return int(self.engine.global_steps)
+
+    @property
+    def skipped_steps(self) -> int:
+        return int(self.engine.skipped_steps)
+
+    # -- fp16 loss scale ---------------------------------------------------------------------
+    def _scaler(self):
+        scaler = getattr(self.optimizer, "loss_scaler", None)  # ZeRO 1-3
+        if scaler is not None:
+            return scaler
+        return getattr(self.optimizer, "loss_scale_config", None)  # stage 0 FP16_Optimizer
+
+    def loss_scale(self) -> float | None:
+        if self.precision != "fp16":
+            return None
+        scaler = self._scaler()
+        return None if scaler is None else float(scaler.cur_scale)
+
+    def reset_loss_scale(self, value: float) -> None:
+        """Set the fp16 loss scale (e.g. after a rollback restored a collapsed one)."""
+        scaler = self._scaler()
+        if self.precision != "fp16" or scaler is None:
+            return
+        scaler.cur_scale = float(value)
+        if hasattr(scaler, "cur_hysteresis") and hasattr(scaler, "delayed_shift"):
+            scaler.cur_hysteresis = scaler.delayed_shift
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def save(self, root: Path, tag: str, client_state: dict[str, Any]) -> None:
+        """Every rank writes its DeepSpeed shards under root/tag (no `latest`: the caller owns it)."""
+        self.engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
+
+    def load(self, root: Path, tag: str) -> dict[str, Any]:
+        path, client_state = self.engine.load_checkpoint(
+            str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False,
+        )
+        if path is None:
+            raise FileNotFoundError(f"DeepSpeed found no checkpoint {tag!r} under {root}")
+        return client_state or {}
+
+
+# -- distributed agreement ----------------------------------------------------------------------
+def all_reduce_tensor(values: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """All-reduce a small CPU tensor across ranks (a no-op on one rank)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return values
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    reduced = values.to(device)
+    dist.all_reduce(reduced, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+    return reduced.cpu()
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when `flag` is true on any rank (decisions that change control flow)."""
+    return bool(all_reduce_tensor(torch.tensor([1.0 if flag else 0.0]), op="max").item() > 0)
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=src)
+    return holder[0]
+
+
+# -- consolidation for export -------------------------------------------------------------------
+def consolidated_state_dict(root: Path, tag: str) -> dict[str, torch.Tensor]:
+    """Full fp32 weights from a checkpoint of any ZeRO stage, on CPU, without a process group."""
+    tag_dir = Path(root) / tag
+    if any(tag_dir.glob("*optim_states.pt")) and any(tag_dir.glob("zero_pp_rank_*")):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
+        return {name: tensor.float() for name, tensor in state.items()}
+    model_file = tag_dir / "mp_rank_00_model_states.pt"
+    if not model_file.exists():
+        raise FileNotFoundError(f"{tag_dir} holds no DeepSpeed model states (mp_rank_00_model_states.pt)")
+    state = torch.load(model_file, map_location="cpu", weights_only=False)["module"]
+    return {name: tensor.float() for name, tensor in state.items()}
+
+
+def save_ds_config(config: dict[str, Any], path: Path) -> None:
+    path.write_text(json.dumps(config, indent=2) + "\n")

@@ -1,0 +1,177 @@
+"""Metrics out of the trainer: console lines, `metrics.jsonl`, `events.jsonl`, and W&B.
+
+This is the only module that imports `wandb` (DESIGN.md). Only rank 0 logs; other ranks get a
+`NullLogger`. Metric names follow DESIGN.md (`train/loss`, `opt/lr`, `perf/tokens_per_s`, ...) so
+W&B groups panels by prefix. A restarted run continues the same W&B run id (kept in the run dir)
+and its jsonl files are cut back to the resumed step, so nothing is counted twice.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, TextIO
+
+from pretrain.config import AyumiConfig
+
+METRICS_FILE = "metrics.jsonl"
+EVENTS_FILE = "events.jsonl"
+WANDB_ID_FILE = "wandb_run_id"
+
+
+def format_count(value: float) -> str:
+    """1234567 -> '1.23M' (tokens, tokens/s)."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= size:
+            return f"{value / size:.2f}{unit}"
+    return f"{value:.0f}"
+
+
+def format_duration(seconds: float) -> str:
+    if not math.isfinite(seconds) or seconds < 0:
+        return "?"
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    if minutes:
+        return f"{minutes}m{secs:02d}s"
+    return f"{secs}s"
+
+
+def console_line(step: int, total_steps: int, metrics: dict[str, Any], eta_s: float) -> str:
+    """One progress line: readable in a terminal and greppable in a log file."""
+    width = len(str(total_steps))
+    parts = [f"step {step:>{width}}/{total_steps}"]
+    if "train/loss" in metrics:
+        parts.append(f"loss {metrics['train/loss']:.4f}")
+    if "opt/lr" in metrics:
+        parts.append(f"lr {metrics['opt/lr']:.2e}")
+    if metrics.get("opt/grad_norm") is not None:
+        parts.append(f"gnorm {metrics['opt/grad_norm']:.3f}")
+    if metrics.get("opt/loss_scale") is not None:
+        parts.append(f"scale {metrics['opt/loss_scale']:.0f}")
+    if "perf/tokens_per_s" in metrics:
+        parts.append(f"{format_count(metrics['perf/tokens_per_s'])} tok/s")
+    if metrics.get("perf/mfu") is not None:
+        parts.append(f"mfu {100 * metrics['perf/mfu']:.1f}%")
+    if "perf/step_time" in metrics:
+        parts.append(f"{metrics['perf/step_time']:.3f} s/step")
+    if "tokens" in metrics:
+        parts.append(f"{format_count(metrics['tokens'])} tok")
+    parts.append(f"ETA {format_duration(eta_s)}")
+    return " | ".join(parts)
+
+
+def truncate_jsonl(path: Path, max_step: int) -> None:
+    """Keep only the records with step <= max_step (a resumed run rewrites what follows)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= max_step:
+                kept.append(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a crash
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)
+
+
+class NullLogger:
+    """What ranks other than 0 get: every call does nothing."""
+
+    def log(self, step: int, metrics: dict[str, Any], console: bool = True) -> None: ...
+    def event(self, kind: str, step: int, tokens: int, message: str = "", **fields: Any) -> None: ...
+    def info(self, message: str) -> None: ...
+    def set_progress(self, total_steps: int, start_step: int) -> None: ...
+    def summary(self, values: dict[str, Any]) -> None: ...
+    def close(self) -> None: ...
+
+
+class MetricsLogger(NullLogger):
+    """Rank 0's logger: console, jsonl files, and optionally W&B."""
+
+    def __init__(self, cfg: AyumiConfig, run_dir: Path, resolved_config: dict[str, Any], resume_step: int | None,
+                 stream: TextIO | None = None):
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.stream = stream or sys.stdout
+        if resume_step is not None:
+            truncate_jsonl(run_dir / METRICS_FILE, resume_step)
+            truncate_jsonl(run_dir / EVENTS_FILE, resume_step)
+        self._metrics = open(run_dir / METRICS_FILE, "a", buffering=1)
+        self._events = open(run_dir / EVENTS_FILE, "a", buffering=1)
+        self._wandb_run = self._start_wandb(resolved_config) if cfg.logging.wandb.enabled else None
+        self._total_steps = 0
+        self._start_step = 0
+        self._start_time = time.perf_counter()
+
+    def _start_wandb(self, resolved_config: dict[str, Any]):
+        import wandb
+
+        settings = self.cfg.logging.wandb
+        if settings.mode == "disabled":
+            return None
+        id_file = self.run_dir / WANDB_ID_FILE
+        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
+        id_file.write_text(run_id + "\n")
+        return wandb.init(
+            project=settings.project, entity=settings.entity, group=settings.group, tags=list(settings.tags),
+            name=settings.name or self.cfg.name, id=run_id, resume="allow", mode=settings.mode,
+            dir=str(self.run_dir), config=resolved_config,
+            # ayumi prints its own progress; W&B capturing stdout would duplicate and slow it.
+            settings=wandb.Settings(console="off", quiet=True, x_disable_stats=False),
+        )
+
+    @property
+    def wandb_dir(self) -> Path | None:
+        return Path(self._wandb_run.dir).parent if self._wandb_run is not None else None
+
+    def set_progress(self, total_steps: int, start_step: int) -> None:
+        self._total_steps = total_steps
+        self._start_step = start_step
+        self._start_time = time.perf_counter()
+
+    def _eta(self, step: int) -> float:
+        done = step - self._start_step
+        if done <= 0:
+            return float("nan")
+        per_step = (time.perf_counter() - self._start_time) / done
+        return per_step * (self._total_steps - step)
+
+    def log(self, step: int, metrics: dict[str, Any], console: bool = True) -> None:
+        clean = {key: value for key, value in metrics.items() if value is not None}
+        self._metrics.write(json.dumps({"step": step, **clean}) + "\n")
+        if self._wandb_run is not None:
+            self._wandb_run.log(clean, step=step)
+        if console and self.cfg.logging.console:
+            self.info(console_line(step, self._total_steps, clean, self._eta(step)))
+
+    def event(self, kind: str, step: int, tokens: int, message: str = "", **fields: Any) -> None:
+        record = {"step": step, "tokens": tokens, "event": kind, "message": message, **fields,
+                  "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        self._events.write(json.dumps(record, default=str) + "\n")
+        self.info(f"[event] {kind} at step {step} ({format_count(tokens)} tokens){': ' + message if message else ''}")
+        if self._wandb_run is not None:
+            self._wandb_run.log({f"events/{kind}": 1}, step=step)
+
+    def info(self, message: str) -> None:
+        print(message, file=self.stream, flush=True)
+
+    def summary(self, values: dict[str, Any]) -> None:
+        if self._wandb_run is not None:
+            for key, value in values.items():
+                self._wandb_run.summary[key] = value
+
+    def close(self) -> None:
+        self._metrics.close()
+        self._events.close()
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+            self._wandb_run = None

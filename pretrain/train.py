@@ -1,0 +1,146 @@
+"""Training entry point: `deepspeed --module pretrain.train experiment=NAME key=value ...`.
+
+Also runs under `torchrun -m pretrain.train ...` and as a plain 1-process `python -m
+pretrain.train ...`. The config is composed with Hydra's Compose API (no output dir, no cwd
+change, and the deepspeed launcher's `--local_rank=N` is dropped), so every rank resolves the
+same run dir: RUN_ROOT/NAME.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from data.packed import PackedSamples, ShuffledDomains, domains_under
+from data.shards import check_tokenizer
+from pretrain.checkpoint import Checkpointer, atomic_write_text, latest_tag
+from pretrain.config import (
+    AyumiConfig, ConfigError, check_config, compose_config, config_as_yaml, data_parallel_grad_accum,
+    split_cli_args, to_object, total_steps,
+)
+from pretrain.engine import DistInfo, TrainEngine, barrier, finalize_distributed, init_distributed, save_ds_config
+from pretrain.loader import BatchLoader
+from pretrain.metrics import MetricsLogger, NullLogger
+from pretrain.model.llama import Llama
+from pretrain.trainer import Trainer, TrainResult
+
+
+def load_tokenizer_identity(tokenizer_dir: str | None) -> dict:
+    """sha256 and special ids of the run's tokenizer (empty when the run names none)."""
+    if not tokenizer_dir:
+        return {}
+    from tokenizer import load_tokenizer_info
+
+    info = load_tokenizer_info(tokenizer_dir)
+    return {"tokenizer_dir": str(info.path), "tokenizer_sha256": info.sha256, "tokenizer_vocab_size": info.vocab_size,
+            "bos_id": info.bos_id, "eos_id": info.eos_id, "pad_id": info.pad_id}
+
+
+def build_data(cfg: AyumiConfig, tokenizer: dict) -> tuple[ShuffledDomains, dict[str, PackedSamples]]:
+    """The training stream over every train domain, and the per-domain validation sets."""
+    root = Path(cfg.data.root)
+    train_dirs = domains_under(root, "train", cfg.data.domains or None)
+    train = {name: PackedSamples.from_directory(path, cfg.train.seq_len, name) for name, path in train_dirs.items()}
+    val: dict[str, PackedSamples] = {}
+    if cfg.data.validation:
+        for name in train_dirs:
+            val_dir = root / name / "val"
+            if val_dir.is_dir() and any(val_dir.glob("*.idx")):
+                samples = PackedSamples.from_directory(val_dir, cfg.train.seq_len, name)
+                if len(samples):
+                    val[name] = samples
+    readers = [reader for samples in [*train.values(), *val.values()] for reader in samples.readers]
+    if tokenizer:
+        check_tokenizer(readers, tokenizer["tokenizer_sha256"], tokenizer["tokenizer_dir"])
+    too_big = [r for r in readers if r.vocab_size > cfg.model.vocab_size]
+    if too_big:
+        raise ConfigError(
+            f"shards {too_big[0].idx_path} hold ids up to vocab size {too_big[0].vocab_size} but "
+            f"model.vocab_size={cfg.model.vocab_size}; set model.vocab_size >= {too_big[0].vocab_size}"
+        )
+    return ShuffledDomains(train, seed=cfg.train.seed), val
+
+
+def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict) -> tuple[Trainer, NullLogger]:
+    """Everything the loop needs, in data-flow order: data, model, engine, checkpoints, metrics."""
+    grad_accum = data_parallel_grad_accum(cfg.train, dist.world_size)
+    run_dir = Path(cfg.run_dir)
+    tokenizer = load_tokenizer_identity(cfg.data.tokenizer_dir)
+    source, val_sets = build_data(cfg, tokenizer)
+
+    torch.manual_seed(cfg.train.seed)  # same init on every rank
+    model = Llama(cfg.model)
+    engine = TrainEngine(model, cfg, dist)
+    checkpointer = Checkpointer(Path(cfg.checkpoint.dir), cfg.checkpoint.keep_last, dist.rank, barrier)
+    # Each rank gets its own stream of randomness (dropout-free today, but user code may add it).
+    torch.manual_seed(cfg.train.seed + 1000 * dist.rank)
+
+    resume_step = _resume_step(cfg, checkpointer)
+    if dist.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(run_dir / "config.yaml", config_as_yaml(OmegaConf.create(resolved)))
+        save_ds_config(engine.ds_config, run_dir / "deepspeed_config.json")
+        logger: NullLogger = MetricsLogger(cfg, run_dir, resolved, resume_step)
+    else:
+        logger = NullLogger()
+    barrier()
+    loader = BatchLoader(source, cfg.train.micro_batch_size, grad_accum, dist.rank, dist.world_size, dist.device,
+                         prefetch=cfg.data.prefetch_batches)
+    run_meta = {"name": cfg.name, "model": asdict(cfg.model), "world_size": dist.world_size,
+                "zero_stage": cfg.deepspeed.zero_stage, "precision": cfg.deepspeed.precision, **tokenizer}
+    trainer = Trainer(cfg, dist, engine, loader, val_sets, logger, checkpointer, total_steps(cfg.train), run_meta)
+    trainer.resume_if_possible()
+    return trainer, logger
+
+
+def _resume_step(cfg: AyumiConfig, checkpointer: Checkpointer) -> int | None:
+    """The step a resume will start from (to cut metrics files back), None for a fresh run."""
+    if cfg.checkpoint.load_from or not cfg.checkpoint.resume:
+        return None
+    tag = latest_tag(checkpointer.root)
+    return None if tag is None else int(json.loads((checkpointer.root / tag / "ayumi.json").read_text())["step"])
+
+
+def run(cfg: AyumiConfig, resolved: dict) -> TrainResult:
+    check_config(cfg)
+    dist = init_distributed(cfg.train.device)
+    logger: NullLogger = NullLogger()
+    try:
+        trainer, logger = build_trainer(cfg, dist, resolved)
+        result = trainer.run()
+        logger.summary({"final/steps": result.steps, "final/tokens": result.tokens,
+                        **{f"final/val/{k}/loss": v for k, v in result.val_losses.items()}})
+        return result
+    finally:
+        logger.close()
+        finalize_distributed()
+
+
+def main(argv: list[str] | None = None) -> int:
+    overrides, print_cfg = split_cli_args(list(sys.argv[1:] if argv is None else argv))
+    composed = compose_config(overrides)
+    if print_cfg:
+        print(OmegaConf.to_yaml(composed, resolve=True), end="")
+        return 0
+    cfg = to_object(composed)
+    cfg.run_dir = str(Path(cfg.run_dir).resolve())
+    cfg.checkpoint.dir = str(Path(cfg.checkpoint.dir).resolve())
+    cfg.data.root = str(Path(cfg.data.root).resolve())
+    resolved = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    result = run(cfg, resolved)
+    if os.environ.get("AYUMI_RESULT_FILE") and int(os.environ.get("RANK", 0)) == 0:
+        Path(os.environ["AYUMI_RESULT_FILE"]).write_text(json.dumps(asdict(result)))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except ConfigError as err:
+        print(f"ayumi: {err}", file=sys.stderr)
+        sys.exit(2)
