@@ -209,6 +209,13 @@ class TrainEngine:
         )
         self.precision = cfg.deepspeed.precision
         self.grad_accum = self.ds_config["gradient_accumulation_steps"]
+        # DeepSpeed 0.19's engine.backward() scales the loss only for ZeRO optimizers, yet its
+        # stage-0 fp16 optimizer unscales the gradients in step(): unscaled gradients then come
+        # out divided by the loss scale (no training) and overflow is never detected. Scale the
+        # loss here in exactly the case DeepSpeed skips.
+        from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+        self._scale_loss_here = self.precision == "fp16" and not isinstance(self.optimizer, ZeROOptimizer)
         self._last_norm: float | None = None
 
     # -- training -----------------------------------------------------------------------------
@@ -226,6 +233,8 @@ class TrainEngine:
         return self.engine(input_ids, labels)
 
     def backward(self, loss: torch.Tensor) -> None:
+        if self._scale_loss_here:
+            loss = loss * self.loss_scale()
         self.engine.backward(loss)
 
     def set_lr(self, lr: float) -> None:

@@ -11,6 +11,7 @@ from typing import Iterable
 import torch
 
 from pretrain.config import OptimConfig
+from pretrain.model.llama import no_weight_decay
 
 
 def warmup_factor(step: int, warmup_steps: int) -> float:
@@ -48,18 +49,13 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
     raise ValueError(f"optim.schedule: unknown schedule {cfg.schedule!r} (cosine, linear, constant, wsd)")
 
 
-def is_no_decay(name: str, param: torch.Tensor) -> bool:
-    """Norm weights and biases (all 1-D parameters) are not weight-decayed."""
-    return param.ndim < 2 or name.endswith(".bias")
-
-
 def param_groups(named_parameters: Iterable[tuple[str, torch.nn.Parameter]], weight_decay: float) -> list[dict]:
     """Two AdamW groups: decayed matrices and undecayed norms/biases (named for telemetry)."""
     decay, no_decay = [], []
     for name, param in named_parameters:
         if not param.requires_grad:
             continue
-        (no_decay if is_no_decay(name, param) else decay).append(param)
+        (no_decay if no_weight_decay(name, param) else decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0, "name": "no_decay"})

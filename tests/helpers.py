@@ -45,3 +45,47 @@ def cpu_env(**extra: str) -> dict[str, str]:
                PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
     env.update(extra)
     return env
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    """step -> train/loss from a run's metrics.jsonl."""
+    return {rec["step"]: rec["train/loss"] for rec in read_jsonl(run_dir / "metrics.jsonl") if "train/loss" in rec}
+
+
+def tiny_overrides(data_root: Path, run_root: Path, *extra: str) -> list[str]:
+    """The cpu_tiny experiment on a test corpus, W&B off unless a test turns it on."""
+    return ["experiment=cpu_tiny", f"data.root={data_root}", f"run_root={run_root}", "logging=none", *extra]
+
+
+def run_training(overrides: list[str], nproc: int = 2, launcher: str = "torchrun", entry: str | None = None,
+                 timeout: int = 300, env: dict | None = None, **popen):
+    """Start a real multi-process training job (torchrun or the deepspeed launcher) and wait for it.
+
+    `entry` replaces `-m pretrain.train` with a script (e.g. the fp16 test harness).
+    Returns the CompletedProcess with stdout and stderr merged.
+    """
+    import subprocess
+    import sys
+
+    from pretrain.launch import launcher_command
+
+    cmd = launcher_command(launcher, nproc, overrides, master_port=free_port())
+    if entry is not None:
+        module_at = cmd.index("-m" if launcher != "deepspeed" else "--module")
+        cmd[module_at:module_at + 2] = [entry]
+    return subprocess.run(cmd, cwd=REPO, env=env or cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=timeout, **popen)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

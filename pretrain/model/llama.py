@@ -1,0 +1,173 @@
+"""ayumi's Llama: the model, its loss, init, and the helpers the optimizer and telemetry need.
+
+Parameter names equal Hugging Face `LlamaForCausalLM`'s, so `model.state_dict()` loads into
+transformers directly (see `pretrain/export.py`). No parallelism code lives here: DeepSpeed wraps
+the module as it is. Counting (parameters, FLOPs) is in `pretrain/model/flops.py`.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from pretrain.model.config import ModelConfig
+from pretrain.model.layers import Block, RMSNorm, RotaryEmbedding
+
+IGNORE_INDEX = -100
+"""Label value that contributes no loss (padding, document masks)."""
+
+ATTENTION_KERNELS = ("sdpa", "eager")
+
+
+class ModelConfigError(ValueError):
+    """A ModelConfig whose fields contradict each other."""
+
+
+def validate_config(cfg: ModelConfig) -> None:
+    """Raise ModelConfigError naming the field, its value and the fix when shapes don't fit."""
+    positive = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                "max_seq_len")
+    for field in positive:
+        if getattr(cfg, field) <= 0:
+            raise ModelConfigError(f"model.{field}={getattr(cfg, field)} must be > 0")
+    if cfg.hidden_size % cfg.num_heads:
+        raise ModelConfigError(f"model.hidden_size={cfg.hidden_size} must divide by model.num_heads={cfg.num_heads}")
+    if (cfg.hidden_size // cfg.num_heads) % 2:
+        head_dim = cfg.hidden_size // cfg.num_heads
+        raise ModelConfigError(f"head_dim = model.hidden_size / model.num_heads = {head_dim} must be even for RoPE")
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise ModelConfigError(f"model.num_heads={cfg.num_heads} must divide by model.num_kv_heads={cfg.num_kv_heads}")
+    if cfg.attention not in ATTENTION_KERNELS:
+        raise ModelConfigError(f"model.attention={cfg.attention!r}: choose one of {ATTENTION_KERNELS}")
+    if not 0.0 < cfg.embedding_grad_alpha <= 1.0:
+        raise ModelConfigError(f"model.embedding_grad_alpha={cfg.embedding_grad_alpha} must be in (0, 1]; 1.0 = off")
+    for field, ok in (("z_loss", cfg.z_loss >= 0), ("init_std", cfg.init_std > 0), ("norm_eps", cfg.norm_eps > 0),
+                      ("rope_theta", cfg.rope_theta > 0)):
+        if not ok:
+            raise ModelConfigError(f"model.{field}={getattr(cfg, field)} is out of range (z_loss >= 0, others > 0)")
+
+
+@dataclass
+class LlamaOutput:
+    """What `Llama.forward` returns (DeepSpeed's engine passes it through unchanged)."""
+
+    loss: Tensor | None
+    """Scalar to backprop: mean token cross-entropy (+ z_loss * mean logsumexp^2); None without labels."""
+    ce_loss: Tensor | None = None
+    """Mean token cross-entropy alone, detached (what to log as train/loss)."""
+    sample_loss: Tensor | None = None
+    """[B] per-sample mean cross-entropy over its labelled tokens, detached (0 where none); for per-domain loss."""
+    sample_tokens: Tensor | None = None
+    """[B] number of labelled (!= -100) tokens per sample, to weight sample_loss when aggregating."""
+    logits: Tensor | None = None
+    """[B, T, vocab] in the model dtype; only when return_logits or labels is None."""
+
+
+class Decoder(nn.Module):
+    """Embedding, blocks and final norm; named `model` inside Llama to match HF's `LlamaModel`."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg.hidden_size // cfg.num_heads, cfg.max_seq_len, cfg.rope_theta)
+
+
+class Llama(nn.Module):
+    """Decoder-only Llama (RMSNorm, RoPE, SwiGLU, GQA) with ayumi's stability options."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        validate_config(cfg)
+        self.cfg = cfg
+        self.model = Decoder(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.activation_checkpointing = False
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Llama init: N(0, std) for matrices, std/sqrt(2L) for residual outputs, norms = 1."""
+        std = self.cfg.init_std
+        residual_std = std / math.sqrt(2 * self.cfg.num_layers)
+        for name, p in self.named_parameters():  # fixed order: deterministic under torch.manual_seed
+            if p.ndim == 1:
+                p.fill_(1.0)  # only norm scales are 1-D
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.normal_(0.0, residual_std)  # keeps the residual stream's variance flat in depth
+            else:
+                p.normal_(0.0, std)
+
+    def set_activation_checkpointing(self, enabled: bool) -> None:
+        """Recompute each block in backward instead of storing its activations."""
+        self.activation_checkpointing = enabled
+
+    def forward(self, input_ids: Tensor, labels: Tensor | None = None, return_logits: bool = False) -> LlamaOutput:
+        """input_ids, labels: [B, T]; labels are already shifted (labels[:, t] is the target at t)."""
+        h = self.model.embed_tokens(input_ids)
+        alpha = self.cfg.embedding_grad_alpha
+        if alpha < 1.0:
+            # GLM-130B's a*h + (1-a)*h.detach(), written so the forward value is bit-identical to h.
+            h = h.detach() + alpha * (h - h.detach())
+        cos, sin = self.model.rotary_emb(input_ids.shape[1])
+        for block in self.model.layers:
+            if self.activation_checkpointing and self.training:
+                h = checkpoint(block, h, cos, sin, use_reentrant=False)
+            else:
+                h = block(h, cos, sin)
+        logits = self.lm_head(self.model.norm(h))
+        if labels is None:
+            return LlamaOutput(loss=None, logits=logits)
+        out = self.compute_loss(logits, labels)
+        if return_logits:
+            out.logits = logits
+        return out
+
+    def compute_loss(self, logits: Tensor, labels: Tensor) -> LlamaOutput:
+        """Token cross-entropy (+ z-loss) in fp32 from a single logsumexp."""
+        logits32 = logits.float()  # the one full-size fp32 copy; freed once backward used it
+        lse = torch.logsumexp(logits32, dim=-1)  # [B, T]
+        mask = labels != IGNORE_INDEX
+        target = labels.masked_fill(~mask, 0).unsqueeze(-1)
+        token_ce = (lse - logits32.gather(-1, target).squeeze(-1)) * mask
+        del logits32
+        tokens = mask.sum()
+        ce = token_ce.sum() / tokens.clamp(min=1)  # all-ignored batch: loss 0, not NaN
+        loss = ce
+        if self.cfg.z_loss > 0:
+            # PaLM z-loss: pulls log Z toward 0 so the softmax normaliser cannot drift.
+            loss = ce + self.cfg.z_loss * (lse.square() * mask).sum() / tokens.clamp(min=1)
+        sample_tokens = mask.sum(dim=1)
+        sample_loss = token_ce.sum(dim=1).detach() / sample_tokens.clamp(min=1)
+        return LlamaOutput(loss=loss, ce_loss=ce.detach(), sample_loss=sample_loss, sample_tokens=sample_tokens)
+
+
+def no_weight_decay(name: str, param: Tensor) -> bool:
+    """True for parameters excluded from weight decay: 1-D ones (norm scales) and biases."""
+    return param.ndim < 2 or name.endswith(".bias")
+
+
+# Wrappers that prefix parameter names: DeepSpeed's engine, torch.compile, non-reentrant checkpoint wrappers.
+_WRAPPER_PREFIX = re.compile(r"^(?:module\.|_orig_mod\.|_checkpoint_wrapped_module\.)+")
+_BLOCK = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def layer_groups(name: str) -> str:
+    """Telemetry group of a parameter name: embedding, block_{i}, final_norm or lm_head."""
+    bare = _WRAPPER_PREFIX.sub("", name).replace("._checkpoint_wrapped_module", "")
+    if bare.startswith("model.embed_tokens."):
+        return "embedding"
+    if match := _BLOCK.match(bare):
+        return f"block_{match.group(1)}"
+    if bare.startswith("model.norm."):
+        return "final_norm"
+    if bare.startswith("lm_head."):
+        return "lm_head"
+    raise ValueError(f"parameter {name!r} belongs to no telemetry group (embedding, block_i, final_norm, lm_head)")

@@ -1,0 +1,220 @@
+"""Real DeepSpeed training on CPU: 2 ranks, gloo, the tiny Llama, a repeated real-text corpus.
+
+Each job is a real `torchrun` (or `deepspeed` launcher) run of pretrain.train, checked through
+its run dir (metrics.jsonl, events.jsonl, checkpoints) and its exit code.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import (
+    REPO, cpu_env, free_port, read_jsonl, run_training, tiny_overrides, train_losses, write_tiny_corpus,
+)
+
+pytestmark = pytest.mark.slow
+
+FP16_ENTRY = str(REPO / "tests" / "distributed" / "fp16_train.py")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_tiny_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def check_ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, proc.stdout[-6000:]
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [rec for rec in read_jsonl(run_dir / "metrics.jsonl") if "train/loss" in rec]
+
+
+def test_every_zero_stage_trains_in_bf16(corpus, tmp_path):
+    """ZeRO 0/1/2/3 with bf16 on 2 ranks: the loss falls, and all stages see the same first gradient."""
+    first_norms = {}
+    for stage in (0, 1, 2, 3):
+        runs = tmp_path / f"zero{stage}"
+        proc = run_training(tiny_overrides(corpus, runs, f"deepspeed=zero{stage}", "train.tokens=12288"))
+        check_ok(proc)
+        records = metrics(runs / "cpu_tiny")
+        assert [r["step"] for r in records] == list(range(1, 25))
+        losses = [r["train/loss"] for r in records]
+        assert all(math.isfinite(x) for x in losses)
+        assert sum(losses[-4:]) / 4 < 0.75 * sum(losses[:4]) / 4, f"ZeRO-{stage} loss did not fall: {losses}"
+        norms = [r["opt/grad_norm"] for r in records]
+        assert all(n is not None and math.isfinite(n) and n > 0 for n in norms), norms
+        first_norms[stage] = norms[0]
+        assert records[-1]["tokens"] == 24 * 8 * 64
+        vals = [r for r in read_jsonl(runs / "cpu_tiny" / "metrics.jsonl") if "val/ja/loss" in r]
+        assert vals and vals[-1]["val/ja/loss"] < 4.5 and vals[-1]["val/en/loss"] < 4.5
+    for stage, norm in first_norms.items():
+        assert norm == pytest.approx(first_norms[0], rel=0.03), first_norms
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_fp16_dynamic_loss_scale(corpus, tmp_path, stage):
+    """fp16 through the real DeepSpeed fp16 optimizer (test-only CPU switch, see fp16_train.py).
+
+    Starting at a loss scale of 2^24 makes the scaled gradients overflow: DeepSpeed skips those
+    steps and halves the scale until training proceeds, and the loss still falls.
+    """
+    runs = tmp_path / "runs"
+    proc = run_training(
+        tiny_overrides(corpus, runs, f"deepspeed.zero_stage={stage}", "deepspeed.precision=fp16",
+                       "deepspeed.initial_scale_power=24", "deepspeed.hysteresis=1", "train.tokens=16384"),
+        entry=FP16_ENTRY,
+    )
+    check_ok(proc)
+    records = metrics(runs / "cpu_tiny")
+    scales = [r["opt/loss_scale"] for r in records]
+    assert scales[0] < 2.0**24 and scales[-1] <= scales[0]
+    assert records[-1]["opt/skipped_steps"] >= 1
+    losses = [r["train/loss"] for r in records]
+    assert sum(losses[-4:]) / 4 < 0.8 * sum(losses[:4]) / 4, losses
+    applied = [r for r in records if r["opt/grad_norm"] is not None and math.isfinite(r["opt/grad_norm"])]
+    assert applied, "no step reported a finite unscaled grad norm"
+    assert all(r["opt/grad_norm"] < 100 for r in applied[-5:]), "grad norm is not unscaled"
+
+
+def test_resume_reproduces_the_uninterrupted_run(corpus, tmp_path):
+    """2N steps in one go == N steps, stop, resume N more: identical per-step losses (ZeRO-2)."""
+    common = ["deepspeed=zero2", "train.tokens=16384", "checkpoint.interval=0"]
+    full = tmp_path / "full"
+    check_ok(run_training(tiny_overrides(corpus, full, *common)))
+    split = tmp_path / "split"
+    check_ok(run_training(tiny_overrides(corpus, split, *common, "train.max_steps=16")))
+    assert json.loads((split / "cpu_tiny/checkpoints/step_0000016/ayumi.json").read_text())["step"] == 16
+    proc = run_training(tiny_overrides(corpus, split, *common))
+    check_ok(proc)
+    assert "resumed from" in proc.stdout and "step_0000016" in proc.stdout
+    expected, got = train_losses(full / "cpu_tiny"), train_losses(split / "cpu_tiny")
+    assert sorted(got) == list(range(1, 33))
+    assert [got[s] for s in range(17, 33)] == [expected[s] for s in range(17, 33)]
+    val_full = [r for r in read_jsonl(full / "cpu_tiny/metrics.jsonl") if "val/loss" in r][-1]
+    val_split = [r for r in read_jsonl(split / "cpu_tiny/metrics.jsonl") if "val/loss" in r][-1]
+    assert val_full["val/loss"] == val_split["val/loss"]
+
+
+def test_sigterm_saves_and_resume_continues(corpus, tmp_path):
+    """SIGTERM mid-run (as SLURM preemption sends it): every rank finishes the step, saves, exits 0."""
+    runs = tmp_path / "runs"
+    from pretrain.launch import launcher_command
+
+    cmd = launcher_command("torchrun", 2, tiny_overrides(corpus, runs, "train.tokens=1000000",
+                                                        "checkpoint.interval=0"), master_port=free_port())
+    log = open(tmp_path / "log.txt", "w")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=cpu_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    metrics_file = runs / "cpu_tiny" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 5:
+            break
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail("training never reached step 5: " + (tmp_path / "log.txt").read_text()[-3000:])
+    os.killpg(proc.pid, signal.SIGTERM)  # the whole job: launcher and both ranks
+    proc.wait(timeout=120)
+    log.close()
+    output = (tmp_path / "log.txt").read_text()
+    assert "(signal" in output, output[-4000:]
+    events = read_jsonl(runs / "cpu_tiny" / "events.jsonl")
+    stop = [e for e in events if e["event"] == "signal_stop"]
+    assert len(stop) == 1
+    saved_step = stop[0]["step"]
+    ckpt = runs / "cpu_tiny" / "checkpoints"
+    assert (ckpt / "latest").read_text().strip() == f"step_{saved_step:07d}"
+    # torchrun's agent reports its own SIGTERM with a traceback; no rank may fail in ayumi's code.
+    assert f'File "{REPO / "pretrain"}' not in output, output[-4000:]
+    resumed = run_training(tiny_overrides(corpus, runs, "train.tokens=1000000", "checkpoint.interval=0",
+                                          f"train.max_steps={saved_step + 3}"))
+    check_ok(resumed)
+    steps = sorted(train_losses(runs / "cpu_tiny"))
+    assert steps == list(range(1, saved_step + 4))
+
+
+def test_sigterm_single_process_exits_zero(corpus, tmp_path):
+    """Without a launcher in between, the exit status after SIGTERM is exactly 0."""
+    runs = tmp_path / "runs"
+    cmd = [str(Path(os.sys.executable)), "-m", "pretrain.train",
+           *tiny_overrides(corpus, runs, "train.tokens=1000000", "checkpoint.interval=0")]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics_file = runs / "cpu_tiny" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-4000:]
+    assert "(signal" in out
+
+
+def test_deepspeed_launcher_with_hydra_and_wandb_offline(corpus, tmp_path):
+    """As users launch it: `deepspeed --num_gpus 2 --module pretrain.train ...` (its --local_rank
+    flag included), ZeRO-1, W&B offline; the run dir holds config, metrics and the W&B run."""
+    runs = tmp_path / "runs"
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--module", "pretrain.train",
+           "experiment=cpu_tiny", f"data.root={corpus}", f"run_root={runs}", "deepspeed=zero1",
+           "train.tokens=8192", "logging=wandb_offline"]
+    cmd[0] = str(Path(os.sys.executable).parent / "deepspeed")
+    proc = subprocess.run(cmd, cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=300)
+    check_ok(proc)
+    run_dir = runs / "cpu_tiny"
+    config = (run_dir / "config.yaml").read_text()
+    assert "zero_stage: 1" in config and f"root: {corpus}" in config
+    assert json.loads((run_dir / "deepspeed_config.json").read_text())["zero_optimization"]["stage"] == 1
+    assert len(metrics(run_dir)) == 16
+    offline = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(offline) == 1
+    run_id = (run_dir / "wandb_run_id").read_text().strip()
+    assert offline[0].name.endswith(run_id)
+    wandb_files = list(offline[0].glob("*.wandb"))
+    assert wandb_files and wandb_files[0].stat().st_size > 0
+    # The history reached W&B: the offline record holds the metric names.
+    assert b"train/loss" in wandb_files[0].read_bytes()
+
+
+def test_batch_arithmetic_error_is_reported(corpus, tmp_path):
+    proc = run_training(tiny_overrides(corpus, tmp_path, "train.global_batch_size=10"))
+    assert proc.returncode != 0
+    assert "train.global_batch_size=10 is not a multiple of train.micro_batch_size=4 x 2" in proc.stdout
+
+
+def test_zero3_checkpoint_exports_to_transformers(corpus, tmp_path):
+    """fp32 ZeRO-3 on 2 ranks -> `ayumi export hf RUN_DIR/checkpoints OUT` -> transformers reproduces the
+    run's own final validation loss (so the partitioned weights were gathered correctly)."""
+    import numpy as np
+    import torch
+    import transformers
+
+    from data.packed import PackedSamples
+
+    runs = tmp_path / "runs"
+    check_ok(run_training(tiny_overrides(corpus, runs, "deepspeed=zero3", "deepspeed.precision=fp32",
+                                         "train.tokens=8192")))
+    run_dir = runs / "cpu_tiny"
+    out = tmp_path / "hf"
+    proc = subprocess.run([str(Path(os.sys.executable).parent / "ayumi"), "export", "hf", str(run_dir / "checkpoints"),
+                           str(out)], cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=300)
+    check_ok(proc)
+    assert (out / "config.json").exists() and (out / "model.safetensors").exists()
+    model = transformers.LlamaForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
+    logged = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "val/ja/loss" in r][-1]
+    for domain in ("ja", "en"):
+        samples = PackedSamples.from_directory(corpus / domain / "val", 64)
+        count = min(16, len(samples))
+        tokens = torch.from_numpy(np.stack([samples.sample(i) for i in range(count)]).astype(np.int64))
+        with torch.no_grad():
+            logits = model(tokens[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        assert float(loss) == pytest.approx(logged[f"val/{domain}/loss"], abs=1e-4)

@@ -1,0 +1,65 @@
+"""Checkpoint folder mechanics without DeepSpeed: completeness marker, `latest`, pruning."""
+import json
+
+from pretrain.checkpoint import (
+    LATEST, META, Checkpointer, complete_tags, latest_tag, resolve_checkpoint, tag_for,
+)
+
+
+class FakeEngine:
+    """Writes a file where DeepSpeed would write its shards (the mechanism under test is ayumi's)."""
+
+    def __init__(self, fail=False):
+        self.fail = fail
+
+    def save(self, root, tag, client_state):
+        (root / tag).mkdir(parents=True, exist_ok=True)
+        (root / tag / "mp_rank_00_model_states.pt").write_bytes(b"weights")
+        if self.fail:
+            raise OSError("No space left on device")
+
+
+def make(tmp_path, keep=2):
+    return Checkpointer(tmp_path / "checkpoints", keep_last=keep, rank=0, barrier=lambda: None)
+
+
+def test_save_marks_complete_and_points_latest(tmp_path):
+    ckpt = make(tmp_path)
+    path = ckpt.save(FakeEngine(), 10, {"train": {}}, {"model": {}})
+    assert (path / META).exists() and json.loads((path / META).read_text())["step"] == 10
+    assert (tmp_path / "checkpoints" / LATEST).read_text().strip() == tag_for(10)
+    assert resolve_checkpoint(tmp_path / "checkpoints") == (tmp_path / "checkpoints", tag_for(10))
+    assert resolve_checkpoint(tmp_path) == (tmp_path / "checkpoints", tag_for(10))  # the run dir works too
+
+
+def test_crash_mid_save_keeps_latest_on_the_previous_checkpoint(tmp_path):
+    ckpt = make(tmp_path)
+    ckpt.save(FakeEngine(), 10, {}, {})
+    try:
+        ckpt.save(FakeEngine(fail=True), 20, {}, {})
+    except OSError:
+        pass
+    root = tmp_path / "checkpoints"
+    assert (root / tag_for(20)).exists() and not (root / tag_for(20) / META).exists()
+    assert latest_tag(root) == tag_for(10)
+    assert complete_tags(root) == [tag_for(10)]
+
+
+def test_latest_pointing_at_an_incomplete_folder_falls_back(tmp_path):
+    ckpt = make(tmp_path)
+    ckpt.save(FakeEngine(), 10, {}, {})
+    root = tmp_path / "checkpoints"
+    (root / tag_for(20)).mkdir()
+    (root / LATEST).write_text(tag_for(20))
+    assert latest_tag(root) == tag_for(10)
+
+
+def test_keep_last_prunes_old_and_incomplete(tmp_path):
+    ckpt = make(tmp_path, keep=2)
+    root = tmp_path / "checkpoints"
+    for step in (10, 20):
+        ckpt.save(FakeEngine(), step, {}, {})
+    (root / tag_for(25)).mkdir()  # a crashed save between 20 and 30
+    ckpt.save(FakeEngine(), 30, {}, {})
+    assert complete_tags(root) == [tag_for(20), tag_for(30)]
+    assert not (root / tag_for(10)).exists() and not (root / tag_for(25)).exists()
