@@ -1,1 +1,9 @@
-"""Merged SentencePiece tokenizer builder: per-domain models, merge, evaluation, HF export."""
+"""Merged SentencePiece tokenizer builder: per-domain models, merge, evaluation, HF export.
+
+Import-light on purpose: sentencepiece/transformers load only inside the modules that use them.
+Downstream packages use `load_tokenizer_info` / `TokenizerInfo` (identity = sha256 of tokenizer.model)
+and the corpus readers in `tokenizer.sources`.
+"""
+from tokenizer.info import TokenizerInfo, TokenizerNotFoundError, load_tokenizer_info, tokenizer_sha256
+
+__all__ = ["TokenizerInfo", "TokenizerNotFoundError", "load_tokenizer_info", "tokenizer_sha256"]

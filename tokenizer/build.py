@@ -1,0 +1,216 @@
+"""`ayumi tokenizer build`: sample → per-domain models → merge + re-estimate → HF export → evaluate.
+
+Everything is written into a temporary sibling folder that is renamed onto output_dir at the very
+end, so an interrupted build never leaves a folder that looks complete.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable
+
+from tokenizer.config import TokenizerConfig, check_tokenizer_config, domain_patterns
+from tokenizer.info import MODEL_FILE, META_FILE, tokenizer_sha256
+from tokenizer.sample import DomainSample, mixed_subset, sample_domain, spm_memory_estimate
+
+Log = Callable[[str], None]
+
+
+class BuildError(ValueError):
+    """The build cannot proceed; the message says why and what to change."""
+
+
+def sample_all(cfg: TokenizerConfig, work: Path, log: Log = print) -> dict[str, DomainSample]:
+    """Every domain's sample, with the memory SentencePiece will need said out loud."""
+    samples = {}
+    for domain, dcfg in cfg.domains.items():
+        sample = sample_domain(domain, domain_patterns(cfg, domain), dcfg, cfg.sample, work / "samples", cfg.strict)
+        samples[domain] = sample
+        log(f"[sample] {domain}: {sample.train_docs} docs / {sample.train_lines} lines / {sample.train_bytes / 1e6:.1f} MB "
+            f"for training, {sample.heldout_docs} docs held out; read {sample.stats.summary()}")
+    lines = sum(s.train_lines for s in samples.values())
+    need = spm_memory_estimate(max(lines, max(s.train_lines for s in samples.values())))
+    log(f"[sample] SentencePiece may need up to ~{need / 1e9:.1f} GB RAM for the joint baseline "
+        f"({lines} lines; ~7 GB per 1M lines at worst). Lower tokenizer.sample.max_sentences if that is too much.")
+    return samples
+
+
+def train_domains(cfg: TokenizerConfig, samples: dict[str, DomainSample], out: Path, log: Log = print) -> dict[str, Path]:
+    from tqdm import tqdm
+
+    from tokenizer.train_spm import train_model, trainer_options
+
+    out.mkdir(parents=True, exist_ok=True)
+    models = {}
+    for domain, dcfg in tqdm(cfg.domains.items(), desc="train domain models", disable=None, leave=False):
+        start = time.time()
+        options = trainer_options(cfg, dcfg, dcfg.vocab_size)
+        models[domain] = train_model([samples[domain].train_path], out / domain, options, f"domain {domain!r}")
+        log(f"[train] {domain}: {cfg.model_type} vocab {dcfg.vocab_size} in {time.time() - start:.1f}s")
+    return models
+
+
+def train_baseline(cfg: TokenizerConfig, samples: dict[str, DomainSample], out: Path, log: Log = print) -> Path:
+    """The joint baseline: one model on all samples, same total vocab and (common) options."""
+    from tokenizer.merge import target_size
+    from tokenizer.train_spm import baseline_domain_options, train_model, trainer_options
+
+    start = time.time()
+    options = trainer_options(cfg, baseline_domain_options(cfg), target_size(cfg))
+    model = train_model([s.train_path for s in samples.values()], out / "joint_baseline", options, "joint baseline")
+    log(f"[baseline] joint model, vocab {target_size(cfg)}, in {time.time() - start:.1f}s")
+    return model
+
+
+def merge_domains(cfg: TokenizerConfig, samples: dict[str, DomainSample], models: dict[str, Path], log: Log = print):
+    """The merged ModelProto and which domain each learned piece came from."""
+    from tokenizer.merge import build_proto, domain_pieces, reestimate_scores
+
+    total = sum(s.train_bytes for s in samples.values())
+    pieces = [domain_pieces(d, models[d], samples[d].train_bytes / total, cfg.domains[d].vocab_size) for d in models]
+    proto, owners = build_proto(cfg, next(iter(models.values())), pieces)
+    if cfg.model_type == "unigram" and cfg.merge.em_iterations > 0:
+        start = time.time()
+        lines = mixed_subset(samples, cfg.merge.em_sample_bytes)
+        history = reestimate_scores(proto, lines, cfg.merge.em_iterations, cfg.merge.smoothing, cfg.num_threads)
+        log(f"[merge] {cfg.merge.em_iterations} Viterbi-EM passes over {len(lines)} lines in {time.time() - start:.1f}s; "
+            f"tokens per pass: {', '.join(str(int(h)) for h in history)}")
+    shares = {d: sum(1 for o in owners.values() if o == d) for d in models}
+    log(f"[merge] {len(proto.pieces)} pieces; learned pieces by first domain: {shares}")
+    return proto, shares
+
+
+def _heldout_texts(samples: dict[str, DomainSample]) -> dict[str, list[str]]:
+    texts = {}
+    for domain, sample in samples.items():
+        with open(sample.heldout_path, encoding="utf-8") as f:
+            texts[domain] = [json.loads(line)["text"] for line in f]
+    return texts
+
+
+def hf_parity(model_path: Path, hf_dir: Path, texts: dict[str, list[str]]) -> dict:
+    """Docs whose HF ids differ from SentencePiece's, per domain (the export's contract is zero)."""
+    import sentencepiece as spm
+    from tokenizers import Tokenizer
+
+    sp = spm.SentencePieceProcessor(model_file=str(model_path))
+    tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    report = {}
+    for domain, docs in texts.items():
+        hf_ids = [e.ids for e in tok.encode_batch(docs, add_special_tokens=False)] if docs else []
+        bad = [i for i, (doc, ids) in enumerate(zip(docs, hf_ids)) if sp.encode(doc) != ids]
+        report[domain] = {"docs": len(docs), "mismatches": len(bad)}
+    return report
+
+
+def build_tokenizer(
+    cfg: TokenizerConfig,
+    output_dir: str | Path,
+    overwrite: bool = False,
+    keep_work: bool = False,
+    log: Log = print,
+    samples: dict[str, DomainSample] | None = None,
+) -> dict:
+    """Build the tokenizer folder at output_dir; returns its tokenizer_meta.json content."""
+    from tokenizer import evaluate as ev
+    from tokenizer.export_hf import export_hf
+
+    check_tokenizer_config(cfg)
+    output_dir = Path(output_dir)
+    if output_dir.exists() and not overwrite:
+        raise BuildError(f"{output_dir} already exists. Fix: set overwrite=true, or choose another output_dir.")
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output_dir.parent / f".{output_dir.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    timings: dict[str, float] = {}
+    try:
+        clock = time.time()
+        samples = samples or sample_all(cfg, tmp / "work", log)
+        timings["sample_s"] = time.time() - clock
+
+        clock = time.time()
+        models = train_domains(cfg, samples, tmp / "domains", log)
+        timings["train_domains_s"] = time.time() - clock
+
+        clock = time.time()
+        proto, shares = merge_domains(cfg, samples, models, log)
+        model_path = tmp / MODEL_FILE
+        model_path.write_bytes(proto.SerializeToString())
+        timings["merge_s"] = time.time() - clock
+
+        clock = time.time()
+        export_hf(model_path, tmp, cfg)
+        timings["export_s"] = time.time() - clock
+
+        clock = time.time()
+        texts = _heldout_texts(samples)
+        encoders = [ev.spm_encoder("merged", model_path, cfg.num_threads)]
+        if cfg.evaluate.baseline:
+            base_clock = time.time()
+            encoders.append(ev.spm_encoder("joint_baseline", train_baseline(cfg, samples, tmp / "baseline", log), cfg.num_threads))
+            timings["baseline_train_s"] = time.time() - base_clock
+        encoders += [ev.load_encoder(name, path, cfg.num_threads) for name, path in cfg.evaluate.compare.items()]
+        results = ev.evaluate(encoders, texts)
+        parity = hf_parity(model_path, tmp, texts)
+        total = sum(x.train_bytes for x in samples.values())
+        comparison = ev.comparison(results, mix={d: x.train_bytes / total for d, x in samples.items()})
+        timings["evaluate_s"] = time.time() - clock - timings.get("baseline_train_s", 0.0)
+        log(ev.format_table(results))
+        if comparison:
+            log(f"[eval] merged/baseline total tokens: {comparison['total_tokens_ratio']:.4f} on the held-out text, "
+                f"{comparison['total_tokens_ratio_mix']:.4f} mixed in sample proportions; chars/token ratio per "
+                f"domain: {', '.join(f'{d} {r:.3f}' for d, r in comparison['chars_per_token_ratio'].items())}")
+        log(f"[eval] HF ids identical to SentencePiece: "
+            f"{all(r['mismatches'] == 0 for r in parity.values())} ({parity})")
+
+        meta = _meta(cfg, proto, model_path, samples, shares, timings, parity, comparison)
+        ev.write_json(results, tmp / "eval.json", {"comparison": comparison, "hf_parity": parity})
+        (tmp / META_FILE).write_text(json.dumps(meta, ensure_ascii=False, indent=2), encoding="utf-8")
+        _finish(tmp, output_dir, keep_work)
+        log(f"[build] {output_dir} ({meta['vocab_size']} pieces, sha256 {meta['sha256'][:12]}…)")
+        return meta
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _meta(cfg, proto, model_path, samples, shares, timings, parity, comparison) -> dict:
+    from omegaconf import OmegaConf
+
+    s = proto.trainer_spec
+    config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True) if not isinstance(cfg, dict) else cfg
+    return {
+        "name": cfg.name,
+        "sha256": tokenizer_sha256(model_path),
+        "vocab_size": len(proto.pieces),
+        "unk_id": s.unk_id, "bos_id": s.bos_id, "eos_id": s.eos_id, "pad_id": s.pad_id,
+        "model_type": cfg.model_type,
+        "pieces_by_domain": shares,
+        "samples": {d: sample.to_dict() for d, sample in samples.items()},
+        "timings": timings,
+        "hf_parity": parity,
+        "comparison": comparison,
+        "config": config,
+    }
+
+
+def _finish(tmp: Path, output_dir: Path, keep_work: bool) -> None:
+    """Move the work folder aside (or delete it), then put the finished folder in place with one rename."""
+    work = tmp / "work"
+    if keep_work and work.exists():
+        keep = output_dir.with_name(output_dir.name + ".work")
+        shutil.rmtree(keep, ignore_errors=True)
+        shutil.move(str(work), str(keep))
+    shutil.rmtree(work, ignore_errors=True)
+    old = None
+    if output_dir.exists():
+        old = output_dir.parent / f".{output_dir.name}.old-{os.getpid()}"
+        output_dir.rename(old)
+    tmp.rename(output_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,228 @@
+"""`ayumi tokenizer build | eval | sweep | export`.
+
+  build  [key=value ...]                     sample, train per domain, merge, export, evaluate
+  eval   TOKENIZER_DIR --texts ja=F en=F ... [--compare NAME=PATH ...] [--json OUT]
+  sweep  [key=a,b,c ...]                     build each combination, one comparison table
+  export MODEL_FILE OUT_DIR                  exact HF files for a SentencePiece model
+
+build/sweep take Hydra overrides over conf/tokenizer_build.yaml; `--cfg job` prints the resolved config.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+USAGE = __doc__
+
+
+def conf_dir() -> Path:
+    return Path(__file__).resolve().parents[1] / "conf"
+
+
+def compose(overrides: list[str]):
+    """The resolved TokenizerBuildConfig (a dataclass instance) for these overrides."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from tokenizer.config import register_configs
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+        return hydra_compose("tokenizer_build", overrides=overrides)
+
+
+def to_object(cfg):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_object(cfg)
+
+
+def _split_flags(argv: list[str]) -> tuple[list[str], bool]:
+    show = False
+    rest = []
+    skip = False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if arg == "--cfg":
+            show = True
+            skip = i + 1 < len(argv) and argv[i + 1] in ("job", "all")
+            continue
+        rest.append(arg)
+    return rest, show
+
+
+def cmd_build(argv: list[str]) -> int:
+    from omegaconf import OmegaConf
+
+    from tokenizer.build import build_tokenizer
+
+    overrides, show = _split_flags(argv)
+    cfg = compose(overrides)
+    if show:
+        print(OmegaConf.to_yaml(cfg, resolve=True))
+        return 0
+    job = to_object(cfg)
+    build_tokenizer(job.tokenizer, Path(job.output_dir), overwrite=job.overwrite, keep_work=job.keep_work)
+    return 0
+
+
+def sweep_candidates(overrides: list[str]) -> list[list[str]]:
+    """Cartesian product of comma-separated override values (Hydra's sweep syntax)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    choices = []
+    for override in parsed:
+        key = override.get_key_element()
+        if override.is_sweep_override():
+            choices.append([f"{key}={value}" for value in override.sweep_string_iterator()])
+        else:
+            choices.append([override.input_line])
+    return [list(combo) for combo in itertools.product(*choices)]
+
+
+def cmd_sweep(argv: list[str]) -> int:
+    from tokenizer.build import build_tokenizer, sample_all
+
+    overrides, show = _split_flags(argv)
+    candidates = sweep_candidates(overrides)
+    jobs = []
+    for combo in candidates:
+        job = to_object(compose(combo))
+        label = ",".join(o for o in combo if o not in overrides) or "base"
+        _scale_domain_vocab(job.tokenizer, compose([o for o in combo if "total_vocab" not in o]))
+        job.tokenizer.name = f"{job.tokenizer.name}-{label.replace('=', '_').replace(',', '-').replace('/', '_')}"
+        jobs.append((label, job))
+    if show:
+        for label, job in jobs:
+            print(f"# {label}: total_vocab={job.tokenizer.total_vocab}, domains="
+                  f"{ {d: c.vocab_size for d, c in job.tokenizer.domains.items()} }")
+        return 0
+    root = Path(jobs[0][1].output_dir).parent
+    samples = sample_all(jobs[0][1].tokenizer, root / ".sweep-work")  # candidates share one sample
+    rows = []
+    for label, job in jobs:
+        out = root / job.tokenizer.name
+        meta = build_tokenizer(job.tokenizer, out, overwrite=True, samples=samples)
+        results = json.loads((out / "eval.json").read_text())["results"]
+        rows.append((label, meta["vocab_size"], results))
+    print(format_sweep(rows))
+    (root / "sweep.json").write_text(json.dumps([{"candidate": l, "vocab_size": v, "results": r} for l, v, r in rows], indent=2))
+    return 0
+
+
+def _scale_domain_vocab(tok, base_cfg) -> None:
+    """When a sweep changes total_vocab, scale the domain sizes with it so the shares stay as configured."""
+    base_total = base_cfg.tokenizer.total_vocab
+    if tok.total_vocab == base_total:
+        return
+    for dcfg in tok.domains.values():
+        dcfg.vocab_size = max(16, round(dcfg.vocab_size * tok.total_vocab / base_total))
+
+
+def format_sweep(rows) -> str:
+    domains = list(next(iter(rows[0][2].values()))["domains"])
+    header = f"{'candidate':<36} {'vocab':>7} " + " ".join(f"{d:>9}" for d in domains + ["all"]) + "   (chars/token; baseline in brackets)"
+    lines = [header]
+    for label, vocab, results in rows:
+        merged, base = results["merged"], results.get("joint_baseline")
+        cells = []
+        for d in domains + ["all"]:
+            m = merged["all"] if d == "all" else merged["domains"][d]
+            cell = f"{m['chars_per_token']:.3f}"
+            if base:
+                b = base["all"] if d == "all" else base["domains"][d]
+                cell += f" [{b['chars_per_token']:.3f}]"
+            cells.append(f"{cell:>9}")
+        lines.append(f"{label:<36} {vocab:>7} " + " ".join(cells))
+    return "\n".join(lines)
+
+
+def _pairs(values: list[str], flag: str) -> dict[str, str]:
+    pairs = {}
+    for value in values or []:
+        if "=" not in value:
+            raise SystemExit(f"ayumi tokenizer eval: {flag} takes NAME=PATH, got {value!r}")
+        name, path = value.split("=", 1)
+        pairs[name] = path
+    return pairs
+
+
+def cmd_eval(argv: list[str]) -> int:
+    from tokenizer import evaluate as ev
+    from tokenizer.info import load_tokenizer_info
+
+    parser = argparse.ArgumentParser(prog="ayumi tokenizer eval", description="chars/token etc. per domain")
+    parser.add_argument("tokenizer_dir", help="a folder written by `ayumi tokenizer build` (or any .model / tokenizer.json)")
+    parser.add_argument("--texts", nargs="+", required=True, metavar="DOMAIN=PATH", help="held-out text per domain")
+    parser.add_argument("--compare", nargs="*", metavar="NAME=PATH", help="other tokenizers (.model or HF folder)")
+    parser.add_argument("--text-field", default="text")
+    parser.add_argument("--json", type=Path, help="write the results here (default: <dir>/eval_<domains>.json)")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    path = Path(args.tokenizer_dir)
+    if path.is_dir():
+        info = load_tokenizer_info(path)
+        encoders = [ev.spm_encoder(path.name, info.model_path, args.threads)]
+    else:
+        encoders = [ev.load_encoder(path.stem, path, args.threads)]
+    encoders += [ev.load_encoder(n, p, args.threads) for n, p in _pairs(args.compare, "--compare").items()]
+    texts = ev.read_texts(_pairs(args.texts, "--texts"), args.text_field)
+    results = ev.evaluate(encoders, texts)
+    print(ev.format_table(results))
+    out = args.json or ((path if path.is_dir() else path.parent) / "eval_cli.json")
+    ev.write_json(results, out)
+    print(f"[eval] wrote {out}")
+    return 0
+
+
+def cmd_export(argv: list[str]) -> int:
+    from tokenizer.export_hf import export_hf
+
+    parser = argparse.ArgumentParser(prog="ayumi tokenizer export", description="exact HF files for a SentencePiece model")
+    parser.add_argument("model", type=Path)
+    parser.add_argument("out_dir", type=Path)
+    args = parser.parse_args(argv)
+    for path in export_hf(args.model, args.out_dir):
+        print(path)
+    return 0
+
+
+COMMANDS = {"build": cmd_build, "eval": cmd_eval, "sweep": cmd_sweep, "export": cmd_export}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from tokenizer.build import BuildError
+    from tokenizer.config import TokenizerConfigError
+    from tokenizer.merge import MergeError
+    from tokenizer.sample import SampleError
+    from tokenizer.sources import CorpusError
+    from tokenizer.train_spm import VocabTooLargeError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help") or argv[0] not in COMMANDS:
+        print(USAGE, file=sys.stderr if argv and argv[0] not in ("-h", "--help", "help") else sys.stdout)
+        return 0 if not argv or argv[0] in ("-h", "--help", "help") else 2
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    except (TokenizerConfigError, CorpusError, SampleError, VocabTooLargeError, MergeError, BuildError,
+            FileNotFoundError) as err:
+        print(f"ayumi tokenizer {argv[0]}: {err}", file=sys.stderr)
+        return 1
+    except (HydraException, OmegaConfBaseException) as err:
+        print(f"ayumi tokenizer {argv[0]}: config error: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""Merge per-domain SentencePiece models into one `ModelProto` of an exact size, with re-estimated scores.
+
+Layout of the merged vocabulary:
+  ids 0..3            unk / bos / eos / pad (ids configurable within 0..3)
+  next                user-defined pieces (newline, domain tags), always kept whole
+  next 256            byte pieces <0x00>..<0xFF> (byte fallback)
+  the rest            learned pieces: every domain's single characters first (coverage), then
+                      multi-character pieces interleaved by *relative* rank — piece r of domain d
+                      ranks at r / vocab_size_d — so every domain keeps the same top fraction of its
+                      pieces and the domains' vocab sizes set their shares. A piece already taken
+                      (an exact duplicate, e.g. "▁the" learned by en and code) is skipped, so the
+                      fill goes deeper until the vocabulary is exactly the configured size.
+                      Note "▁the" (word-initial) and "the" (inside a word) are distinct pieces.
+
+Scores (unigram). Appending pieces with score 0 makes a unigram model segment badly, so scores are
+re-estimated: first a mixture of the domain models, log Σ_d w_d·p_d(piece) with w_d the domain's share of
+the training sample, then `em_iterations` passes of Viterbi EM over a mixed sample: segment with the
+current model (SentencePiece's own encoder), set log p(piece) ∝ log(count + smoothing), repeat.
+BPE: the score is the merge priority, -position in the interleaved order (a piece's parts, learned
+earlier in its own domain, always rank above it).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from tokenizer.config import NUM_BYTE_PIECES, TokenizerConfig, special_pieces
+
+
+class MergeError(ValueError):
+    """The domain models cannot fill the requested vocabulary; the message says by how much and the fix."""
+
+
+@dataclass(frozen=True)
+class DomainPieces:
+    """A trained domain model's learned pieces, best first."""
+
+    domain: str
+    """Domain name."""
+    pieces: list[tuple[str, float]]
+    """(piece, score) of NORMAL pieces, best first (unigram: highest log-prob; bpe: earliest merge)."""
+    weight: float
+    """The domain's share of the mixed training sample (for the interpolated scores)."""
+    vocab_size: int
+    """The domain model's configured size (its relative-rank denominator)."""
+
+
+def pb():
+    from sentencepiece import sentencepiece_model_pb2
+
+    return sentencepiece_model_pb2
+
+
+def load_proto(path: str | Path):
+    proto = pb().ModelProto()
+    proto.ParseFromString(Path(path).read_bytes())
+    return proto
+
+
+def domain_pieces(domain: str, model_path: Path, weight: float, vocab_size: int) -> DomainPieces:
+    proto = load_proto(model_path)
+    normal = pb().ModelProto.SentencePiece.NORMAL
+    pieces = [(p.piece, p.score) for p in proto.pieces if p.type == normal]
+    pieces.sort(key=lambda item: -item[1])  # stable: bpe scores are already -order
+    return DomainPieces(domain, pieces, weight, vocab_size)
+
+
+def target_size(cfg: TokenizerConfig) -> int:
+    """total_vocab, rounded up to pad_to_multiple_of when set."""
+    multiple = cfg.pad_to_multiple_of
+    return cfg.total_vocab if multiple <= 0 else -(-cfg.total_vocab // multiple) * multiple
+
+
+def byte_piece(value: int) -> str:
+    return f"<0x{value:02X}>"
+
+
+def select_pieces(domains: Sequence[DomainPieces], budget: int, reserved: set[str]) -> list[tuple[str, str]]:
+    """`budget` distinct (piece, domain) pairs: all single characters, then the interleaved multi-character pieces."""
+    chosen: dict[str, str] = {}
+    for d in domains:
+        for piece, _ in d.pieces:
+            if len(piece) == 1 and piece not in reserved:
+                chosen.setdefault(piece, d.domain)
+    if len(chosen) > budget:
+        raise MergeError(
+            f"the domain models need {len(chosen)} single-character pieces but only {budget} places are left "
+            "after specials and bytes. Fix: raise tokenizer.total_vocab or lower character_coverage of the domains."
+        )
+    ranked = []
+    for index, d in enumerate(domains):
+        multi = [piece for piece, _ in d.pieces if len(piece) > 1]
+        ranked += [(rank / d.vocab_size, index, piece, d.domain) for rank, piece in enumerate(multi)]
+    ranked.sort(key=lambda item: (item[0], item[1]))
+    for _, _, piece, domain in ranked:
+        if len(chosen) == budget:
+            break
+        if piece not in reserved and not any(symbol in piece for symbol in reserved if len(symbol) == 1):
+            chosen.setdefault(piece, domain)
+    if len(chosen) < budget:
+        missing = budget - len(chosen)
+        raise MergeError(
+            f"the domain models hold {len(chosen)} distinct pieces after de-duplication, {missing} short of the "
+            f"{budget} needed to fill the vocabulary. Fix: raise tokenizer.domains.*.vocab_size by about "
+            f"{math.ceil(100 * missing / max(1, sum(d.vocab_size for d in domains)))+5}% or lower tokenizer.total_vocab."
+        )
+    singles = [(p, d) for p, d in chosen.items() if len(p) == 1]
+    multis = [(p, d) for p, d in chosen.items() if len(p) > 1]
+    return multis + singles  # order only matters for BPE priorities; characters last, as SentencePiece does
+
+
+def interpolated_scores(domains: Sequence[DomainPieces], pieces: Sequence[str]) -> list[float]:
+    """log Σ_d w_d p_d(piece): the domain models as a mixture, weighted by sample share."""
+    total_weight = sum(d.weight for d in domains) or 1.0
+    tables = [(d.weight / total_weight, dict(d.pieces)) for d in domains]
+    floor = min(score for d in domains for _, score in d.pieces) - 1.0
+    scores = []
+    for piece in pieces:
+        mass = sum(w * math.exp(table[piece]) for w, table in tables if piece in table)
+        scores.append(math.log(mass) if mass > 0 else floor)
+    return scores
+
+
+def build_proto(cfg: TokenizerConfig, template_model: Path, domains: Sequence[DomainPieces]):
+    """The merged ModelProto (scores interpolated; call `reestimate_scores` for unigram EM)."""
+    model_pb = pb()
+    Piece = model_pb.ModelProto.SentencePiece
+    proto = load_proto(template_model)
+    del proto.pieces[:]
+    specials = special_pieces(cfg.specials)
+    s = cfg.specials
+    for index, piece in enumerate(specials):
+        kind = Piece.UNKNOWN if index == s.unk_id else Piece.CONTROL if index < 4 else Piece.USER_DEFINED
+        proto.pieces.add(piece=piece, score=0.0, type=kind)
+    for value in range(NUM_BYTE_PIECES):
+        proto.pieces.add(piece=byte_piece(value), score=0.0, type=Piece.BYTE)
+    size = target_size(cfg)
+    reserved = set(specials) | {byte_piece(v) for v in range(NUM_BYTE_PIECES)}
+    selected = select_pieces(domains, size - len(proto.pieces), reserved)
+    pieces = [piece for piece, _ in selected]
+    if cfg.model_type == "bpe":
+        scores = [-float(i) for i in range(len(pieces))]
+    else:
+        scores = interpolated_scores(domains, pieces)
+    for piece, score in zip(pieces, scores):
+        proto.pieces.add(piece=piece, score=score, type=Piece.NORMAL)
+    _set_trainer_spec(proto, cfg, size)
+    return proto, dict(selected)
+
+
+def _set_trainer_spec(proto, cfg: TokenizerConfig, size: int) -> None:
+    """Make the trainer/normalizer specs describe the merged model (SentencePiece reads ids and flags from them)."""
+    spec, s = proto.trainer_spec, cfg.specials
+    spec.model_type = spec.UNIGRAM if cfg.model_type == "unigram" else spec.BPE
+    spec.vocab_size = size
+    spec.unk_id, spec.bos_id, spec.eos_id, spec.pad_id = s.unk_id, s.bos_id, s.eos_id, s.pad_id
+    spec.unk_piece, spec.bos_piece, spec.eos_piece, spec.pad_piece = s.unk, s.bos, s.eos, s.pad
+    spec.byte_fallback = True
+    del spec.user_defined_symbols[:]
+    spec.user_defined_symbols.extend(s.user_defined)
+    spec.ClearField("input")
+    spec.model_prefix = ""
+    proto.normalizer_spec.add_dummy_prefix = cfg.add_dummy_prefix
+    proto.normalizer_spec.remove_extra_whitespaces = cfg.remove_extra_whitespaces
+
+
+def piece_counts(proto, lines: list[str], num_threads: int):
+    """How often the model's Viterbi segmentation of `lines` uses each id."""
+    import numpy as np
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
+    counts = np.zeros(len(proto.pieces), dtype=np.int64)
+    batch = 20_000  # bounded memory for the id lists
+    for start in range(0, len(lines), batch):
+        ids = sp.encode(lines[start:start + batch], num_threads=num_threads)
+        flat = np.fromiter((i for row in ids for i in row), dtype=np.int64)
+        counts += np.bincount(flat, minlength=len(proto.pieces))
+    return counts
+
+
+def reestimate_scores(proto, lines: list[str], iterations: int, smoothing: float, num_threads: int) -> list[float]:
+    """Viterbi-EM on `lines`: scores of NORMAL pieces become log relative frequencies. Returns the
+    per-iteration total token counts (the EM's objective proxy, for the log)."""
+    normal_type = pb().ModelProto.SentencePiece.NORMAL
+    normal = [i for i, p in enumerate(proto.pieces) if p.type == normal_type]
+    history = []
+    for _ in range(iterations):
+        counts = piece_counts(proto, lines, num_threads)
+        history.append(float(counts.sum()))
+        total = float(counts[normal].sum()) + smoothing * len(normal)
+        for i in normal:
+            proto.pieces[i].score = math.log((float(counts[i]) + smoothing) / total)
+    return history

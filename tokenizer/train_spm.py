@@ -1,0 +1,83 @@
+"""SentencePiece training of one model: a domain's, or the joint baseline on all samples.
+
+`trainer_options` is the single place the config becomes SentencePieceTrainer arguments; the
+benchmark reuses it to train the same models with bare sentencepiece.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from tokenizer.config import DomainConfig, TokenizerConfig
+
+
+class VocabTooLargeError(ValueError):
+    """The requested vocabulary does not fit the sample (too large for it, or too small for its characters)."""
+
+
+def trainer_options(cfg: TokenizerConfig, dcfg: DomainConfig, vocab_size: int) -> dict:
+    """SentencePieceTrainer keyword arguments for a model with dcfg's options and cfg's shared settings."""
+    s = cfg.specials
+    options = dict(
+        model_type=cfg.model_type,
+        vocab_size=vocab_size,
+        character_coverage=dcfg.character_coverage,
+        max_sentencepiece_length=dcfg.max_piece_length,
+        split_digits=dcfg.split_digits,
+        allow_whitespace_only_pieces=dcfg.allow_whitespace_only_pieces,
+        byte_fallback=dcfg.byte_fallback,
+        normalization_rule_name=cfg.normalization_rule_name,
+        add_dummy_prefix=cfg.add_dummy_prefix,
+        remove_extra_whitespaces=cfg.remove_extra_whitespaces,
+        unk_id=s.unk_id, bos_id=s.bos_id, eos_id=s.eos_id, pad_id=s.pad_id,
+        unk_piece=s.unk, bos_piece=s.bos, eos_piece=s.eos, pad_piece=s.pad,
+        user_defined_symbols=list(s.user_defined),
+        num_threads=cfg.num_threads,
+        # The sample is already bounded and shuffled by tokenizer.sample; let SentencePiece use all of it.
+        input_sentence_size=0,
+        shuffle_input_sentence=False,
+        max_sentence_length=1 << 14,
+        train_extremely_large_corpus=False,
+        minloglevel=2,
+    )
+    options.update(dcfg.extra_options)
+    return options
+
+
+def baseline_domain_options(cfg: TokenizerConfig) -> DomainConfig:
+    """Options of the joint baseline: what every domain can live with (lowest coverage, longest pieces)."""
+    domains = list(cfg.domains.values())
+    return DomainConfig(
+        vocab_size=cfg.total_vocab,
+        character_coverage=min(d.character_coverage for d in domains),
+        max_piece_length=max(d.max_piece_length for d in domains),
+        split_digits=any(d.split_digits for d in domains),
+        allow_whitespace_only_pieces=any(d.allow_whitespace_only_pieces for d in domains),
+        byte_fallback=True,
+    )
+
+
+def train_model(inputs: list[Path], model_prefix: Path, options: dict, label: str) -> Path:
+    """Train one model; returns the .model path. VocabTooLargeError names `label` and the size the data allows."""
+    import sentencepiece as spm
+
+    model_prefix.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        spm.SentencePieceTrainer.train(input=[str(p) for p in inputs], model_prefix=str(model_prefix), **options)
+    except RuntimeError as err:
+        match = re.search(r"Vocabulary size (?:is )?too high \((\d+)\)\. Please set it to a value <= (\d+)", str(err))
+        if match:
+            raise VocabTooLargeError(
+                f"{label}: vocab_size {match.group(1)} is more than its sample supports (at most {match.group(2)}). "
+                f"Fix: lower the vocab size to ≤ {match.group(2)}, or give the domain more text "
+                "(tokenizer.sample.max_bytes / more inputs)."
+            ) from None
+        match = re.search(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)", str(err))
+        if match:
+            raise VocabTooLargeError(
+                f"{label}: vocab_size {match.group(1)} is below the {match.group(2)} pieces its characters and the "
+                f"specials/byte pieces need. Fix: raise the vocab size above {match.group(2)}, or lower its "
+                "character_coverage (e.g. 0.9995) so rare characters fall back to bytes."
+            ) from None
+        raise RuntimeError(f"{label}: SentencePiece training failed: {err}") from err
+    return model_prefix.with_suffix(".model")
