@@ -74,7 +74,8 @@ class EpochPermutation:
         self._epoch = -1
         self._perm: np.ndarray | None = None
 
-    def _permutation(self, epoch: int) -> np.ndarray:
+    def permutation(self, epoch: int) -> np.ndarray:
+        """The shuffle of epoch `epoch` (cached for the current epoch)."""
         if epoch != self._epoch:
             rng = np.random.default_rng([self.seed, epoch])
             dtype = np.int32 if self.num_samples < 2**31 else np.int64
@@ -85,7 +86,7 @@ class EpochPermutation:
     def __call__(self, global_index: int) -> tuple[int, int]:
         """(epoch, sample id) at position `global_index` of the stream."""
         epoch, within = divmod(global_index, self.num_samples)
-        return epoch, int(self._permutation(epoch)[within])
+        return epoch, int(self.permutation(epoch)[within])
 
 
 class ShuffledDomains:

@@ -20,7 +20,9 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
+from curriculum.config import CurriculumConfig
 from pretrain.model.config import ModelConfig
+from pretrain.stability.config import StabilityConfig
 from pretrain.paths import CONF_DIR
 
 
@@ -122,6 +124,10 @@ class TrainConfig:
     """Seed of model init, data order and every rank's RNG."""
     eval_interval: int = 50
     """Evaluate every this many steps (and at the end); 0 = only at the end."""
+    eval_dense_interval: int = 0
+    """Early in training evaluate every this many steps instead (instabilities hide between sparse evals); 0 = off."""
+    eval_dense_until: int = 0
+    """The dense evaluation schedule applies to steps <= this."""
     eval_samples: int = 32
     """Samples per validation set per evaluation, split over ranks (the same samples at any world size)."""
     log_interval: int = 1
@@ -183,14 +189,6 @@ class LoggingConfig:
 
 
 @dataclass
-class StabilityConfig:
-    """Training-stability machinery (spike detection and recovery arrive with the stability work)."""
-
-    skip_nonfinite_loss: bool = True
-    """Skip the update of a step whose loss is NaN/inf on any rank (all ranks agree first)."""
-
-
-@dataclass
 class AyumiConfig:
     """The whole training configuration (`conf/config.yaml`)."""
 
@@ -216,6 +214,8 @@ class AyumiConfig:
     """Console, metrics.jsonl, W&B (conf/logging/)."""
     stability: StabilityConfig = field(default_factory=StabilityConfig)
     """Stability machinery (conf/stability/)."""
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
+    """Staged data curriculum (conf/curriculum/); no stages = all domains shuffled together."""
 
 
 SCHEMA_NAME = "ayumi_schema"

@@ -159,6 +159,41 @@ def _zero_section(cfg: AyumiConfig) -> dict[str, Any]:
     return zero
 
 
+class SkippableAdamW(torch.optim.AdamW):
+    """torch AdamW whose update can be withheld for a step, leaving weights and moments untouched.
+
+    DeepSpeed calls this optimizer's `step()` on every rank at each accumulation boundary (on
+    the fp32 partitions under ZeRO). Returning early there is the one place where an update can
+    be skipped under every ZeRO stage and precision without touching DeepSpeed's internals: no
+    NaN ever reaches Adam's moments, and the step counter of Adam does not advance.
+    """
+
+    def __init__(self, params, *, check_finite: bool = False, **kwargs):
+        super().__init__(params, **kwargs)
+        self.check_finite = check_finite
+        """Skip when any gradient on any rank is inf/NaN (one tiny all-reduce per step)."""
+        self.veto = False
+        """Set by the trainer before the boundary step: skip this step's update."""
+        self.withheld = False
+        """Whether the last boundary step's update (any sub-group) was withheld."""
+
+    def _grads_finite_on_all_ranks(self) -> bool:
+        finite = True
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None and not bool(torch.isfinite(param.grad).all()):
+                    finite = False
+                    break
+        return not any_rank(not finite)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self.veto or (self.check_finite and not self._grads_finite_on_all_ranks()):
+            self.withheld = True
+            return None
+        return super().step(closure)
+
+
 def build_optimizer(model: torch.nn.Module, cfg: AyumiConfig, device: torch.device) -> torch.optim.Optimizer | None:
     """torch AdamW for DeepSpeed to wrap (None when DeepSpeed builds its own for offload).
 
@@ -170,9 +205,10 @@ def build_optimizer(model: torch.nn.Module, cfg: AyumiConfig, device: torch.devi
     groups = param_groups(model.named_parameters(), cfg.optim.weight_decay)
     for group in groups:
         group.pop("name")
-    return torch.optim.AdamW(
+    return SkippableAdamW(
         groups, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
         weight_decay=cfg.optim.weight_decay, fused=device.type == "cuda",
+        check_finite=cfg.stability.skip_nonfinite_loss,
     )
 
 
@@ -198,6 +234,7 @@ class TrainEngine:
         if cfg.deepspeed.activation_checkpointing:
             model.set_activation_checkpointing(True)
         optimizer = build_optimizer(model, cfg, dist_info.device)
+        self.client_optimizer = optimizer  # ours (SkippableAdamW), under DeepSpeed's wrapper
         model_parameters = None
         if optimizer is None:
             model_parameters = [
@@ -267,6 +304,71 @@ class TrainEngine:
         # backward() at the boundary has already averaged the gradients across ranks, so the
         # norm is the same on every rank.
         return float(norm) / scale
+
+    # -- knobs the stability machinery turns ----------------------------------------------------
+    @property
+    def can_withhold_updates(self) -> bool:
+        """False with ZeRO-Offload, whose DeepSpeed CPU Adam cannot be vetoed."""
+        return isinstance(self.client_optimizer, SkippableAdamW)
+
+    def withhold_next_update(self, withhold: bool = True) -> None:
+        """Skip (or not) the optimizer update of the coming boundary step."""
+        if self.can_withhold_updates:
+            self.client_optimizer.veto = withhold
+            self.client_optimizer.withheld = False
+
+    def update_was_withheld(self) -> bool:
+        return self.can_withhold_updates and self.client_optimizer.withheld
+
+    def set_grad_clip(self, value: float) -> None:
+        """Change the clipping threshold from the next step on (adaptive clipping)."""
+        self.engine._config.gradient_clipping = float(value)
+        if hasattr(self.optimizer, "clip_grad"):
+            self.optimizer.clip_grad = float(value)
+
+    def grad_clip(self) -> float:
+        return float(self.engine.gradient_clipping())
+
+    def set_adam_hparams(self, eps: float | None = None, beta1: float | None = None) -> None:
+        for group in self.optimizer.param_groups:
+            if eps is not None:
+                group["eps"] = eps
+            if beta1 is not None:
+                group["betas"] = (beta1, group["betas"][1])
+
+    def group_grad_norms(self, group_of) -> dict[str, float]:
+        """Unclipped gradient L2 norm per parameter group, under any ZeRO stage.
+
+        Call on every rank after the last backward of a step and before `micro_step()`:
+        under ZeRO-3 gathering a full gradient is collective.
+        """
+        from deepspeed.utils import safe_get_full_grad
+
+        sums: dict[str, float] = {}
+        scale = self.loss_scale() or 1.0
+        for name, param in self.engine.module.named_parameters():
+            grad = param.grad if self.cfg.deepspeed.zero_stage == 0 and self.precision != "bf16" \
+                else safe_get_full_grad(param)
+            if grad is None:
+                continue
+            group = group_of(name)
+            sums[group] = sums.get(group, 0.0) + float(grad.float().square().sum())
+        unscale = scale if self._grads_are_scaled() else 1.0
+        return {group: (total ** 0.5) / unscale for group, total in sums.items()}
+
+    def _grads_are_scaled(self) -> bool:
+        return self.precision == "fp16"
+
+    def full_fp32_params(self) -> dict[str, torch.Tensor]:
+        """Full fp32 copies of every parameter (collective under ZeRO-3; for update ratios)."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        out = {}
+        for name, param in self.engine.module.named_parameters():
+            full = None if self.cfg.deepspeed.zero_stage == 0 else safe_get_full_fp32_param(param)
+            # Stage 0 keeps no fp32 partition to gather; the module's own weights are the truth.
+            out[name] = (param.detach() if full is None else full.detach()).float().clone()
+        return out
 
     @property
     def global_steps(self) -> int:

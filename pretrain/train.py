@@ -16,6 +16,9 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from curriculum.config import enabled as curriculum_enabled
+from curriculum.mixer import Mixer
+from curriculum.plan import PlanRefused, plan_from_config, raise_if_refused
 from data.packed import PackedSamples, ShuffledDomains, domains_under
 from data.shards import check_tokenizer
 from pretrain.checkpoint import Checkpointer, atomic_write_text, latest_tag
@@ -26,6 +29,7 @@ from pretrain.config import (
 from pretrain.engine import DistInfo, TrainEngine, barrier, finalize_distributed, init_distributed, save_ds_config
 from pretrain.loader import BatchLoader
 from pretrain.metrics import MetricsLogger, NullLogger
+from pretrain.model.flops import count_parameters
 from pretrain.model.llama import Llama
 from pretrain.trainer import Trainer, TrainResult
 
@@ -41,8 +45,8 @@ def load_tokenizer_identity(tokenizer_dir: str | None) -> dict:
             "bos_id": info.bos_id, "eos_id": info.eos_id, "pad_id": info.pad_id}
 
 
-def build_data(cfg: AyumiConfig, tokenizer: dict) -> tuple[ShuffledDomains, dict[str, PackedSamples]]:
-    """The training stream over every train domain, and the per-domain validation sets."""
+def build_data(cfg: AyumiConfig, tokenizer: dict) -> tuple[ShuffledDomains | Mixer, dict[str, PackedSamples]]:
+    """The training stream (the curriculum's mixer, or all domains shuffled) and per-domain validation sets."""
     root = Path(cfg.data.root)
     train_dirs = domains_under(root, "train", cfg.data.domains or None)
     train = {name: PackedSamples.from_directory(path, cfg.train.seq_len, name) for name, path in train_dirs.items()}
@@ -63,6 +67,13 @@ def build_data(cfg: AyumiConfig, tokenizer: dict) -> tuple[ShuffledDomains, dict
             f"shards {too_big[0].idx_path} hold ids up to vocab size {too_big[0].vocab_size} but "
             f"model.vocab_size={cfg.model.vocab_size}; set model.vocab_size >= {too_big[0].vocab_size}"
         )
+    # The same checks as `ayumi plan`: budgets vs run length, repetition, disk. Refuse before step 1.
+    try:
+        raise_if_refused(plan_from_config(cfg, count_parameters(cfg.model), domains=train))
+    except PlanRefused as err:
+        raise ConfigError(str(err)) from None
+    if curriculum_enabled(cfg.curriculum):
+        return Mixer(cfg.curriculum, train, cfg.train.seq_len, cfg.train.global_batch_size, cfg.train.seed), val
     return ShuffledDomains(train, seed=cfg.train.seed), val
 
 

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from curriculum.mixer import Mixer, SkipLedger
+from curriculum.schedule import eval_due
 from data.packed import PackedSamples
 from pretrain.checkpoint import Checkpointer, latest_tag, resolve_checkpoint
 from pretrain.config import AyumiConfig, tokens_per_step
@@ -107,14 +109,25 @@ class Trainer:
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak_flops = peak_flops(dist.device)
         self.stop = StopSignal()
+        self.mixer = loader.source if isinstance(loader.source, Mixer) else None
+        # Skipped sample ranges also live outside checkpoints, so that resuming from a checkpoint
+        # older than a skip still never replays the skipped batches.
+        self.skip_ledger = SkipLedger(Path(cfg.run_dir) / "skipped_samples.json")
+        if self.mixer is not None:
+            self.mixer.add_skips(self.skip_ledger.load())
 
     # -- state ----------------------------------------------------------------------------------
     def shared_state(self) -> dict[str, Any]:
-        return {"train": asdict(self.state), "loader": self.loader.state_dict()}
+        shared = {"train": asdict(self.state), "loader": self.loader.state_dict()}
+        if self.mixer is not None:
+            shared["mixer"] = self.mixer.state_dict()
+        return shared
 
     def load_shared_state(self, shared: dict[str, Any]) -> None:
         self.state = TrainState(**shared["train"])
         self.loader.load_state_dict(shared["loader"])
+        if self.mixer is not None and "mixer" in shared:
+            self.mixer.load_state_dict(shared["mixer"])
 
     def resume_if_possible(self) -> int | None:
         """Load `latest` (or checkpoint.load_from); returns the resumed step, None for a fresh start."""
@@ -185,31 +198,40 @@ class Trainer:
         )
 
     def should_evaluate(self, step: int) -> bool:
-        interval = self.cfg.train.eval_interval
-        return bool(self.val_sets) and interval > 0 and step % interval == 0 and step < self.total_steps
+        train = self.cfg.train
+        if not self.val_sets or step >= self.total_steps:
+            return False  # the final evaluation runs after the loop
+        return eval_due(step, train.eval_interval, train.eval_dense_interval, train.eval_dense_until)
 
     def train_step(self) -> tuple[dict[str, Any], bool]:
         """One optimizer step over grad_accum micro-batches; returns (metrics, stop agreed by all ranks)."""
+        self.skip_recorded_ranges()
         lr = lr_at(self.state.step, self.cfg.optim, self.total_steps)
+        if self.mixer is not None:
+            lr = self.mixer.lr(lr, self.cfg.optim.min_lr)
         self.engine.set_lr(lr)
         start = time.perf_counter()
         batches = self.loader.next_step()
         num_domains = len(self.domain_names)
         # Per-domain [loss sum, sample count], plus the total loss sum and the stop flag: one
-        # all-reduce per step carries everything the ranks must agree on or report.
-        domain_sums = torch.zeros(2 * num_domains, dtype=torch.float64)
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        # all-reduce per step carries everything the ranks must agree on or report. The sums stay
+        # on the training device until then: a .cpu() per micro-batch would make the host wait
+        # for the GPU after every backward (bench/step_overhead.py).
+        device = self.dist.device
+        domain_sums = torch.zeros(2 * num_domains, dtype=torch.float64, device=device)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         result = None
         for batch in batches:
             out = self.engine.forward(batch.input_ids, batch.labels)
             self.engine.backward(out.loss)
             result = self.engine.micro_step() or result
-            loss_sum += out.ce_loss.double().cpu()
-            sample_loss = out.sample_loss.double().cpu()
-            domain_sums.index_add_(0, batch.domains, sample_loss)
-            domain_sums.index_add_(0, batch.domains + num_domains, torch.ones_like(sample_loss))
-        stop_flag = torch.tensor([1.0 if self.stop.received is not None else 0.0], dtype=torch.float64)
-        reduced = all_reduce_tensor(torch.cat([loss_sum.reshape(1), domain_sums, stop_flag]))
+            loss_sum += out.ce_loss.double()
+            sample_loss = out.sample_loss.double()
+            domains = batch.domains.to(device, non_blocking=True)
+            domain_sums.index_add_(0, domains, sample_loss)
+            domain_sums.index_add_(0, domains + num_domains, torch.ones_like(sample_loss))
+        stop_flag = torch.tensor([1.0 if self.stop.received is not None else 0.0], dtype=torch.float64, device=device)
+        reduced = all_reduce_tensor(torch.cat([loss_sum.reshape(1), domain_sums, stop_flag])).cpu()
         step_time = time.perf_counter() - start
 
         self.state.step += 1
@@ -219,11 +241,35 @@ class Trainer:
             self.state.skipped_steps += 1
         loss = float(reduced[0]) / (len(batches) * self.dist.world_size)
         metrics = self.step_metrics(loss, lr, result, step_time)
+        if self.mixer is not None:
+            self.log_curriculum_events(self.mixer.advance(self.loader.consumed_samples))
+            metrics.update(self.mixer.metrics())
         counts = reduced[1 + num_domains:1 + 2 * num_domains]
         for index, name in enumerate(self.domain_names):
             if counts[index] > 0:
                 metrics[f"train/loss/{name}"] = float(reduced[1 + index] / counts[index])
         return metrics, bool(reduced[-1] > 0)
+
+    def log_curriculum_events(self, events) -> None:
+        for event in events:
+            self.logger.event(event.kind, self.state.step, self.state.tokens, event.message, **event.fields)
+
+    def skip_recorded_ranges(self) -> None:
+        """After restoring a position older than a recorded skip, jump over the skipped batches again."""
+        if self.mixer is None:
+            return
+        due = self.mixer.skip_due(self.loader.consumed_samples)
+        if due:
+            self.skip_batches(due)
+
+    def skip_batches(self, num_batches: int) -> None:
+        """Advance the data stream past `num_batches` global batches that will never be trained on."""
+        self.loader.skip(num_batches)
+        if self.mixer is not None:
+            events = self.mixer.skip(num_batches)
+            if self.dist.is_main:
+                self.skip_ledger.save(self.mixer.skips)
+            self.log_curriculum_events(events)
 
     def step_metrics(self, loss: float, lr: float, result, step_time: float) -> dict[str, Any]:
         tokens_per_s = self.tokens_per_step / step_time if step_time > 0 else 0.0

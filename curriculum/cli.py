@@ -1,0 +1,73 @@
+"""`ayumi plan [--tokens-per-s N] [--free-bytes N] [--cfg job] key=value ...`: print the run's plan, exit 1 if refused.
+
+The plan reads the *training* config (the same composition `pretrain.train` uses), so this entry
+imports `pretrain` inside `main`: a CLI sits at the top of the stack, like `pretrain/cli.py`,
+and the `curriculum` package itself (config, schedule, mixer, plan) never imports `pretrain`.
+The parameter count comes from `pretrain.model.flops.count_parameters` here and is passed down.
+
+Exit codes: 0 plan ok, 1 plan refused (reasons printed), 2 invalid configuration or arguments.
+"""
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: ayumi plan [--tokens-per-s N] [--free-bytes N] [--cfg job] [key=value ...]
+
+Prints the stage x domain table (tokens requested and available, epochs vs max_repetition), steps,
+tokens/step, checkpoint count and disk need vs free space, and the wall time when --tokens-per-s
+(the whole run's training throughput) is given. Exits 1 when the plan is impossible.
+  e.g. ayumi plan experiment=ja_en_4stage --tokens-per-s 4e5"""
+
+
+def parse_args(argv: list[str]) -> tuple[list[str], dict[str, float]]:
+    """(Hydra overrides incl. --cfg, numeric options); ValueError on a bad option."""
+    overrides: list[str] = []
+    options: dict[str, float] = {}
+    args = iter(argv)
+    for arg in args:
+        name, eq, value = arg.partition("=")
+        if name in ("--tokens-per-s", "--free-bytes"):
+            value = value if eq else next(args, "")
+            try:
+                options[name[2:].replace("-", "_")] = float(value)
+            except ValueError:
+                raise ValueError(f"{name} takes a number, got {value!r}") from None
+        else:
+            overrides.append(arg)
+    return overrides, options
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(USAGE)
+        return 0
+    from omegaconf import OmegaConf
+
+    from curriculum.plan import format_plan, plan_from_config
+    from pretrain.config import ConfigError, compose_config, split_cli_args, to_object
+    from pretrain.model.flops import count_parameters
+
+    try:
+        rest, options = parse_args(argv)
+        overrides, print_cfg = split_cli_args(rest)
+        composed = compose_config(overrides)
+    except (ValueError, ConfigError) as err:
+        print(f"ayumi plan: {err}", file=sys.stderr)
+        return 2
+    if print_cfg:
+        print(OmegaConf.to_yaml(composed, resolve=True), end="")
+        return 0
+    cfg = to_object(composed)
+    free = options.get("free_bytes")
+    plan = plan_from_config(cfg, count_parameters(cfg.model), tokens_per_s=options.get("tokens_per_s"),
+                            free_bytes=int(free) if free is not None else None)
+    print(format_plan(plan))
+    if plan.problems:
+        print(f"ayumi plan: refused ({len(plan.problems)} problem(s), listed above)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

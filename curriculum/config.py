@@ -1,0 +1,128 @@
+"""The curriculum's configuration: ordered stages, each a token budget and a domain mixture.
+
+`conf/curriculum/<name>.yaml` files fill `CurriculumConfig` (the `curriculum` group of the training
+config). A curriculum with no stages means "no curriculum": every domain in one shuffled stream
+(`data.packed.ShuffledDomains`), as `conf/curriculum/none.yaml` selects.
+
+Configs hold values; `config_problems` / `validate` hold the checks that need no data (weights,
+budgets vs `train.tokens`, domain names against the prepared data when those are known).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+
+class CurriculumError(ValueError):
+    """A curriculum setting is invalid or cannot be honoured; the message names the stage, field and fix."""
+
+
+@dataclass
+class LRPolicy:
+    """A per-stage adjustment of the run's LR schedule (pure; see `curriculum.schedule.stage_lr`)."""
+
+    scale: float = 1.0
+    """Multiply the scheduled LR by this during the stage."""
+    rewarmup_steps: int = 0
+    """Ramp the LR linearly from ~0 back to the scheduled value over the stage's first N steps (0 = off)."""
+    decay_to_min: bool = False
+    """Anneal linearly from the scheduled LR to optim.min_lr over the stage (a final-stage anneal)."""
+
+
+@dataclass
+class Stage:
+    """One stage: a token budget and the domain mixture it is trained on."""
+
+    name: str = "stage"
+    """Stage name, shown in the plan, the events and `curriculum/stage` panels."""
+    tokens: int = 0
+    """Tokens trained in this stage; the stages' budgets must add up to train.tokens."""
+    weights: dict[str, float] = field(default_factory=dict)
+    """Domain -> relative weight (normalised over the stage; 0 leaves a domain out of this stage)."""
+    max_repetition: dict[str, float] = field(default_factory=dict)
+    """Domain -> most epochs of it the run may have consumed by the end of this stage (default: the curriculum's)."""
+    lr: LRPolicy = field(default_factory=LRPolicy)
+    """LR adjustment during this stage (re-warmup, scale, final anneal)."""
+
+
+@dataclass
+class CurriculumConfig:
+    """Ordered stages switched in-process at exact token boundaries (empty = no curriculum)."""
+
+    name: str = "none"
+    """Curriculum name (the YAML file's), recorded in the mixer state."""
+    stages: list[Stage] = field(default_factory=list)
+    """The stages in training order; empty means all domains in one shuffled stream."""
+    default_max_repetition: float = 4.0
+    """Epochs of any domain allowed by a stage's end unless the stage's max_repetition names it."""
+
+
+def enabled(cfg: CurriculumConfig | None) -> bool:
+    """Whether a run uses the staged mixer (False: ShuffledDomains over every domain)."""
+    return cfg is not None and len(cfg.stages) > 0
+
+
+def max_repetition(cfg: CurriculumConfig, stage: Stage, domain: str) -> float:
+    return float(stage.max_repetition.get(domain, cfg.default_max_repetition))
+
+
+def domains_used(cfg: CurriculumConfig) -> list[str]:
+    """Domains with a positive weight in some stage, in order of first appearance (a stable order)."""
+    names: list[str] = []
+    for stage in cfg.stages:
+        for name, weight in stage.weights.items():
+            if weight > 0 and name not in names:
+                names.append(name)
+    return names
+
+
+def config_problems(cfg: CurriculumConfig, train_tokens: int | None = None,
+                    known_domains: Iterable[str] | None = None) -> list[str]:
+    """Every problem of a curriculum that can be seen without reading data, each a full sentence."""
+    problems: list[str] = []
+    if cfg.default_max_repetition <= 0:
+        problems.append(f"curriculum.default_max_repetition={cfg.default_max_repetition} must be > 0")
+    seen_names: set[str] = set()
+    for index, stage in enumerate(cfg.stages):
+        where = f"curriculum.stages[{index}] ({stage.name!r})"
+        if stage.name in seen_names:
+            problems.append(f"{where}: duplicate stage name; give every stage its own name")
+        seen_names.add(stage.name)
+        if stage.tokens <= 0:
+            problems.append(f"{where}.tokens={stage.tokens}: a stage needs a positive token budget")
+        negative = {d: w for d, w in stage.weights.items() if w < 0}
+        if negative:
+            problems.append(f"{where}.weights: negative weight(s) {negative}; weights must be >= 0")
+        elif sum(stage.weights.values()) <= 0:
+            problems.append(f"{where}.weights: all weights are zero (or none given); give at least one domain a positive weight")
+        for domain, limit in stage.max_repetition.items():
+            if limit <= 0:
+                problems.append(f"{where}.max_repetition.{domain}={limit} must be > 0")
+        if stage.lr.scale <= 0 or stage.lr.rewarmup_steps < 0:
+            problems.append(f"{where}.lr: scale must be > 0 and rewarmup_steps >= 0 (got {stage.lr})")
+    if known_domains is not None:
+        known = list(known_domains)
+        for index, stage in enumerate(cfg.stages):
+            unknown = sorted(set(stage.weights) - set(known))
+            if unknown:
+                problems.append(
+                    f"curriculum.stages[{index}] ({stage.name!r}).weights: unknown domain(s) {', '.join(unknown)}; "
+                    f"the prepared data has {', '.join(known) or 'no domains'} (fix the name or run `ayumi data prepare` for it)"
+                )
+    if train_tokens is not None and cfg.stages:
+        total = sum(stage.tokens for stage in cfg.stages)
+        if total != train_tokens:
+            budgets = " + ".join(f"{stage.tokens:,}" for stage in cfg.stages)
+            problems.append(
+                f"stage budgets add up to {total:,} tokens ({budgets}) but train.tokens={train_tokens:,}; "
+                "make them equal (change a stage's tokens or train.tokens)"
+            )
+    return problems
+
+
+def validate(cfg: CurriculumConfig, train_tokens: int | None = None,
+             known_domains: Iterable[str] | None = None) -> None:
+    """Raise CurriculumError listing every problem `config_problems` finds."""
+    problems = config_problems(cfg, train_tokens, known_domains)
+    if problems:
+        raise CurriculumError(f"curriculum {cfg.name!r} is invalid:\n  " + "\n  ".join(problems))

@@ -1,0 +1,499 @@
+"""The deterministic curriculum mixer: global sample index -> (domain, sample), per-domain cursors, skips.
+
+Everything is a pure function of (curriculum, seq_len, seed, domain sizes) and the global sample
+index g, so prefetching ahead, ranks reading slices of a global batch, resuming on another number
+of ranks and re-reading after a rollback all see the same stream. The only mutable state is the
+stream position the trainer reports (`advance`) and the recorded skip ranges.
+
+How g maps to data:
+
+1. Stage: `curriculum.schedule` (stage i = samples [start_i, start_{i+1}); rounding documented there).
+2. Domain: each stage's weights are rounded to integer seat counts per PERIOD (10,000) samples
+   (largest remainder; every positive weight keeps at least one seat), and the seats of one period
+   are ordered by the Sainte-Lague divisor rule: domain d's k-th seat sits at (k + 1/2) / n_d of the
+   period, ties to the lower domain index. That is Megatron's error-feedback blending (always pick
+   the domain furthest behind its share) in closed form: every prefix of the period is within about
+   one sample per domain of its exact share, the pattern repeats exactly, and the domain of any
+   position is a table lookup, with no sequential pass.
+3. Cursor: domain d's position in its own stream at g = picks of d in all earlier stages
+   + picks of d in this stage before g, both O(1) from the seat table. Cursors thus persist across
+   stages: a domain trained in stages 1 and 3 continues in stage 3 on data stage 1 did not see.
+4. Sample: cursor c of domain d is sample `EpochPermutation(n_d, seed_d)(c)`: a fresh seeded shuffle
+   per epoch, so running out of a domain repeats it in a new order (a `domain_repetition` event).
+
+Skips (spike recovery): skip ranges live in the global index space. `skip(n)` at position p
+records [p, p + n * global_batch) and moves past it; the loader's `consumed_samples` moves the same
+way (`BatchLoader.skip`), so skipped samples are consumed positions that are never trained on.
+Stage boundaries and cursors do not move (the data after a skip is what it would have been), and
+the ranges are kept in the state, so a resume from any later checkpoint never replays them;
+`skip_due` tells the trainer when a restored, older position falls into a recorded range.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import os
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from curriculum.config import CurriculumConfig, CurriculumError, domains_used, max_repetition, validate
+from curriculum.schedule import stage_at_sample, stage_ends, stage_lr, stage_starts, step_in_stage
+from data.packed import EpochPermutation, PackedSamples
+
+PERIOD = 10_000
+STATE_FORMAT = "ayumi-curriculum-mixer"
+STATE_VERSION = 1
+
+
+# -- one stage's interleave ------------------------------------------------------------------------
+def period_counts(weights: Sequence[float], period: int = PERIOD) -> np.ndarray:
+    """Integer seats per `period` samples: largest remainder of weight shares, >= 1 for a positive weight."""
+    w = np.asarray(weights, dtype=np.float64)
+    if w.ndim != 1 or w.size == 0 or np.any(w < 0) or w.sum() <= 0:
+        raise CurriculumError(f"weights must be non-negative with a positive sum, got {list(weights)}")
+    exact = w / w.sum() * period
+    counts = np.floor(exact).astype(np.int64)
+    # Largest remainders first; stable order keeps ties deterministic (lower index first).
+    short = period - int(counts.sum())
+    order = np.argsort(-(exact - counts), kind="stable")
+    counts[order[:short]] += 1
+    # A tiny positive weight would otherwise round to no samples at all: take its seat from the largest.
+    for index in np.flatnonzero((w > 0) & (counts == 0)):
+        counts[int(np.argmax(counts))] -= 1
+        counts[index] = 1
+    return counts
+
+
+def interleave(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(domain, seat number) of each position of one period, Sainte-Lague order (see the module doc)."""
+    domains, seats, keys = [], [], []
+    for d, n in enumerate(int(c) for c in counts):
+        if n == 0:
+            continue
+        k = np.arange(n, dtype=np.int64)
+        domains.append(np.full(n, d, dtype=np.int16))
+        seats.append(k)
+        # (2k+1)/(2n) is correctly rounded, so equal fractions give equal floats and ties stay exact.
+        keys.append((2 * k + 1) / (2.0 * n))
+    domain, seat, key = np.concatenate(domains), np.concatenate(seats), np.concatenate(keys)
+    order = np.lexsort((domain, key))
+    return domain[order], seat[order].astype(np.int32)
+
+
+# -- the pure schedule -------------------------------------------------------------------------------
+class MixtureSchedule:
+    """Global sample -> (stage, domain, domain cursor), from the curriculum alone (no data)."""
+
+    def __init__(self, cfg: CurriculumConfig, seq_len: int, domain_names: Sequence[str] | None = None):
+        if not cfg.stages:
+            raise CurriculumError("a mixture needs at least one stage (an empty curriculum means ShuffledDomains)")
+        if seq_len < 1:
+            raise CurriculumError(f"seq_len must be >= 1, got {seq_len}")
+        self.cfg = cfg
+        self.seq_len = seq_len
+        self.domain_names = list(domain_names if domain_names is not None else domains_used(cfg))
+        self.starts = stage_starts(cfg.stages, seq_len)
+        self.ends = stage_ends(cfg.stages, seq_len)
+        num_domains = len(self.domain_names)
+        self.counts = np.zeros((len(cfg.stages), num_domains), dtype=np.int64)
+        self._domain = []  # per stage: [PERIOD] int16 domain of each position
+        self._seat = []    # per stage: [PERIOD] int32 seat number (rank of the position among its domain's)
+        self._prefix = []  # per stage: [PERIOD + 1, domains] picks of each domain before each position
+        for index, stage in enumerate(cfg.stages):
+            weights = [float(stage.weights.get(name, 0.0)) for name in self.domain_names]
+            self.counts[index] = period_counts(weights)
+            domain, seat = interleave(self.counts[index])
+            prefix = np.zeros((PERIOD + 1, num_domains), dtype=np.int64)
+            prefix[1:] = np.cumsum(domain[:, None] == np.arange(num_domains)[None, :], axis=0)
+            self._domain.append(domain)
+            self._seat.append(seat)
+            self._prefix.append(prefix)
+        # Python copies for the per-sample path: list indexing is several times faster than numpy scalars.
+        self._domain_list = [d.tolist() for d in self._domain]
+        self._seat_list = [s.tolist() for s in self._seat]
+        self._counts_list = self.counts.tolist()
+        self.cursor_start = np.zeros((len(cfg.stages), num_domains), dtype=np.int64)
+        for index in range(1, len(cfg.stages)):
+            previous = index - 1
+            length = self.starts[index] - self.starts[previous]
+            self.cursor_start[index] = self.cursor_start[previous] + self._picks_in_stage(previous, length)
+        self._cursor_start_list = self.cursor_start.tolist()
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.starts)
+
+    def stage_of(self, sample: int) -> int:
+        return stage_at_sample(self.starts, sample)
+
+    def _picks_in_stage(self, stage: int, length: int) -> np.ndarray:
+        """Per-domain picks among the first `length` samples of `stage`."""
+        full, rest = divmod(int(length), PERIOD)
+        return full * self.counts[stage] + self._prefix[stage][rest]
+
+    def picks_before(self, position: int) -> np.ndarray:
+        """Per-domain number of samples among global samples [0, position) (= each domain's cursor there)."""
+        stage = self.stage_of(position)
+        return self.cursor_start[stage] + self._picks_in_stage(stage, position - self.starts[stage])
+
+    def locate(self, sample: int) -> tuple[int, int]:
+        """(domain index, cursor in that domain's stream) of global sample `sample`."""
+        stage = bisect.bisect_right(self.starts, sample) - 1
+        full, offset = divmod(sample - self.starts[stage], PERIOD)
+        domain = self._domain_list[stage][offset]
+        cursor = (self._cursor_start_list[stage][domain] + full * self._counts_list[stage][domain]
+                  + self._seat_list[stage][offset])
+        return domain, cursor
+
+    def locate_many(self, first: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """`locate` for samples [first, first + count), vectorised: (domains int16, cursors int64)."""
+        domains = np.empty(count, dtype=np.int16)
+        cursors = np.empty(count, dtype=np.int64)
+        stop = first + count
+        stage = self.stage_of(first)
+        position = first
+        while position < stop:
+            end = stop if stage + 1 >= self.num_stages else min(stop, max(self.starts[stage + 1], position))
+            if end > position:
+                offsets = np.arange(position - self.starts[stage], end - self.starts[stage], dtype=np.int64)
+                full, offsets = np.divmod(offsets, PERIOD)
+                d = self._domain[stage][offsets]
+                out = slice(position - first, end - first)
+                domains[out] = d
+                cursors[out] = self.cursor_start[stage][d] + full * self.counts[stage][d] + self._seat[stage][offsets]
+            position = end
+            stage += 1
+        return domains, cursors
+
+    def stage_picks(self, run_samples: int | None = None) -> np.ndarray:
+        """[stages, domains] samples each stage takes from each domain (the last stage up to `run_samples`)."""
+        out = np.zeros_like(self.counts)
+        for index in range(self.num_stages):
+            start = self.starts[index]
+            end = self.ends[index] if index + 1 < self.num_stages or run_samples is None else max(run_samples, start)
+            out[index] = self._picks_in_stage(index, end - start)
+        return out
+
+
+def repetition_problems(cfg: CurriculumConfig, schedule: MixtureSchedule, domain_samples: Mapping[str, int],
+                        run_samples: int | None = None) -> list[str]:
+    """Domains whose cumulative epochs at a stage's end would exceed that stage's max_repetition."""
+    problems = []
+    cumulative = np.cumsum(schedule.stage_picks(run_samples), axis=0)
+    for index, stage in enumerate(cfg.stages):
+        for d, name in enumerate(schedule.domain_names):
+            available = int(domain_samples.get(name, 0))
+            picks = int(cumulative[index, d])
+            if picks == 0:
+                continue
+            limit = max_repetition(cfg, stage, name)
+            epochs = picks / available if available else math.inf
+            if epochs > limit:
+                problems.append(
+                    f"domain {name!r} would be read {epochs:.2f} times by the end of stage {index + 1} "
+                    f"({stage.name!r}): {picks:,} samples wanted, {available:,} available, max_repetition {limit:g}; "
+                    f"lower its weight, prepare more {name} data, or raise curriculum.stages[{index}].max_repetition.{name}"
+                )
+    return problems
+
+
+def domain_seed(seed: int, name: str) -> int:
+    """Per-domain shuffle seed from the run seed and the domain's *name*, so adding a domain changes no other's order."""
+    return (int(seed) << 32) | zlib.crc32(name.encode("utf-8"))
+
+
+# -- events ------------------------------------------------------------------------------------------
+@dataclass
+class CurriculumEvent:
+    """Something the trainer should log to events.jsonl, W&B and the console."""
+
+    kind: str
+    """stage_switch | domain_repetition | batches_skipped."""
+    sample: int
+    """Global sample index where it happens."""
+    message: str
+    """One human-readable line."""
+    fields: dict[str, Any] = field(default_factory=dict)
+    """Extra structured fields (stage, domain, epoch, skip range ...)."""
+
+
+def merge_ranges(ranges: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+    """Sorted, non-overlapping [start, stop) ranges covering the same samples."""
+    merged: list[tuple[int, int]] = []
+    for start, stop in sorted((int(a), int(b)) for a, b in ranges if int(b) > int(a)):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], stop))
+        else:
+            merged.append((start, stop))
+    return merged
+
+
+# -- the mixer ---------------------------------------------------------------------------------------
+class Mixer:
+    """A `pretrain.loader.SampleSource` over a staged curriculum, with events, skips and resumable state."""
+
+    def __init__(self, cfg: CurriculumConfig, domains: Mapping[str, PackedSamples], seq_len: int,
+                 global_batch: int, seed: int):
+        validate(cfg, known_domains=list(domains))
+        names = domains_used(cfg)
+        empty = [name for name in names if len(domains[name]) == 0]
+        if empty:
+            raise CurriculumError(
+                f"curriculum {cfg.name!r} uses domain(s) {', '.join(empty)} that hold no complete sample of "
+                f"{seq_len + 1} tokens; prepare more data or drop them from the stages"
+            )
+        for name in names:
+            if domains[name].seq_len != seq_len:
+                raise CurriculumError(f"domain {name!r} was cut at seq_len {domains[name].seq_len}, the mixer uses {seq_len}")
+        self.cfg = cfg
+        self.seq_len = seq_len
+        self.global_batch = global_batch
+        self.seed = seed
+        self.schedule = MixtureSchedule(cfg, seq_len, names)
+        self.domain_names = names
+        self.domain_samples = {name: len(domains[name]) for name in names}
+        problems = repetition_problems(cfg, self.schedule, self.domain_samples)
+        if problems:
+            raise CurriculumError(f"curriculum {cfg.name!r} cannot be served:\n  " + "\n  ".join(problems))
+        self._samples = [domains[name] for name in names]
+        self._orders = [EpochPermutation(len(domains[name]), domain_seed(seed, name)) for name in names]
+        self._sizes = np.array([len(domains[name]) for name in names], dtype=np.int64)
+        self.position = 0
+        self.skips: list[tuple[int, int]] = []
+
+    # -- the stream (SampleSource) ------------------------------------------------------------------
+    def get(self, global_index: int) -> tuple[np.ndarray, int]:
+        """Sample `global_index`: (seq_len + 1 tokens, domain index); a pure function of the index."""
+        domain, cursor = self.schedule.locate(global_index)
+        _, sample = self._orders[domain](cursor)
+        return self._samples[domain].sample(sample), domain
+
+    def sample_ids(self, first: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(domain, epoch, sample id within the domain) of samples [first, first + count), vectorised."""
+        domains, cursors = self.schedule.locate_many(first, count)
+        epochs = cursors // self._sizes[domains]
+        ids = np.empty(count, dtype=np.int64)
+        for d in np.unique(domains):
+            mine = domains == d
+            order = self._orders[int(d)]
+            for epoch in np.unique(epochs[mine]):
+                rows = mine & (epochs == epoch)
+                ids[rows] = order.permutation(int(epoch))[cursors[rows] - int(epoch) * order.num_samples]
+        return domains, epochs, ids
+
+    # -- where the run is ---------------------------------------------------------------------------
+    def stage_at_sample(self, sample: int) -> int:
+        return self.schedule.stage_of(sample)
+
+    def stage_index(self) -> int:
+        """Stage of the next sample to train."""
+        return self.schedule.stage_of(self.position)
+
+    def lr(self, scheduled_lr: float, min_lr: float, position: int | None = None) -> float:
+        """The LR for the step starting at stream `position` (default: now), after the stage's LR policy."""
+        position = self.position if position is None else position
+        index = self.schedule.stage_of(position)
+        end = self.schedule.ends[index]
+        step, steps = step_in_stage(self.schedule.starts[index], end, position, self.global_batch)
+        return stage_lr(scheduled_lr, min_lr, self.cfg.stages[index].lr, step, steps)
+
+    def trained_samples(self, position: int | None = None) -> np.ndarray:
+        """Per-domain samples trained on before `position`: consumed minus skipped."""
+        position = self.position if position is None else position
+        picks = self.schedule.picks_before(position)
+        for start, stop in self.skips:
+            if start >= position:
+                break
+            picks = picks - (self.schedule.picks_before(min(stop, position)) - self.schedule.picks_before(start))
+        return picks
+
+    def metrics(self) -> dict[str, Any]:
+        """`curriculum/stage` (1-based) and `curriculum/tokens/<domain>` (trained tokens) at the current position."""
+        out: dict[str, Any] = {"curriculum/stage": self.stage_index() + 1}
+        for name, samples in zip(self.domain_names, self.trained_samples().tolist()):
+            out[f"curriculum/tokens/{name}"] = samples * self.seq_len
+        return out
+
+    # -- advancing, skipping ------------------------------------------------------------------------
+    def advance(self, position: int) -> list[CurriculumEvent]:
+        """The trainer consumed samples up to `position` (the loader's consumed_samples); events on the way."""
+        old = self.position
+        if position < old:
+            raise ValueError(f"the stream only moves forward: position {position} < {old} (use load_state_dict to go back)")
+        events = self._stage_events(old, position) + self._repetition_events(old, position)
+        self.position = position
+        return sorted(events, key=lambda event: event.sample)
+
+    def skip(self, num_batches: int) -> list[CurriculumEvent]:
+        """Skip `num_batches` global batches from the current position; record the range. Call `BatchLoader.skip` too."""
+        if num_batches <= 0:
+            return []
+        start, stop = self.position, self.position + num_batches * self.global_batch
+        self.add_skips([(start, stop)])
+        event = CurriculumEvent(
+            "batches_skipped", start,
+            f"skipped {num_batches} batch(es): global samples [{start:,}, {stop:,}) will never be trained on",
+            {"skip_start": start, "skip_stop": stop, "batches": num_batches},
+        )
+        return [event] + self.advance(stop)
+
+    def skip_due(self, position: int | None = None) -> int:
+        """Whole batches to skip now because `position` lies in a recorded skip range (after restoring an older state)."""
+        position = self.position if position is None else position
+        for start, stop in self.skips:
+            if start <= position < stop:
+                return -(-(stop - position) // self.global_batch)
+        return 0
+
+    def add_skips(self, ranges: Sequence[Sequence[int]]) -> None:
+        """Add skip ranges (from a checkpoint, a ledger, or `skip`); overlapping ranges merge."""
+        self.skips = merge_ranges([*self.skips, *ranges])
+
+    def _stage_events(self, old: int, new: int) -> list[CurriculumEvent]:
+        events = []
+        starts, stages = self.schedule.starts, self.cfg.stages
+        for index, start in enumerate(starts):
+            following = starts[index + 1] if index + 1 < len(starts) else None
+            if not old <= start < new or following == start:  # an empty stage (budget < seq_len) is never entered
+                continue
+            stage = stages[index]
+            mixture = ", ".join(f"{name} {weight:g}" for name, weight in stage.weights.items() if weight > 0)
+            events.append(CurriculumEvent(
+                "stage_switch", start,
+                f"stage {index + 1}/{len(stages)} {stage.name!r} begins at sample {start:,} "
+                f"({start * self.seq_len:,} tokens): {stage.tokens:,} tokens of {mixture}",
+                {"stage": index + 1, "stage_name": stage.name, "sample": start},
+            ))
+        return events
+
+    def _repetition_events(self, old: int, new: int) -> list[CurriculumEvent]:
+        before, after = self.schedule.picks_before(old), self.schedule.picks_before(new)
+        events = []
+        for d, name in enumerate(self.domain_names):
+            size = int(self._sizes[d])
+            epochs_before, epochs_after = -(-int(before[d]) // size), -(-int(after[d]) // size)
+            for epoch in range(max(epochs_before, 1), epochs_after):  # epoch e (0-based) begins: e-th repetition
+                where = self._first_sample_with_picks(d, epoch * size + 1, old, new)
+                stage = self.schedule.stage_of(where)
+                limit = max_repetition(self.cfg, self.cfg.stages[stage], name)
+                events.append(CurriculumEvent(
+                    "domain_repetition", where,
+                    f"domain {name!r} ran out of unseen data ({size:,} samples) and starts epoch {epoch + 1} "
+                    f"at sample {where:,} (stage {stage + 1}, max_repetition {limit:g})",
+                    {"domain": name, "epoch": epoch + 1, "max_repetition": limit, "over_limit": epoch + 1 > limit},
+                ))
+        return events
+
+    def _first_sample_with_picks(self, domain: int, picks: int, low: int, high: int) -> int:
+        """Smallest sample s in [low, high) after which `domain` has `picks` picks (binary search)."""
+        while low < high:
+            mid = (low + high) // 2
+            if self.schedule.picks_before(mid + 1)[domain] >= picks:
+                high = mid
+            else:
+                low = mid + 1
+        return low
+
+    # -- state --------------------------------------------------------------------------------------
+    def _started_stages(self, position: int) -> list[dict[str, Any]]:
+        """Fingerprints of the stages the stream has entered (the past and the present may not change)."""
+        out = []
+        for index, stage in enumerate(self.cfg.stages):
+            if self.schedule.starts[index] >= position:
+                break
+            out.append({
+                "name": stage.name,
+                "start": self.schedule.starts[index],
+                "end": self.schedule.ends[index],
+                "seats": {name: int(n) for name, n in zip(self.domain_names, self.counts_of(index)) if n},
+            })
+        return out
+
+    def counts_of(self, stage: int) -> list[int]:
+        """Seats per PERIOD of each domain in a stage (the stage's effective weights)."""
+        return self.schedule.counts[stage].tolist()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "format": STATE_FORMAT,
+            "version": STATE_VERSION,
+            "curriculum": self.cfg.name,
+            "seq_len": self.seq_len,
+            "seed": self.seed,
+            "position": self.position,
+            "skips": [list(r) for r in self.skips],
+            "stages": self._started_stages(self.position),
+            "domain_samples": dict(self.domain_samples),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a saved state; refuses if the past or current stage, seq_len, seed or used data changed.
+
+        Skip ranges merge with those already known, so an in-process rollback to an older
+        checkpoint keeps the ranges recorded since.
+        """
+        if state.get("format") != STATE_FORMAT or state.get("version") != STATE_VERSION:
+            raise CurriculumError(f"not a curriculum mixer state of version {STATE_VERSION}: {state.get('format')!r} "
+                                  f"v{state.get('version')!r}")
+        problems = self._resume_problems(state)
+        if problems:
+            raise CurriculumError(
+                f"cannot resume curriculum {self.cfg.name!r} at sample {int(state['position']):,}:\n  "
+                + "\n  ".join(problems)
+                + "\n  Only stages that have not started may change; to change the mixture now, end the "
+                  "current stage in a new run or restore the previous settings."
+            )
+        self.position = int(state["position"])
+        self.add_skips(state.get("skips", []))
+
+    def _resume_problems(self, state: Mapping[str, Any]) -> list[str]:
+        problems = []
+        for key in ("seq_len", "seed"):
+            if state[key] != getattr(self, key):
+                problems.append(f"{key} was {state[key]} when the run started, now {getattr(self, key)} "
+                                "(the stream would be cut or shuffled differently)")
+        saved = state["stages"]
+        current = self._started_stages(int(state["position"]))
+        if len(current) < len(saved):
+            problems.append(f"{len(saved)} stage(s) had started, but the curriculum now has only {len(current)} "
+                            "stage(s) beginning before the resume point")
+        for index, (old, new) in enumerate(zip(saved, current)):
+            for key in ("name", "start", "end", "seats"):
+                if old[key] != new[key]:
+                    what = "weights" if key == "seats" else ("tokens" if key in ("start", "end") else key)
+                    problems.append(f"stage {index + 1} ({old['name']!r}) has started and its {what} changed "
+                                    f"({key}: {old[key]} -> {new[key]})")
+                    break
+        used_before = {name for stage in saved for name in stage["seats"]}
+        for name in sorted(used_before):
+            was, now = state["domain_samples"].get(name), self.domain_samples.get(name)
+            if was != now:
+                problems.append(f"domain {name!r} had {was} samples when the run started, now {now}: its data changed "
+                                "under a running curriculum (restore it, or start a new run)")
+        return problems
+
+
+class SkipLedger:
+    """Skip ranges on disk in the run dir, so a restart from a checkpoint older than a skip still skips.
+
+    Rank 0 writes (atomically); every rank reads at start and passes the ranges to `Mixer.add_skips`.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+
+    def load(self) -> list[tuple[int, int]]:
+        if not self.path.is_file():
+            return []
+        return merge_ranges(json.loads(self.path.read_text())["skips"])
+
+    def save(self, ranges: Sequence[Sequence[int]]) -> None:
+        tmp = self.path.with_name(f".{self.path.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"skips": [list(r) for r in merge_ranges(ranges)]}) + "\n")
+        os.replace(tmp, self.path)
+

@@ -1,0 +1,370 @@
+"""`ayumi plan`: stage budgets x prepared data x checkpoint disk, checked before anything runs.
+
+A plan answers, for a run as configured: how many tokens each stage takes from each domain, how
+many times each domain is read by each stage's end (against its max_repetition), how many steps
+the run has and how many tokens each step trains, how many checkpoints it saves and how much disk
+they need against what is free, and (given a throughput) how long it takes. `check_plan` returns
+the reasons to refuse; the CLI exits 1 on any, and the trainer runs the same checks at start.
+
+Checkpoint size (DeepSpeed, mixed precision): per parameter 2 bytes of bf16/fp16 weights + 4 bytes of
+fp32 master weights + 8 bytes of fp32 Adam moments = 14 bytes (fp32 training: 4 + 8 = 12). Peak disk
+is (keep_last + 1) checkpoints, because a new one is complete before the oldest is deleted; the
+checkpoints already in the directory (a resumed run) count as part of that peak.
+
+Nothing here imports `pretrain`: callers pass the parameter count and the run's numbers.
+"""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from curriculum.config import CurriculumConfig, Stage, config_problems, domains_used, enabled, max_repetition
+from curriculum.mixer import MixtureSchedule, repetition_problems
+from data.packed import PackedSamples, domains_under
+from data.shards import ShardFormatError, ShardReader, find_shards
+
+BYTES_PER_PARAM = {"bf16": 2 + 4 + 8, "fp16": 2 + 4 + 8, "fp32": 4 + 8}
+
+
+class PlanRefused(RuntimeError):
+    """The plan has problems; the message lists each with its fix."""
+
+
+@dataclass
+class PlanProblem:
+    """One reason to refuse a plan."""
+
+    kind: str
+    """config | data | budget | repetition | disk."""
+    message: str
+    """What is wrong and how to fix it."""
+
+
+@dataclass
+class RunShape:
+    """The run's length and batch geometry (train.* in the training config)."""
+
+    train_tokens: int
+    """train.tokens: the run length."""
+    seq_len: int
+    """train.seq_len."""
+    global_batch: int
+    """train.global_batch_size (samples per optimizer step)."""
+    max_steps: int = 0
+    """train.max_steps (a smoke-test cap; a warning when it cuts the run short)."""
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.seq_len * self.global_batch
+
+    @property
+    def total_steps(self) -> int:
+        return math.ceil(self.train_tokens / self.tokens_per_step)
+
+    @property
+    def total_samples(self) -> int:
+        """Samples the run consumes (the last step may overshoot train.tokens by less than a step)."""
+        return self.total_steps * self.global_batch
+
+
+@dataclass
+class CheckpointShape:
+    """What the run's checkpoints cost (checkpoint.* and the model size)."""
+
+    num_parameters: int
+    """Trainable parameters (pretrain.model.flops.count_parameters)."""
+    precision: str = "bf16"
+    """deepspeed.precision: bf16 | fp16 | fp32."""
+    interval: int = 0
+    """checkpoint.interval (0 = only at the end and on signals)."""
+    keep_last: int = 3
+    """checkpoint.keep_last (<= 0 keeps every checkpoint)."""
+    save_final: bool = True
+    """checkpoint.save_final."""
+    dir: str = "."
+    """checkpoint.dir."""
+
+
+@dataclass
+class DomainRow:
+    """One stage x domain line of the plan."""
+
+    stage: int
+    domain: str
+    weight: float
+    """Normalised weight in the stage."""
+    tokens: int
+    """Tokens this stage trains on from the domain."""
+    available_tokens: int
+    """Tokens of the domain's train shards."""
+    epochs: float
+    """Cumulative times the domain has been read by the end of this stage."""
+    max_epochs: float
+    """The stage's max_repetition for the domain."""
+
+    @property
+    def ok(self) -> bool:
+        return self.epochs <= self.max_epochs
+
+
+@dataclass
+class StageRow:
+    name: str
+    tokens: int
+    first_sample: int
+    end_sample: int
+    steps: float
+    """Optimizer steps the stage spans (fractional: a boundary may fall inside a step)."""
+
+
+@dataclass
+class Plan:
+    """Everything `ayumi plan` prints, and the problems that refuse the run."""
+
+    curriculum: str
+    run: RunShape
+    stages: list[StageRow] = field(default_factory=list)
+    domains: list[DomainRow] = field(default_factory=list)
+    checkpoints: int = 0
+    checkpoint_bytes: int = 0
+    disk_needed: int = 0
+    disk_free: int | None = None
+    existing_checkpoint_bytes: int = 0
+    checkpoint_dir: str = ""
+    wall_time_s: float | None = None
+    problems: list[PlanProblem] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+# -- data --------------------------------------------------------------------------------------------
+def available_samples(data_root: str | os.PathLike, seq_len: int) -> tuple[dict[str, int], dict[str, int]]:
+    """(tokens, samples) per domain found under DATA_ROOT/<domain>/train, counted from the shard headers."""
+    tokens, samples = {}, {}
+    for name, directory in domains_under(data_root, "train").items():
+        readers = [ShardReader(prefix) for prefix in find_shards(directory)]
+        packed = PackedSamples(readers, seq_len, name)
+        tokens[name], samples[name] = packed.num_tokens, len(packed)
+    return tokens, samples
+
+
+def implicit_curriculum(train_tokens: int, domain_samples: Mapping[str, int]) -> CurriculumConfig:
+    """The no-curriculum run as one stage: every domain in proportion to its size (ShuffledDomains).
+
+    Its repetition is reported but not limited: a shuffled stream has no per-domain bound to honour
+    (smoke tests read a tiny corpus dozens of times on purpose).
+    """
+    weights = {name: float(n) for name, n in domain_samples.items() if n > 0}
+    return CurriculumConfig(name="none (all domains shuffled)", stages=[Stage("all", train_tokens, weights)],
+                            default_max_repetition=math.inf)
+
+
+# -- checkpoints -------------------------------------------------------------------------------------
+def checkpoint_count(total_steps: int, interval: int, save_final: bool) -> int:
+    """Saves in a full run: every `interval` steps before the end, plus the final one."""
+    periodic = (total_steps - 1) // interval if interval > 0 else 0
+    return periodic + (1 if save_final else 0)
+
+
+def checkpoint_size(num_parameters: int, precision: str) -> int:
+    """Bytes of one checkpoint (module doc: 14 bytes/parameter in mixed precision, 12 in fp32)."""
+    return num_parameters * BYTES_PER_PARAM.get(precision, BYTES_PER_PARAM["bf16"])
+
+
+def existing_parent(path: str | os.PathLike) -> Path:
+    """The path itself or its nearest existing ancestor (where the checkpoints' disk is measured)."""
+    path = Path(path).expanduser().absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def directory_bytes(path: str | os.PathLike) -> int:
+    path = Path(path)
+    if not path.is_dir():
+        return 0
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+# -- the plan ----------------------------------------------------------------------------------------
+def make_plan(curriculum: CurriculumConfig | None, run: RunShape, domain_tokens: Mapping[str, int] | None,
+              domain_samples: Mapping[str, int] | None, checkpoint: CheckpointShape | None = None,
+              tokens_per_s: float | None = None, free_bytes: int | None = None) -> Plan:
+    """Compute the plan and its problems.
+
+    `domain_samples` None means the data is not there to count (then no per-domain rows); a
+    `free_bytes` given replaces the measured free disk (tests).
+    """
+    explicit = enabled(curriculum)
+    if explicit:
+        cfg = curriculum
+    elif domain_samples:
+        cfg = implicit_curriculum(run.train_tokens, domain_samples)
+    else:
+        cfg = CurriculumConfig(name="none (all domains shuffled)")
+    plan = Plan(curriculum=cfg.name, run=run)
+    known = None if domain_samples is None else list(domain_samples)
+    problems = config_problems(cfg, run.train_tokens if explicit else None, known_domains=known)
+    plan.problems += [PlanProblem("budget" if "train.tokens" in p else "config", p) for p in problems]
+    if run.max_steps and run.max_steps < run.total_steps:
+        plan.warnings.append(f"train.max_steps={run.max_steps} stops the run at step {run.max_steps} of {run.total_steps}, "
+                             f"before the planned {run.train_tokens:,} tokens (use it only for smoke tests)")
+    if domain_samples is not None and not cfg.stages:
+        plan.problems.append(PlanProblem("data", "no domain holds a complete training sample: run `ayumi data prepare`"))
+    if cfg.stages and not plan.problems:
+        _fill_stage_rows(plan, cfg, run, domain_tokens, domain_samples)
+    if checkpoint is not None:
+        _fill_checkpoints(plan, run, checkpoint, free_bytes)
+    if tokens_per_s:
+        plan.wall_time_s = run.total_samples * run.seq_len / tokens_per_s
+    return plan
+
+
+def _fill_stage_rows(plan: Plan, cfg: CurriculumConfig, run: RunShape, domain_tokens: Mapping[str, int] | None,
+                     domain_samples: Mapping[str, int] | None) -> None:
+    """Stage rows always; stage x domain rows and the repetition check when the data could be counted."""
+    names = domains_used(cfg)
+    schedule = MixtureSchedule(cfg, run.seq_len, names)
+    for index, stage in enumerate(cfg.stages):
+        first = schedule.starts[index]
+        end = schedule.ends[index] if index + 1 < len(cfg.stages) else max(run.total_samples, first)
+        plan.stages.append(StageRow(stage.name, stage.tokens, first, end, (end - first) / run.global_batch))
+    if domain_samples is None:
+        return
+    empty = [name for name in names if domain_samples.get(name, 0) == 0]
+    if empty:
+        plan.problems.append(PlanProblem("data", f"domain(s) {', '.join(empty)} hold no complete sample of "
+                                                 f"{run.seq_len + 1} tokens: prepare data for them or drop them"))
+        return
+    picks = schedule.stage_picks(run.total_samples)
+    cumulative = picks.cumsum(axis=0)
+    for index, stage in enumerate(cfg.stages):
+        total_weight = sum(w for w in stage.weights.values() if w > 0)
+        for d, name in enumerate(names):
+            weight = stage.weights.get(name, 0.0)
+            if weight <= 0:
+                continue
+            plan.domains.append(DomainRow(
+                stage=index, domain=name, weight=weight / total_weight, tokens=int(picks[index, d]) * run.seq_len,
+                available_tokens=int((domain_tokens or {}).get(name, 0)),
+                epochs=int(cumulative[index, d]) / domain_samples[name], max_epochs=max_repetition(cfg, stage, name),
+            ))
+    plan.problems += [PlanProblem("repetition", p)
+                      for p in repetition_problems(cfg, schedule, domain_samples, run.total_samples)]
+
+
+def _fill_checkpoints(plan: Plan, run: RunShape, ckpt: CheckpointShape, free_bytes: int | None) -> None:
+    plan.checkpoints = checkpoint_count(run.total_steps, ckpt.interval, ckpt.save_final)
+    plan.checkpoint_bytes = checkpoint_size(ckpt.num_parameters, ckpt.precision)
+    on_disk = plan.checkpoints if ckpt.keep_last <= 0 else min(plan.checkpoints, ckpt.keep_last + 1)
+    plan.existing_checkpoint_bytes = directory_bytes(ckpt.dir)
+    plan.disk_needed = max(0, on_disk * plan.checkpoint_bytes - plan.existing_checkpoint_bytes)
+    where = existing_parent(ckpt.dir)
+    plan.checkpoint_dir = str(ckpt.dir)
+    plan.disk_free = free_bytes if free_bytes is not None else shutil.disk_usage(where).free
+    if plan.disk_needed > plan.disk_free:
+        plan.problems.append(PlanProblem(
+            "disk",
+            f"checkpoints need {human_bytes(plan.disk_needed)} more on {where} ({on_disk} x {human_bytes(plan.checkpoint_bytes)}"
+            f" at peak with checkpoint.keep_last={ckpt.keep_last}) but only {human_bytes(plan.disk_free)} is free; "
+            "free space, lower checkpoint.keep_last, or point checkpoint.dir at a larger disk",
+        ))
+
+
+def check_plan(*args, **kwargs) -> list[PlanProblem]:
+    """The problems of `make_plan(*args, **kwargs)` (empty: the run can start)."""
+    return make_plan(*args, **kwargs).problems
+
+
+def raise_if_refused(plan: Plan) -> None:
+    """Raise PlanRefused listing every problem (the trainer's start-up check)."""
+    if plan.problems:
+        raise PlanRefused("the run plan is impossible:\n  " + "\n  ".join(f"[{p.kind}] {p.message}" for p in plan.problems))
+
+
+def plan_from_config(cfg: Any, num_parameters: int, tokens_per_s: float | None = None,
+                     free_bytes: int | None = None, domains: Mapping[str, PackedSamples] | None = None) -> Plan:
+    """The plan of a composed training config (an `AyumiConfig`, read by attribute; no pretrain import).
+
+    Reads `curriculum` (absent or without stages: no curriculum), `train`, `checkpoint`, `data.root`
+    and `deepspeed.precision`. The trainer passes the train `domains` it has already opened; without
+    them the shards under data.root are counted. A missing data root is a `data` problem, not an exception.
+    """
+    curriculum = getattr(cfg, "curriculum", None)
+    train, ckpt = cfg.train, cfg.checkpoint
+    run = RunShape(train.tokens, train.seq_len, train.global_batch_size, getattr(train, "max_steps", 0))
+    shape = CheckpointShape(num_parameters, cfg.deepspeed.precision, ckpt.interval, ckpt.keep_last,
+                            ckpt.save_final, ckpt.dir)
+    if domains is not None:
+        tokens = {name: samples.num_tokens for name, samples in domains.items()}
+        counts = {name: len(samples) for name, samples in domains.items()}
+    else:
+        try:
+            tokens, counts = available_samples(cfg.data.root, train.seq_len)
+        except ShardFormatError as err:
+            plan = make_plan(curriculum, run, None, None, shape, tokens_per_s, free_bytes)
+            plan.problems.insert(0, PlanProblem("data", f"{err} (per-domain availability and repetition are unchecked)"))
+            return plan
+    if not enabled(curriculum) and getattr(cfg.data, "domains", None):
+        counts = {name: n for name, n in counts.items() if name in cfg.data.domains}
+    return make_plan(curriculum, run, tokens, counts, shape, tokens_per_s, free_bytes)
+
+
+# -- printing ----------------------------------------------------------------------------------------
+def human_count(n: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def human_bytes(n: float) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def human_duration(seconds: float) -> str:
+    days, rest = divmod(int(seconds), 86400)
+    hours, rest = divmod(rest, 3600)
+    return f"{days}d {hours}h {rest // 60}m" if days else f"{hours}h {rest // 60}m {rest % 60}s"
+
+
+def _limit(epochs: float) -> str:
+    return "-" if math.isinf(epochs) else f"{epochs:g}x"
+
+
+def format_plan(plan: Plan) -> str:
+    """The human-readable plan: header, stage x domain table, totals, checkpoints, problems."""
+    run = plan.run
+    lines = [f"plan: curriculum {plan.curriculum!r}: {human_count(run.train_tokens)} tokens, seq_len {run.seq_len}, "
+             f"global batch {run.global_batch} = {human_count(run.tokens_per_step)} tokens/step, "
+             f"{run.total_steps:,} steps ({human_count(run.total_samples * run.seq_len)} tokens trained)", ""]
+    if plan.stages:
+        header = f"{'stage':<22} {'domain':<12} {'weight':>7} {'requested':>10} {'available':>10} {'epochs':>7} {'max':>6}  status"
+        lines += [header, "-" * len(header)]
+        for index, stage in enumerate(plan.stages):
+            lines.append(f"{index + 1} {stage.name:<20} {'':<12} {'':>7} {human_count(stage.tokens):>10} "
+                         f"{'':>10} {'':>7} {'':>6}  {stage.steps:,.1f} steps, samples [{stage.first_sample:,}, {stage.end_sample:,})")
+            for row in (r for r in plan.domains if r.stage == index):
+                lines.append(f"{'':<22} {row.domain:<12} {row.weight:>7.3f} {human_count(row.tokens):>10} "
+                             f"{human_count(row.available_tokens):>10} {row.epochs:>6.2f}x {_limit(row.max_epochs):>6}  "
+                             f"{'ok' if row.ok else 'OVER'}")
+        lines.append("")
+    if plan.checkpoint_bytes:
+        lines.append(f"checkpoints: {plan.checkpoints} saves x {human_bytes(plan.checkpoint_bytes)} each; "
+                     f"{human_bytes(plan.disk_needed)} more needed at peak, {human_bytes(plan.disk_free or 0)} free "
+                     f"at {plan.checkpoint_dir}" + (f" ({human_bytes(plan.existing_checkpoint_bytes)} already there)"
+                                                    if plan.existing_checkpoint_bytes else ""))
+    if plan.wall_time_s is not None:
+        lines.append(f"estimated wall time: {human_duration(plan.wall_time_s)} at the given throughput")
+    lines += [f"warning: {w}" for w in plan.warnings]
+    if plan.problems:
+        lines += ["", "REFUSED:"] + [f"  [{p.kind}] {p.message}" for p in plan.problems]
+    else:
+        lines.append("plan ok")
+    return "\n".join(lines)

@@ -1,0 +1,85 @@
+"""Where stages begin and end, which stage a token or sample is in, and the per-stage LR hook: pure functions.
+
+Stage boundaries are in tokens. Sample g (global stream index) covers tokens [g*L, (g+1)*L) of the
+run (L = seq_len), and belongs to the stage in effect at its first token: stage i holds the samples
+with cum[i-1] <= g*L < cum[i], where cum[i] is the sum of the budgets of stages 0..i. So stage i is
+samples [ceil(cum[i-1] / L), ceil(cum[i] / L)): a budget that is not a multiple of L is rounded up
+to whole samples, never more than one sample (L tokens) per boundary. The boundary does not wait
+for a step: a step whose global batch straddles it trains on both stages' samples.
+
+Past the last budget (the final step overshooting train.tokens, or skipped batches extending the
+run) the last stage continues with the same mixture.
+"""
+from __future__ import annotations
+
+import bisect
+from typing import Sequence
+
+from curriculum.config import LRPolicy, Stage
+
+
+def cumulative_tokens(stages: Sequence[Stage]) -> list[int]:
+    """cum[i] = tokens of stages 0..i."""
+    out, total = [], 0
+    for stage in stages:
+        total += int(stage.tokens)
+        out.append(total)
+    return out
+
+
+def stage_at(stages: Sequence[Stage], tokens: int) -> tuple[int, Stage]:
+    """(index, stage) in effect after `tokens` tokens; the last stage past the end."""
+    if not stages:
+        raise ValueError("stage_at needs at least one stage")
+    index = min(bisect.bisect_right(cumulative_tokens(stages), tokens), len(stages) - 1)
+    return index, stages[index]
+
+
+def stage_starts(stages: Sequence[Stage], seq_len: int) -> list[int]:
+    """First global sample of each stage (see the module doc for the rounding)."""
+    return [0] + [-(-cum // seq_len) for cum in cumulative_tokens(stages)[:-1]]
+
+
+def stage_ends(stages: Sequence[Stage], seq_len: int) -> list[int]:
+    """One past the planned last sample of each stage (the last stage may run past its end)."""
+    return [-(-cum // seq_len) for cum in cumulative_tokens(stages)]
+
+
+def stage_at_sample(starts: Sequence[int], sample: int) -> int:
+    """Index of the stage holding global sample `sample`, given `stage_starts`."""
+    return max(0, bisect.bisect_right(starts, sample) - 1)
+
+
+def step_in_stage(start: int, end: int, position: int, global_batch: int) -> tuple[int, int]:
+    """(step within the stage, the stage's planned steps) for a step beginning at stream `position`."""
+    stage_steps = max(1, -(-(end - start) // global_batch))
+    return max(0, (position - start) // global_batch), stage_steps
+
+
+def stage_lr(lr: float, min_lr: float, policy: LRPolicy, step: int, stage_steps: int) -> float:
+    """The LR of a step, given the run schedule's `lr` for it and the stage's policy.
+
+    Order: scale, then anneal toward min_lr (linear over the stage, reaching min_lr on its last
+    step), then the re-warmup ramp ((step+1)/rewarmup_steps, as the run's own warmup: never 0).
+    """
+    out = lr * policy.scale
+    if policy.decay_to_min:
+        progress = min(1.0, (step + 1) / max(1, stage_steps))
+        out = out + (min_lr - out) * progress
+    if policy.rewarmup_steps > 0:
+        out *= min(1.0, (step + 1) / policy.rewarmup_steps)
+    return out
+
+
+def eval_due(step: int, interval: int, dense_interval: int = 0, dense_until: int = 0) -> bool:
+    """Whether to evaluate after optimizer step `step` (1-based count of steps done).
+
+    Early instabilities hide between sparse evaluations, so the first `dense_until` steps are
+    evaluated every `dense_interval` steps, the rest every `interval` (0 = never on that schedule).
+    E.g. (200, 10, 200): steps 10, 20, ..., 200, then 400, 600, ...
+    """
+    if step <= 0:
+        return False
+    if dense_interval > 0 and step <= dense_until:
+        return step % dense_interval == 0
+    return interval > 0 and step % interval == 0

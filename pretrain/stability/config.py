@@ -1,0 +1,222 @@
+"""Stability configuration: one dataclass per concern, each field one line of user documentation.
+
+`StabilityConfig` is the `stability` node of the training config (`conf/stability/*.yaml`), with
+fault injection as the nested group `stability/inject` (`conf/stability/inject/*.yaml`). Values
+only; `check_stability_config` holds the cross-field checks. This module imports nothing from
+`pretrain.config`, which imports it.
+
+Step numbers everywhere in `pretrain.stability` follow the checkpoint convention: step k is the
+optimizer step that runs on the weights of checkpoint k (k updates already applied).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ACTIONS = ("recover", "skip", "stop", "log_only")
+COOLDOWN_SHAPES = ("linear", "constant")
+
+
+class StabilityConfigError(ValueError):
+    """A stability setting is inconsistent; the message names the field, the value and the fix."""
+
+
+@dataclass
+class DetectorConfig:
+    """Spike detection on loss and grad norm with robust rolling statistics (pretrain/stability/detector.py)."""
+
+    window: int = 200
+    """Accepted (non-outlier) steps kept; their step-to-step changes give the noise scale (a MAD)."""
+    center_window: int = 20
+    """Newest accepted steps whose median is the baseline a step is compared with (short: tracks a falling loss)."""
+    warmup_steps: int = 100
+    """No outlier verdicts before this step (early training is legitimately wild); NaN/Inf is always caught."""
+    min_history: int = 50
+    """Accepted steps needed before judging (again after a rollback rewinds the history)."""
+    loss_z: float = 6.0
+    """Robust z-score of the loss above its baseline that makes a step an outlier (with loss_min_rise)."""
+    loss_min_rise: float = 0.10
+    """...and the loss must also be this fraction above its baseline (keeps a stage switch's ~8% bump quiet)."""
+    grad_z: float = 6.0
+    """Robust z-score of log(grad norm) above its baseline that makes a step an outlier (with grad_min_ratio)."""
+    grad_min_ratio: float = 3.0
+    """...and the grad norm must also be this many times its baseline."""
+    use_grad_norm: bool = True
+    """Judge the unclipped grad norm as well as the loss (BLOOM: grad norm is the sharper signal)."""
+    large_loss_rise: float = 0.0
+    """An outlier with the loss this fraction above baseline is a spike at once (1.0 = doubled); 0 = wait for sustained."""
+    large_grad_ratio: float = 0.0
+    """An outlier with the grad norm this many times baseline is a spike at once; 0 = wait for sustained."""
+    sustained_count: int = 3
+    """This many outlier or non-finite steps within sustained_window steps make a spike."""
+    sustained_window: int = 10
+    """Steps over which sustained_count outliers are counted; also what links outliers into one episode."""
+    stage_switch_grace_steps: int = 50
+    """After the trainer reports a curriculum stage switch, the loss is not judged for this many steps."""
+
+
+@dataclass
+class RecoveryConfig:
+    """What a spike triggers: roll back, skip data, cool the LR, reset the loss scale; when to give up."""
+
+    rollback_steps: int = 100
+    """Roll back to the newest good checkpoint at least this many steps before the spike began (PaLM: ~100)."""
+    skip_batches: int = 200
+    """Global batches to skip past the rollback checkpoint's data position (PaLM: 200-500, WeLM: ~200)."""
+    lr_cooldown_factor: float = 0.5
+    """Multiply the LR by this right after a rollback (WeLM lowered the LR); 1.0 = no cool-down."""
+    lr_cooldown_steps: int = 200
+    """Length of the cool-down after a rollback, in steps."""
+    lr_cooldown_shape: str = "linear"
+    """linear (the factor ramps back to 1 over the cool-down) | constant (held, then back to 1 at once)."""
+    reset_loss_scale: bool = True
+    """fp16: after a rollback set the loss scale to 2**loss_scale_reset_power (the checkpoint holds the collapsed one)."""
+    loss_scale_reset_power: int = 16
+    """fp16: the loss scale after a rollback is 2**this."""
+    adam_eps: float | None = None
+    """If set, Adam's epsilon from the first recovery on (Molybog et al.: a smaller eps counters the collapse)."""
+    adam_beta1: float | None = None
+    """If set, Adam's beta1 from the first recovery on."""
+    max_recoveries: int = 3
+    """Recoveries allowed within recovery_window_steps; the next spike stops the run with a saved state."""
+    recovery_window_steps: int = 2000
+    """Spikes whose steps lie within this distance of each other count as repeated (replayed steps included)."""
+    max_skips_per_episode: int = 50
+    """action=skip: stop once one spike episode has skipped this many updates (skipping cannot repair weights)."""
+    ring_interval: int = 50
+    """Save a recovery checkpoint every this many steps (separate from the long-term ones); 0 = none."""
+    ring_keep: int = 3
+    """Recovery checkpoints kept (the rollback target >= rollback_steps back is always kept in addition)."""
+
+
+@dataclass
+class WatchdogConfig:
+    """fp16 loss-scale watchdog (pretrain/stability/watchdog.py); inactive in bf16/fp32."""
+
+    enabled: bool = True
+    """Watch the fp16 loss scale and the consecutive skipped steps."""
+    floor_margin_power: int = 3
+    """Reset the scale once it is <= deepspeed.min_loss_scale x 2**this (DeepSpeed raises on an overflow at the floor)."""
+    max_consecutive_skips: int = 16
+    """Reset the scale after this many overflow-skipped steps in a row."""
+    reset_scale_power: int = 16
+    """The watchdog resets the scale to 2**this."""
+    max_resets: int = 2
+    """Resets allowed within reset_window_steps; if overflows continue after them, roll back instead."""
+    reset_window_steps: int = 1000
+    """Window (in steps) over which resets are counted."""
+
+
+@dataclass
+class ClipConfig:
+    """Adaptive gradient clipping at a percentile of recent unclipped grad norms (playbook: ~p90)."""
+
+    enabled: bool = False
+    """Adapt the clip threshold; off = optim.grad_clip throughout (percentiles are logged either way)."""
+    percentile: float = 90.0
+    """The threshold is this percentile of the recent unclipped grad norms of accepted steps."""
+    warmup_steps: int = 200
+    """Grad norms recorded before the threshold adapts; until then optim.grad_clip applies."""
+    window: int = 1000
+    """Recent accepted steps whose grad norms the percentile is taken over."""
+    warn_share: float = 0.5
+    """Warn when more than this share of the window's steps were clipped (the playbook: lower the LR instead)."""
+
+
+@dataclass
+class TelemetryConfig:
+    """Stability telemetry under opt/ and stability/ (the unclipped global grad norm is logged every step)."""
+
+    group_norm_interval: int = 50
+    """Log grad norms and update/weight ratios per parameter group every this many steps; 0 = never."""
+    update_ratio: bool = True
+    """With the group norms, log |update| / |weight| per group (snapshots the weights for one step)."""
+    histogram_interval: int = 100
+    """Log a histogram of log10 grad norms over the percentile window every this many steps; 0 = never."""
+    histogram_bins: int = 64
+    """Bins of that histogram (fixed range, so histograms of different steps compare)."""
+    percentile_window: int = 1000
+    """Recent steps over which p50/p90/p99 of the unclipped grad norm are logged."""
+
+
+@dataclass
+class InjectConfig:
+    """Fault injection for demos and tests (`stability/inject`): every list empty = off."""
+
+    lr_multiply: dict[int, float] = field(default_factory=dict)
+    """FAULT: step -> factor multiplying that step's LR (e.g. {300: 50.0, 301: 50.0})."""
+    random_batch_steps: list[int] = field(default_factory=list)
+    """FAULT: steps whose batch is replaced by uniformly random tokens."""
+    nan_loss_steps: list[int] = field(default_factory=list)
+    """FAULT: steps whose loss is made NaN before backward."""
+    fp16_overflow_steps: list[int] = field(default_factory=list)
+    """FAULT: fp16 steps whose gradients are forced to overflow (the loss is multiplied by inf)."""
+    replay: bool = False
+    """Fire again when a rollback replays a step; false = only the first time the run reaches it."""
+    seed: int = 0
+    """Seed of the random tokens (with the step and rank)."""
+
+
+@dataclass
+class StabilityConfig:
+    """Training stability: detect (detector) -> decide (policy, watchdog) -> act (the trainer)."""
+
+    enabled: bool = True
+    """Run spike detection and act on it; off = telemetry and the non-finite skip only."""
+    action: str = "recover"
+    """On a spike: recover (roll back + skip data) | skip (skip updates only) | stop (save and stop) | log_only."""
+    skip_nonfinite_loss: bool = True
+    """Skip the update of a step whose loss or grad norm is NaN/inf on any rank, even with enabled=false."""
+    detector: DetectorConfig = field(default_factory=DetectorConfig)
+    """Spike detector thresholds and windows."""
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    """Rollback, data skip, LR cool-down, loss-scale reset, escalation to stop, recovery checkpoints."""
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    """fp16 loss-scale watchdog."""
+    clip: ClipConfig = field(default_factory=ClipConfig)
+    """Adaptive gradient clipping."""
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    """What is logged and how often."""
+    inject: InjectConfig = field(default_factory=InjectConfig)
+    """Fault injection (off by default; conf/stability/inject/)."""
+
+
+def check_stability_config(cfg: StabilityConfig, min_loss_scale: float = 1.0) -> None:
+    """Cross-field checks; raises StabilityConfigError naming the field, the value and the fix."""
+    _check(cfg.action in ACTIONS, f"stability.action={cfg.action!r}: choose one of {', '.join(ACTIONS)}")
+    det, rec, dog, clip = cfg.detector, cfg.recovery, cfg.watchdog, cfg.clip
+    _check(det.window >= 3, f"stability.detector.window={det.window}: needs at least 3 steps")
+    _check(1 <= det.center_window <= det.window,
+           f"stability.detector.center_window={det.center_window}: must lie in [1, detector.window={det.window}]")
+    _check(det.min_history <= det.window,
+           f"stability.detector.min_history={det.min_history} exceeds detector.window={det.window}: lower it")
+    _check(1 <= det.sustained_count <= det.sustained_window,
+           f"stability.detector.sustained_count={det.sustained_count}: must lie in "
+           f"[1, detector.sustained_window={det.sustained_window}]")
+    _check(det.loss_min_rise >= 0 and det.grad_min_ratio >= 1,
+           "stability.detector: loss_min_rise must be >= 0 and grad_min_ratio >= 1")
+    _check(rec.rollback_steps >= 0 and rec.skip_batches >= 0,
+           "stability.recovery: rollback_steps and skip_batches must be >= 0")
+    _check(0 < rec.lr_cooldown_factor <= 1,
+           f"stability.recovery.lr_cooldown_factor={rec.lr_cooldown_factor}: must lie in (0, 1]")
+    _check(rec.lr_cooldown_shape in COOLDOWN_SHAPES,
+           f"stability.recovery.lr_cooldown_shape={rec.lr_cooldown_shape!r}: choose linear or constant")
+    _check(rec.max_recoveries >= 0, f"stability.recovery.max_recoveries={rec.max_recoveries}: must be >= 0")
+    _check(rec.ring_interval >= 0 and rec.ring_keep >= 1,
+           "stability.recovery: ring_interval must be >= 0 and ring_keep >= 1")
+    floor = min_loss_scale * 2 ** dog.floor_margin_power
+    _check(2 ** dog.reset_scale_power > floor,
+           f"stability.watchdog.reset_scale_power={dog.reset_scale_power}: 2**{dog.reset_scale_power} must exceed "
+           f"min_loss_scale x 2**floor_margin_power = {floor:g}, or every reset would trigger the next")
+    _check(2 ** rec.loss_scale_reset_power > floor,
+           f"stability.recovery.loss_scale_reset_power={rec.loss_scale_reset_power}: 2**it must exceed {floor:g}")
+    _check(0 < clip.percentile < 100, f"stability.clip.percentile={clip.percentile}: must lie in (0, 100)")
+    _check(clip.window >= 1 and clip.warmup_steps >= 0, "stability.clip: window >= 1 and warmup_steps >= 0")
+    _check(cfg.telemetry.percentile_window >= 1 and cfg.telemetry.histogram_bins >= 1,
+           "stability.telemetry: percentile_window and histogram_bins must be >= 1")
+    _check(all(factor > 0 for factor in cfg.inject.lr_multiply.values()),
+           f"stability.inject.lr_multiply={dict(cfg.inject.lr_multiply)}: factors must be > 0")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise StabilityConfigError(message)
