@@ -174,6 +174,9 @@ class SkippableAdamW(torch.optim.AdamW):
         """Skip when any gradient on any rank is inf/NaN (one tiny all-reduce per step)."""
         self.veto = False
         """Set by the trainer before the boundary step: skip this step's update."""
+        self.gate = None
+        """Optional callable asked inside the step (the grad norm is known by then): False withholds."""
+        self._gate_answer: bool | None = None
         self.withheld = False
         """Whether the last boundary step's update (any sub-group) was withheld."""
 
@@ -186,9 +189,19 @@ class SkippableAdamW(torch.optim.AdamW):
                     break
         return not any_rank(not finite)
 
+    def _gate_allows(self) -> bool:
+        # ZeRO-3 steps once per parameter sub-group: ask the gate once per optimizer step.
+        if self._gate_answer is None:
+            self._gate_answer = bool(self.gate()) if self.gate is not None else True
+        return self._gate_answer
+
+    def new_boundary(self) -> None:
+        self.withheld = False
+        self._gate_answer = None
+
     @torch.no_grad()
     def step(self, closure=None):
-        if self.veto or (self.check_finite and not self._grads_finite_on_all_ranks()):
+        if self.veto or (self.check_finite and not self._grads_finite_on_all_ranks()) or not self._gate_allows():
             self.withheld = True
             return None
         return super().step(closure)
@@ -208,7 +221,8 @@ def build_optimizer(model: torch.nn.Module, cfg: AyumiConfig, device: torch.devi
     return SkippableAdamW(
         groups, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
         weight_decay=cfg.optim.weight_decay, fused=device.type == "cuda",
-        check_finite=cfg.stability.skip_nonfinite_loss,
+        # With the stability gate on, the detector sees a non-finite loss or grad norm itself.
+        check_finite=cfg.stability.skip_nonfinite_loss and not cfg.stability.enabled,
     )
 
 
@@ -253,6 +267,7 @@ class TrainEngine:
         from deepspeed.runtime.base_optimizer import ZeROOptimizer
 
         self._scale_loss_here = self.precision == "fp16" and not isinstance(self.optimizer, ZeROOptimizer)
+        self._own_norm: float | None = None
         self._last_norm: float | None = None
 
     # -- training -----------------------------------------------------------------------------
@@ -282,6 +297,7 @@ class TrainEngine:
         """Call after every backward; at the accumulation boundary the optimizer steps."""
         boundary = self.engine.is_gradient_accumulation_boundary()
         norm = self._stage0_grad_norm() if boundary and self._needs_own_norm() else None
+        self._own_norm = norm
         self.engine.step()
         if not boundary:
             return None
@@ -315,7 +331,20 @@ class TrainEngine:
         """Skip (or not) the optimizer update of the coming boundary step."""
         if self.can_withhold_updates:
             self.client_optimizer.veto = withhold
-            self.client_optimizer.withheld = False
+            self.client_optimizer.new_boundary()
+
+    def set_update_gate(self, gate) -> None:
+        """`gate()` is asked inside each optimizer step, once DeepSpeed has the global grad norm
+        (`current_grad_norm()`); returning False withholds that update. Same answer on all ranks."""
+        if self.can_withhold_updates:
+            self.client_optimizer.gate = gate
+
+    def current_grad_norm(self) -> float | None:
+        """The unclipped global grad norm of the step in progress (valid inside the gate)."""
+        if self._own_norm is not None:
+            return self._own_norm
+        norm = getattr(self.optimizer, "_global_grad_norm", None)
+        return None if norm is None else float(norm)
 
     def update_was_withheld(self) -> bool:
         return self.can_withhold_updates and self.client_optimizer.withheld

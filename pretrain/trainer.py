@@ -8,6 +8,7 @@ Decisions that change control flow (stop on a signal) are agreed by all ranks fi
 from __future__ import annotations
 
 import math
+import shutil
 import signal
 import time
 from dataclasses import asdict, dataclass, field
@@ -17,16 +18,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from curriculum.mixer import Mixer, SkipLedger
+from curriculum.mixer import Mixer, SkipLedger, merge_ranges
 from curriculum.schedule import eval_due
 from data.packed import PackedSamples
-from pretrain.checkpoint import Checkpointer, latest_tag, resolve_checkpoint
+from pretrain.checkpoint import Checkpointer, complete_tags, latest_tag, resolve_checkpoint, step_of, tag_for
 from pretrain.config import AyumiConfig, tokens_per_step
-from pretrain.engine import DistInfo, TrainEngine, all_reduce_tensor, barrier
+from pretrain.engine import DistInfo, TrainEngine, all_reduce_tensor, barrier, broadcast_object
 from pretrain.loader import BatchLoader
 from pretrain.metrics import NullLogger, format_count
 from pretrain.model.flops import flops_per_token
+from pretrain.model.llama import layer_groups
 from pretrain.optim import lr_at
+from pretrain.stability.policy import Action, ring_checkpoints_to_delete
+from pretrain.stability.recovery import StabilityMonitor
+from pretrain.stability.telemetry import group_metrics, update_to_weight_ratios
 
 # Dense bf16 peak FLOP/s per GPU, for MFU (vendor datasheets; no sparsity).
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12, "V100": 125e12}
@@ -64,6 +69,7 @@ class TrainResult:
     tokens: int
     stopped_by_signal: bool
     final_loss: float | None
+    stopped_by_stability: str | None = None
     val_losses: dict[str, float] = field(default_factory=dict)
 
 
@@ -113,21 +119,40 @@ class Trainer:
         # Skipped sample ranges also live outside checkpoints, so that resuming from a checkpoint
         # older than a skip still never replays the skipped batches.
         self.skip_ledger = SkipLedger(Path(cfg.run_dir) / "skipped_samples.json")
+        self.skips: list[tuple[int, int]] = [tuple(r) for r in self.skip_ledger.load()]
         if self.mixer is not None:
-            self.mixer.add_skips(self.skip_ledger.load())
+            self.mixer.add_skips(self.skips)
+        stab = cfg.stability
+        self.stability = StabilityMonitor(stab, cfg.optim.grad_clip, cfg.deepspeed.min_loss_scale, knobs=_knobs(cfg))
+        self.ring = Checkpointer(Path(cfg.checkpoint.dir) / "recovery", keep_last=0, rank=dist.rank, barrier=barrier)
+        self._pending: tuple[int, float] | None = None  # (step, all-reduced loss) for the update gate
+        if stab.enabled:
+            engine.set_update_gate(self._update_gate)
+            if not engine.can_withhold_updates:
+                logger.info("note: with ZeRO-Offload's CPU Adam ayumi cannot withhold single updates; "
+                            "spikes still roll back, and DeepSpeed skips overflow steps itself")
+        if self.stability.injector.active:
+            logger.info(f"FAULT INJECTION ON (stability.inject): {cfg.stability.inject} — a fire drill, not a real run")
+        self.checkpoint_steps: list[int] = []
 
     # -- state ----------------------------------------------------------------------------------
     def shared_state(self) -> dict[str, Any]:
-        shared = {"train": asdict(self.state), "loader": self.loader.state_dict()}
+        shared = {"train": asdict(self.state), "loader": self.loader.state_dict(),
+                  "stability": self.stability.state_dict(), "skips": [list(r) for r in self.skips]}
         if self.mixer is not None:
             shared["mixer"] = self.mixer.state_dict()
         return shared
 
-    def load_shared_state(self, shared: dict[str, Any]) -> None:
+    def load_shared_state(self, shared: dict[str, Any], with_stability: bool = True) -> None:
+        """Restore counters, data position and (unless rolling back in-process) the stability history."""
         self.state = TrainState(**shared["train"])
         self.loader.load_state_dict(shared["loader"])
+        self.add_skips(shared.get("skips", []))
         if self.mixer is not None and "mixer" in shared:
             self.mixer.load_state_dict(shared["mixer"])
+            self.mixer.add_skips(self.skips)
+        if with_stability and "stability" in shared:
+            self.stability.load_state_dict(shared["stability"])
 
     def resume_if_possible(self) -> int | None:
         """Load `latest` (or checkpoint.load_from); returns the resumed step, None for a fresh start."""
@@ -140,6 +165,7 @@ class Trainer:
             return None
         shared, meta = self.checkpointer.load(self.engine, tag, root=root)
         self.load_shared_state(shared)
+        self.apply_optimizer_overrides()
         self.logger.info(f"resumed from {root / tag} at step {self.state.step} ({format_count(self.state.tokens)} tokens)")
         return self.state.step
 
@@ -147,6 +173,37 @@ class Trainer:
         start = time.perf_counter()
         path = self.checkpointer.save(self.engine, self.state.step, self.shared_state(), self.run_meta)
         self.logger.info(f"saved checkpoint {path} ({reason}, {time.perf_counter() - start:.1f}s)")
+        self.refresh_checkpoint_steps()
+
+    def save_recovery_checkpoint(self) -> None:
+        """The cheap, frequent ring that makes a rollback >= rollback_steps back always possible."""
+        step = self.state.step
+        if self.stability.in_episode(step):
+            return  # weights taken during an outlier episode are never a rollback target
+        self.ring.save(self.engine, step, self.shared_state(), self.run_meta)
+        if self.dist.is_main:
+            rec = self.cfg.stability.recovery
+            ring_steps = [step_of(tag) for tag in complete_tags(self.ring.root)]
+            for old in ring_checkpoints_to_delete(ring_steps, rec.ring_keep, step, rec.rollback_steps,
+                                                  self.stability.policy.bad_steps):
+                shutil.rmtree(self.ring.root / tag_for(old), ignore_errors=True)
+        barrier()
+        self.refresh_checkpoint_steps()
+
+    def refresh_checkpoint_steps(self) -> None:
+        """Steps of every complete checkpoint (long-term and ring), identical on all ranks."""
+        steps = None
+        if self.dist.is_main:
+            steps = sorted({step_of(t) for root in (self.checkpointer.root, self.ring.root) for t in complete_tags(root)})
+        self.checkpoint_steps = broadcast_object(steps)
+        self.stability.set_checkpoints(self.checkpoint_steps)
+
+    def checkpoint_root_of(self, step: int) -> Path:
+        """Where checkpoint `step` lives (the long-term folder wins over the ring)."""
+        for root in (self.checkpointer.root, self.ring.root):
+            if (root / tag_for(step) / "ayumi.json").is_file():
+                return root
+        raise FileNotFoundError(f"no complete checkpoint for step {step} under {self.checkpointer.root}")
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> TrainResult:
@@ -154,20 +211,30 @@ class Trainer:
         if self.cfg.checkpoint.save_on_signal:
             self.stop.install()
         self.logger.set_progress(self.total_steps, self.state.step)
+        self.refresh_checkpoint_steps()
         self.engine.train()
         last_loss: float | None = None
         stopped = False
+        stability_stop: str | None = None
         max_steps = self.cfg.train.max_steps
         start_step = self.state.step
         if start_step >= self.total_steps:
             self.logger.info(f"run {self.cfg.name} is already complete ({start_step} steps); nothing to do")
         try:
             while self.state.step < self.total_steps and not (max_steps and self.state.step >= max_steps):
-                metrics, stop_requested = self.train_step()
+                metrics, stop_requested, action = self.train_step()
                 last_loss = metrics.get("train/loss", last_loss)
                 step = self.state.step
-                if step % self.cfg.train.log_interval == 0 or step == self.total_steps:
+                if step % self.cfg.train.log_interval == 0 or step == self.total_steps or action.kind != "none":
                     self.logger.log(step, metrics)
+                if action.kind == "rollback":
+                    self.roll_back(action)
+                    continue
+                if action.kind == "stop":
+                    stability_stop = action.message
+                    self.logger.info(f"STOPPING: {action.message}")
+                    self.save("stability stop")
+                    break
                 if self.should_evaluate(step):
                     self.evaluate()
                 if stop_requested:
@@ -179,14 +246,23 @@ class Trainer:
                 if self.cfg.checkpoint.interval and step % self.cfg.checkpoint.interval == 0 \
                         and step < self.total_steps:
                     self.save("interval")
+                elif self.ring_due(step):
+                    self.save_recovery_checkpoint()
             else:
                 if self.cfg.checkpoint.save_final and self.state.step > start_step:
                     self.save("final")
-            val = {} if stopped or not self.val_sets else self.evaluate()
+            val = {} if stopped or stability_stop or not self.val_sets else self.evaluate()
         finally:
             self.stop.restore()
             self.loader.close()
-        return TrainResult(self.state.step, self.state.tokens, stopped, last_loss, val)
+        return TrainResult(self.state.step, self.state.tokens, stopped, last_loss,
+                           stopped_by_stability=stability_stop, val_losses=val)
+
+    def ring_due(self, step: int) -> bool:
+        stab = self.cfg.stability
+        interval = stab.recovery.ring_interval
+        return stab.enabled and stab.action == "recover" and interval > 0 and step % interval == 0 \
+            and step < self.total_steps
 
     def announce(self) -> None:
         cfg = self.cfg
@@ -203,73 +279,218 @@ class Trainer:
             return False  # the final evaluation runs after the loop
         return eval_due(step, train.eval_interval, train.eval_dense_interval, train.eval_dense_until)
 
-    def train_step(self) -> tuple[dict[str, Any], bool]:
-        """One optimizer step over grad_accum micro-batches; returns (metrics, stop agreed by all ranks)."""
+    # -- one step -------------------------------------------------------------------------------
+    def begin_step(self, step: int) -> float:
+        """LR (schedule x stage policy x cool-down x injected fault) and clip for step `step`."""
         self.skip_recorded_ranges()
-        lr = lr_at(self.state.step, self.cfg.optim, self.total_steps)
+        self.stability.new_step()
+        lr = lr_at(step, self.cfg.optim, self.total_steps)
         if self.mixer is not None:
             lr = self.mixer.lr(lr, self.cfg.optim.min_lr)
+        lr *= self.stability.lr_factor(step)
         self.engine.set_lr(lr)
+        if self.cfg.stability.clip.enabled:
+            self.engine.set_grad_clip(self.stability.clip_threshold())
+        faults = self.stability.injector.faults_at(step)
+        if faults:
+            self.logger.event("fault_injected", step, self.state.tokens,
+                              f"injected {', '.join(faults)} (stability.inject fire drill)", faults=faults)
+        self.engine.withhold_next_update(False)
+        return lr
+
+    def corrupt_batches(self, step: int, batches) -> None:
+        """Fault injection: replace this step's tokens with uniformly random ones."""
+        if not self.stability.injector.should_randomize_batch(step):
+            return
+        for index, batch in enumerate(batches):
+            noise = self.stability.injector.random_tokens(tuple(batch.input_ids.shape), self.cfg.model.vocab_size,
+                                                          step * 1000 + index, self.dist.rank)
+            tokens = torch.from_numpy(noise).to(batch.input_ids.device)
+            batch.input_ids.copy_(tokens)
+            batch.labels[:, :-1].copy_(tokens[:, 1:])
+
+    def faulty_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        """Fault injection: a NaN loss, or a loss so large that fp16 gradients overflow."""
+        injector = self.stability.injector
+        if injector.should_nan_loss(step):
+            return loss * float("nan")
+        if injector.should_force_overflow(step):
+            return loss * 1e30
+        return loss
+
+    def _update_gate(self) -> bool:
+        """Asked inside the optimizer step, once DeepSpeed knows the global grad norm."""
+        if self._pending is None:
+            return True
+        step, loss = self._pending
+        action = self.stability.judge(step, loss, self.engine.current_grad_norm(), self.checkpoint_steps)
+        return self.stability.allows_update(action)
+
+    def train_step(self) -> tuple[dict[str, Any], bool, Action]:
+        """One optimizer step over grad_accum micro-batches.
+
+        Returns (metrics, stop agreed by all ranks, the stability action to carry out). The loss
+        of the whole step is all-reduced before the optimizer update, so the stability decision
+        (taken inside the update, when the grad norm is known) is the same on every rank.
+        """
+        step = self.state.step
+        lr = self.begin_step(step)
         start = time.perf_counter()
         batches = self.loader.next_step()
+        self.corrupt_batches(step, batches)
         num_domains = len(self.domain_names)
         # Per-domain [loss sum, sample count], plus the total loss sum and the stop flag: one
-        # all-reduce per step carries everything the ranks must agree on or report. The sums stay
-        # on the training device until then: a .cpu() per micro-batch would make the host wait
-        # for the GPU after every backward (bench/step_overhead.py).
-        device = self.dist.device
-        domain_sums = torch.zeros(2 * num_domains, dtype=torch.float64, device=device)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        # all-reduce per step carries everything the ranks must agree on or report.
+        domain_sums = torch.zeros(2 * num_domains, dtype=torch.float64)
+        loss_sum = torch.zeros((), dtype=torch.float64)
         result = None
-        for batch in batches:
+        telemetry: dict[str, float] = {}
+        reduced = None
+        before = None
+        mean_loss = float("nan")
+        for index, batch in enumerate(batches):
             out = self.engine.forward(batch.input_ids, batch.labels)
-            self.engine.backward(out.loss)
+            loss = self.faulty_loss(step, out.loss)
+            self.engine.backward(loss)
+            # The reported loss is the cross-entropy (no z-loss); an injected NaN shows in it too.
+            logged = out.ce_loss * float("nan") if self.stability.injector.should_nan_loss(step) else out.ce_loss
+            loss_sum += logged.double().cpu()
+            sample_loss = out.sample_loss.double().cpu()
+            domain_sums.index_add_(0, batch.domains, sample_loss)
+            domain_sums.index_add_(0, batch.domains + num_domains, torch.ones_like(sample_loss))
+            if index == len(batches) - 1:
+                stop_flag = torch.tensor([1.0 if self.stop.received is not None else 0.0], dtype=torch.float64)
+                reduced = all_reduce_tensor(torch.cat([loss_sum.reshape(1), domain_sums, stop_flag]))
+                mean_loss = float(reduced[0]) / (len(batches) * self.dist.world_size)
+                self._pending = (step, mean_loss)
+                telemetry, before = self.pre_update_telemetry(step)
             result = self.engine.micro_step() or result
-            loss_sum += out.ce_loss.double()
-            sample_loss = out.sample_loss.double()
-            domains = batch.domains.to(device, non_blocking=True)
-            domain_sums.index_add_(0, domains, sample_loss)
-            domain_sums.index_add_(0, domains + num_domains, torch.ones_like(sample_loss))
-        stop_flag = torch.tensor([1.0 if self.stop.received is not None else 0.0], dtype=torch.float64, device=device)
-        reduced = all_reduce_tensor(torch.cat([loss_sum.reshape(1), domain_sums, stop_flag])).cpu()
+        self._pending = None
         step_time = time.perf_counter() - start
+
+        grad_norm = result.grad_norm if result is not None else None
+        # DeepSpeed skipped the update itself (fp16 overflow, non-finite bf16 grads): judge now.
+        self.stability.judge(step, mean_loss, grad_norm, self.checkpoint_steps)
+        applied = bool(result is not None and result.applied and not self.engine.update_was_withheld())
+        action, events, reset_scale = self.stability.after_step(step, self.engine.loss_scale(), applied)
+        if reset_scale is not None:
+            self.engine.reset_loss_scale(reset_scale)
+        if before is not None and applied:
+            telemetry.update(group_metrics(update_to_weight_ratios(before, self.engine.full_fp32_params()),
+                                           "stability/update_ratio"))
 
         self.state.step += 1
         self.state.tokens += self.tokens_per_step
         self.state.wall_time += step_time
-        if result is not None and not result.applied:
+        if not applied:
             self.state.skipped_steps += 1
-        loss = float(reduced[0]) / (len(batches) * self.dist.world_size)
-        metrics = self.step_metrics(loss, lr, result, step_time)
-        if self.mixer is not None:
-            self.log_curriculum_events(self.mixer.advance(self.loader.consumed_samples))
-            metrics.update(self.mixer.metrics())
+        metrics = self.step_metrics(mean_loss, lr, result, step_time)
+        metrics.update(self.stability.metrics(step))
+        metrics.update(telemetry)
         counts = reduced[1 + num_domains:1 + 2 * num_domains]
         for index, name in enumerate(self.domain_names):
             if counts[index] > 0:
                 metrics[f"train/loss/{name}"] = float(reduced[1 + index] / counts[index])
-        return metrics, bool(reduced[-1] > 0)
+        if self.mixer is not None:
+            self.log_curriculum_events(self.mixer.advance(self.loader.consumed_samples))
+            metrics.update(self.mixer.metrics())
+        for event in events:
+            self.log_stability_event(event)
+        return metrics, bool(reduced[-1] > 0), action
+
+    def pre_update_telemetry(self, step: int) -> tuple[dict[str, float], dict | None]:
+        """Every telemetry.group_norm_interval steps: grad norm per group, and weights before the update.
+
+        Runs on every rank between the last backward and the update: under ZeRO the full
+        gradients and fp32 weights are gathered from their partitions (collective).
+        """
+        interval = self.cfg.stability.telemetry.group_norm_interval
+        if interval <= 0 or step % interval:
+            return {}, None
+        metrics = group_metrics(self.engine.group_grad_norms(layer_groups), "opt/grad_norm")
+        before = self.engine.full_fp32_params() if self.cfg.stability.telemetry.update_ratio else None
+        return metrics, before
+
+    def log_stability_event(self, event: dict[str, Any]) -> None:
+        event = dict(event)
+        kind, step, message = event.pop("event"), event.pop("step"), event.pop("message")
+        self.logger.event(kind, step, self.state.tokens, message, **event)
+
+    # -- recovery -------------------------------------------------------------------------------
+    def roll_back(self, action: Action) -> None:
+        """Load checkpoint `to_step`, skip the batches around the spike, cool the LR, carry on.
+
+        The stability history (recovery count, bad steps, cool-down) stays as it is in memory:
+        the checkpoint predates the spike and must not make the run forget it. Checkpoints of
+        the abandoned timeline are deleted and the recovered state is saved at once, so a crash
+        from here on resumes after the skip, never before it.
+        """
+        began = time.perf_counter()
+        to_step = int(action.to_step)
+        root = self.checkpoint_root_of(to_step)
+        shared, _ = self.checkpointer.load(self.engine, tag_for(to_step), root=root)
+        self.load_shared_state(shared, with_stability=False)
+        self.drop_checkpoints_after(to_step)
+        self.skip_batches(action.skip_batches)
+        if action.reset_loss_scale is not None:
+            self.engine.reset_loss_scale(action.reset_loss_scale)
+        self.apply_optimizer_overrides()
+        self.stability.rewound(to_step)
+        latency = time.perf_counter() - began
+        self.logger.event("recovered", to_step, self.state.tokens,
+                          f"rolled back to step {to_step} ({root.name}), skipped {action.skip_batches} batches, "
+                          f"LR x{action.lr_factor:g} cooling over {action.cooldown_steps} steps; "
+                          f"training again after {latency:.1f}s", latency_s=latency, to_step=to_step,
+                          skip_batches=action.skip_batches)
+        self.logger.set_progress(self.total_steps, self.state.step)
+        self.save("after rollback")
+
+    def drop_checkpoints_after(self, step: int) -> None:
+        """Delete checkpoints of the abandoned timeline (later than the rollback target)."""
+        if self.dist.is_main:
+            for root in (self.checkpointer.root, self.ring.root):
+                for tag in complete_tags(root):
+                    if step_of(tag) > step:
+                        shutil.rmtree(root / tag, ignore_errors=True)
+        barrier()
+        self.refresh_checkpoint_steps()
+
+    def apply_optimizer_overrides(self) -> None:
+        overrides = self.stability.policy.optimizer_overrides()
+        if overrides:
+            self.engine.set_adam_hparams(eps=overrides.get("eps"), beta1=overrides.get("beta1"))
 
     def log_curriculum_events(self, events) -> None:
         for event in events:
             self.logger.event(event.kind, self.state.step, self.state.tokens, event.message, **event.fields)
 
+    def add_skips(self, ranges) -> None:
+        self.skips = [tuple(r) for r in merge_ranges([*self.skips, *[tuple(r) for r in ranges]])]
+
     def skip_recorded_ranges(self) -> None:
         """After restoring a position older than a recorded skip, jump over the skipped batches again."""
-        if self.mixer is None:
-            return
-        due = self.mixer.skip_due(self.loader.consumed_samples)
-        if due:
-            self.skip_batches(due)
+        position = self.loader.consumed_samples
+        for start, stop in self.skips:
+            if start <= position < stop:
+                self.skip_batches(-(-(stop - position) // self.loader.global_batch))
+                return
 
     def skip_batches(self, num_batches: int) -> None:
         """Advance the data stream past `num_batches` global batches that will never be trained on."""
+        if num_batches <= 0:
+            return
+        start = self.loader.consumed_samples
         self.loader.skip(num_batches)
+        self.add_skips([(start, self.loader.consumed_samples)])
         if self.mixer is not None:
-            events = self.mixer.skip(num_batches)
-            if self.dist.is_main:
-                self.skip_ledger.save(self.mixer.skips)
-            self.log_curriculum_events(events)
+            self.log_curriculum_events(self.mixer.skip(num_batches))
+        else:
+            self.logger.event("batches_skipped", self.state.step, self.state.tokens,
+                              f"skipped {num_batches} batch(es): global samples [{start:,}, "
+                              f"{self.loader.consumed_samples:,}) will never be trained on",
+                              skip_start=start, skip_stop=self.loader.consumed_samples, batches=num_batches)
+        if self.dist.is_main:
+            self.skip_ledger.save([list(r) for r in self.skips])
 
     def step_metrics(self, loss: float, lr: float, result, step_time: float) -> dict[str, Any]:
         tokens_per_s = self.tokens_per_step / step_time if step_time > 0 else 0.0
@@ -330,3 +551,11 @@ class Trainer:
                 self.state.step, ", ".join(f"{name} {value:.4f}" for name, value in results.items())))
         barrier()
         return results
+
+
+def _knobs(cfg: AyumiConfig) -> dict[str, Any]:
+    """Current values of the settings a stability stop message may advise changing."""
+    return {"optim.lr": cfg.optim.lr, "optim.warmup_steps": cfg.optim.warmup_steps,
+            "stability.clip.enabled": cfg.stability.clip.enabled, "optim.eps": cfg.optim.eps,
+            "model.embedding_grad_alpha": cfg.model.embedding_grad_alpha, "model.z_loss": cfg.model.z_loss,
+            "model.qk_norm": cfg.model.qk_norm}
