@@ -20,6 +20,10 @@ from pretrain.config import AyumiConfig
 METRICS_FILE = "metrics.jsonl"
 EVENTS_FILE = "events.jsonl"
 WANDB_ID_FILE = "wandb_run_id"
+# Events worth a W&B alert (an e-mail/Slack ping when the run is online).
+ALERT_EVENTS = {"spike": "WARN", "rollback": "WARN", "recovered": "INFO", "loss_scale_reset": "WARN",
+                "loss_scale_alarm": "WARN", "stop": "ERROR", "stability_stop": "ERROR"}
+EVENT_COLUMNS = ["step", "tokens", "event", "message"]
 
 
 def format_count(value: float) -> str:
@@ -88,6 +92,7 @@ class NullLogger:
 
     def log(self, step: int, metrics: dict[str, Any], console: bool = True) -> None: ...
     def event(self, kind: str, step: int, tokens: int, message: str = "", **fields: Any) -> None: ...
+    def histogram(self, step: int, name: str, counts, edges) -> None: ...
     def info(self, message: str) -> None: ...
     def set_progress(self, total_steps: int, start_step: int) -> None: ...
     def summary(self, values: dict[str, Any]) -> None: ...
@@ -111,6 +116,16 @@ class MetricsLogger(NullLogger):
         self._total_steps = 0
         self._start_step = 0
         self._start_time = time.perf_counter()
+        self._last_step = -1
+        self._wandb_step = -1
+        self._event_rows: list[list[Any]] = []
+
+    def _wandb_step_for(self, step: int) -> int:
+        """W&B needs a step that never decreases; after a rollback the trainer's step does."""
+        if step != self._last_step:
+            self._wandb_step = max(step, self._wandb_step + 1)
+            self._last_step = step
+        return self._wandb_step
 
     def _start_wandb(self, resolved_config: dict[str, Any]):
         import wandb
@@ -149,7 +164,7 @@ class MetricsLogger(NullLogger):
         clean = {key: value for key, value in metrics.items() if value is not None}
         self._metrics.write(json.dumps({"step": step, **clean}) + "\n")
         if self._wandb_run is not None:
-            self._wandb_run.log(clean, step=step)
+            self._wandb_run.log({**clean, "trainer/step": step}, step=self._wandb_step_for(step))
         if console and self.cfg.logging.console:
             self.info(console_line(step, self._total_steps, clean, self._eta(step)))
 
@@ -159,7 +174,29 @@ class MetricsLogger(NullLogger):
         self._events.write(json.dumps(record, default=str) + "\n")
         self.info(f"[event] {kind} at step {step} ({format_count(tokens)} tokens){': ' + message if message else ''}")
         if self._wandb_run is not None:
-            self._wandb_run.log({f"events/{kind}": 1}, step=step)
+            self._wandb_event(kind, step, tokens, message)
+
+    def _wandb_event(self, kind: str, step: int, tokens: int, message: str) -> None:
+        import wandb
+
+        self._event_rows.append([step, tokens, kind, message])
+        # The whole table each time: W&B shows the latest version of a logged table.
+        self._wandb_run.log({f"events/{kind}": 1, "events/table": wandb.Table(columns=EVENT_COLUMNS,
+                                                                              data=self._event_rows)},
+                            step=self._wandb_step_for(step))
+        if kind in ALERT_EVENTS:
+            try:
+                self._wandb_run.alert(title=f"ayumi {self.cfg.name}: {kind} at step {step}", text=message or kind,
+                                      level=getattr(wandb.AlertLevel, ALERT_EVENTS[kind]))
+            except Exception as err:  # alerts need a live connection; offline runs keep the event row
+                self.info(f"(W&B alert not sent: {err})")
+
+    def histogram(self, step: int, name: str, counts, edges) -> None:
+        if self._wandb_run is not None:
+            import wandb
+
+            self._wandb_run.log({name: wandb.Histogram(np_histogram=(counts, edges))},
+                                step=self._wandb_step_for(step))
 
     def info(self, message: str) -> None:
         print(message, file=self.stream, flush=True)

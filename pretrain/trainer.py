@@ -31,7 +31,7 @@ from pretrain.model.llama import layer_groups
 from pretrain.optim import lr_at
 from pretrain.stability.policy import Action, ring_checkpoints_to_delete
 from pretrain.stability.recovery import StabilityMonitor
-from pretrain.stability.telemetry import group_metrics, update_to_weight_ratios
+from pretrain.stability.telemetry import group_metrics, log10_histogram, update_to_weight_ratios
 
 # Dense bf16 peak FLOP/s per GPU, for MFU (vendor datasheets; no sparsity).
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12, "V100": 125e12}
@@ -396,7 +396,14 @@ class Trainer:
             metrics.update(self.mixer.metrics())
         for event in events:
             self.log_stability_event(event)
+        self.log_histogram(step)
         return metrics, bool(reduced[-1] > 0), action
+
+    def log_histogram(self, step: int) -> None:
+        telemetry = self.cfg.stability.telemetry
+        if telemetry.histogram_interval > 0 and step % telemetry.histogram_interval == 0 and step > 0:
+            counts, edges = log10_histogram(self.stability.percentiles.values(), telemetry.histogram_bins)
+            self.logger.histogram(self.state.step, "opt/grad_norm_log10_hist", counts, edges)
 
     def pre_update_telemetry(self, step: int) -> tuple[dict[str, float], dict | None]:
         """Every telemetry.group_norm_interval steps: grad norm per group, and weights before the update.

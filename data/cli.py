@@ -1,0 +1,141 @@
+"""`ayumi data prepare|inspect`: corpus files to token shards, and a look at what was made.
+
+    ayumi data prepare data=NAME tokenizer_dir=DIR [key=value ...] [--cfg job]
+    ayumi data inspect DATA_ROOT [--samples N] [--chars N] [--tokenizer-dir DIR]
+
+`prepare` composes `conf/data_prepare.yaml` with Hydra's Compose API (overrides as in any ayumi
+command; `--cfg job` prints the resolved config and exits).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+USAGE = __doc__.split("\n\n")[1]
+
+
+def compose(overrides: list[str]):
+    """The composed `data_prepare` config (a DictConfig) for these overrides."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    from data.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return hydra_compose("data_prepare", overrides=overrides)
+
+
+def resolved_yaml(cfg) -> str:
+    """The config as `--cfg job` prints it: interpolations resolved, each domain with its defaults filled in."""
+    from data.config import DomainConfig
+
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    plain["data"]["domains"] = {
+        name: OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(DomainConfig), node))
+        for name, node in plain["data"]["domains"].items()
+    }
+    return OmegaConf.to_yaml(plain)
+
+
+@contextlib.contextmanager
+def _console_logging():
+    """Show `ayumi.data` INFO lines on stderr while a command runs (removed after, for in-process callers)."""
+    logger = logging.getLogger("ayumi.data")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[data] %(levelname)s %(message)s"))
+    previous = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous)
+
+
+def _split_cfg_flag(argv: list[str]) -> tuple[bool, list[str]]:
+    """(whether `--cfg job` was given, the remaining overrides)."""
+    if "--cfg" not in argv:
+        return False, list(argv)
+    at = argv.index("--cfg")
+    if argv[at + 1:at + 2] != ["job"]:
+        raise SystemExit("ayumi data prepare: only `--cfg job` is supported")
+    return True, argv[:at] + argv[at + 2:]
+
+
+def prepare_main(argv: list[str]) -> int:
+    """`ayumi data prepare`: returns the exit code (1 with one clear line on a known error)."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from data.config import ConfigError, prepare_config
+    from data.manifest import ManifestError
+    from data.prepare import PrepareError, prepare
+    from data.shards import ShardFormatError
+    from tokenizer import TokenizerNotFoundError
+    from tokenizer.sources import CorpusError
+
+    show_cfg, overrides = _split_cfg_flag(argv)
+    try:
+        cfg = compose(overrides)
+        if show_cfg:
+            print(resolved_yaml(cfg), end="")
+            return 0
+        with _console_logging():
+            manifest = prepare(prepare_config(cfg))
+    except (HydraException, OmegaConfBaseException, ConfigError, CorpusError, PrepareError, ManifestError,
+            ShardFormatError, TokenizerNotFoundError) as err:
+        print(f"ayumi data prepare: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("ayumi data prepare: interrupted; finished domains are kept, re-run to continue", file=sys.stderr)
+        return 130
+    totals = manifest["totals"]
+    print(f"prepared {len(manifest['domains'])} domains under {cfg.data.root}: {totals['docs_kept']:,} docs, "
+          f"{totals['tokens']:,} tokens, {totals['shards']} shards (see `ayumi data inspect {cfg.data.root}`)")
+    return 0
+
+
+def inspect_main(argv: list[str]) -> int:
+    """`ayumi data inspect DATA_ROOT`."""
+    from data.inspect import inspect_root
+    from data.manifest import ManifestError
+    from data.shards import ShardFormatError
+    from tokenizer import TokenizerNotFoundError
+
+    parser = argparse.ArgumentParser(prog="ayumi data inspect", description="per-domain docs/tokens/shards and decoded samples")
+    parser.add_argument("root", help="DATA_ROOT written by `ayumi data prepare`")
+    parser.add_argument("--samples", type=int, default=2, help="documents shown per domain and split (0 = none)")
+    parser.add_argument("--chars", type=int, default=160, help="characters shown per sample")
+    parser.add_argument("--tokenizer-dir", default=None, help="tokenizer folder to decode with (default: the manifest's)")
+    args = parser.parse_args(argv)
+    try:
+        print(inspect_root(args.root, samples=args.samples, chars=args.chars, tokenizer_dir=args.tokenizer_dir))
+    except (ManifestError, ShardFormatError, TokenizerNotFoundError) as err:
+        print(f"ayumi data inspect: error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    """Entry of `ayumi data ...` (called by pretrain/cli.py)."""
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print("usage:\n" + USAGE)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "prepare":
+        if rest and rest[0] in ("-h", "--help"):
+            print("usage:\n" + USAGE + "\n\nfields: data/config.py (DataPrepareConfig, DomainConfig, CleanConfig); "
+                  "`ayumi data prepare --cfg job` prints the defaults")
+            return 0
+        return prepare_main(rest)
+    if command == "inspect":
+        return inspect_main(rest)
+    print(f"ayumi data: unknown command {command!r}\nusage:\n{USAGE}", file=sys.stderr)
+    return 2

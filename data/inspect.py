@@ -1,0 +1,111 @@
+"""`ayumi data inspect DATA_ROOT`: what a prepared data root holds, per domain, with decoded samples."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from data.manifest import load_manifest
+from data.shards import ShardReader, find_shards
+
+
+def _number(value: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f}{unit}"
+    return f"{value:g}"
+
+
+def summary_table(manifest: dict) -> list[str]:
+    """One line per domain: kept/dropped docs, train/val tokens, shards and bytes."""
+    header = f"{'domain':<14}{'read':>9}{'kept':>9}{'dropped':>9}{'train tok':>11}{'val tok':>10}{'val docs':>9}{'shards':>7}{'bytes':>9}"
+    lines = [header, "-" * len(header)]
+    for name, record in manifest["domains"].items():
+        splits = record["splits"]
+        train, val = splits.get("train", {}), splits.get("val", {})
+        lines.append(
+            f"{name:<14}{_number(record['docs_read']):>9}{_number(record['docs_kept']):>9}"
+            f"{_number(sum(record['dropped'].values())):>9}{_number(train.get('tokens', 0)):>11}"
+            f"{_number(val.get('tokens', 0)):>10}{val.get('docs', 0):>9}"
+            f"{sum(len(s['shards']) for s in splits.values()):>7}{_number(sum(s['bytes'] for s in splits.values())):>9}"
+        )
+    totals = manifest["totals"]
+    lines.append(f"total: {totals['docs_kept']:,} docs, {totals['tokens']:,} tokens, {totals['shards']} shards, "
+                 f"{totals['bytes'] / 2**20:.1f} MiB")
+    return lines
+
+
+def drop_lines(manifest: dict) -> list[str]:
+    """Per domain, what was dropped and why, with the first location of each reason."""
+    lines = []
+    for name, record in manifest["domains"].items():
+        for reason, count in record["dropped"].items():
+            where = record.get("drop_examples", {}).get(reason, [])
+            lines.append(f"  {name}: {reason}={count:,}" + (f" (e.g. {where[0]})" if where else ""))
+    return lines
+
+
+def _decoder(manifest: dict, tokenizer_dir: str | None):
+    """A decode function for the manifest's tokenizer, or (None, reason) when it is not available."""
+    from tokenizer import load_tokenizer_info
+
+    expected = manifest["tokenizer"]["sha256"]
+    if tokenizer_dir:
+        info = load_tokenizer_info(tokenizer_dir)
+        model_path, sha = info.model_path, info.sha256
+    else:
+        from tokenizer import tokenizer_sha256
+
+        model_path = Path(manifest["tokenizer"]["model_path"])
+        if not model_path.is_file():
+            return None, f"tokenizer {model_path} not found (pass --tokenizer-dir): showing token ids"
+        sha = tokenizer_sha256(model_path)
+    if sha != expected:
+        return None, (f"tokenizer {model_path} has sha256 {sha[:12]}…, the shards were made with {expected[:12]}…: "
+                      "showing token ids")
+    import sentencepiece as spm
+
+    processor = spm.SentencePieceProcessor(model_file=str(model_path))
+    return processor.decode, None
+
+
+def sample_lines(root: Path, manifest: dict, samples: int, chars: int, tokenizer_dir: str | None) -> list[str]:
+    """The first `samples` documents of each domain's train and val shards, decoded (EOS shown as ⟨eos⟩)."""
+    decode, note = _decoder(manifest, tokenizer_dir)
+    lines = [f"({note})"] if note else []
+    eos = manifest["tokenizer"]["eos_id"]
+    for name, record in manifest["domains"].items():
+        for split in record["splits"]:
+            prefixes = find_shards(root / name / split)
+            if not prefixes:
+                continue
+            reader = ShardReader(prefixes[0])
+            for index in range(min(samples, len(reader))):
+                ids = reader[index].tolist()
+                has_eos = bool(ids) and ids[-1] == eos
+                body = ids[:-1] if has_eos else ids
+                text = decode(body) if decode else " ".join(map(str, body[:64]))
+                shown = text[:chars].replace("\n", "⏎") + ("…" if len(text) > chars else "")
+                lines.append(f"  {name}/{split} #{index} ({len(ids)} tokens): {shown}{' ⟨eos⟩' if has_eos else ''}")
+    return lines
+
+
+def inspect_root(root: str | os.PathLike, samples: int = 2, chars: int = 160, tokenizer_dir: str | None = None) -> str:
+    """The report `ayumi data inspect` prints."""
+    root = Path(root)
+    manifest = load_manifest(root)
+    tokenizer = manifest["tokenizer"]
+    overlap = manifest["overlap_check"]
+    lines = [
+        f"data root {root} ({manifest['name']}): tokenizer {tokenizer['model_path']} sha256 {tokenizer['sha256'][:16]}… "
+        f"vocab {tokenizer['vocab_size']}",
+        "",
+        *summary_table(manifest),
+        "",
+        f"train/val overlap check: passed ({overlap['val_docs']:,} val docs against {overlap['train_docs_checked']:,} train docs)",
+    ]
+    dropped = drop_lines(manifest)
+    if dropped:
+        lines += ["", "dropped:", *dropped]
+    if samples > 0:
+        lines += ["", "samples:", *sample_lines(root, manifest, samples, chars, tokenizer_dir)]
+    return "\n".join(lines)

@@ -1,0 +1,63 @@
+"""Cleaning filters: each is pure, configurable, and names the reason it drops a document."""
+import pytest
+
+from data.clean import Cleaner, DropCounts, content_key, script_share, symbol_share, tidy_whitespace
+from data.config import CleanConfig
+
+
+def test_tidy_whitespace():
+    raw = "\ufeff  Title  \r\n\r\nline one\t \nline\x00 two   \n\n\n\n\nend  \n\n"
+    assert tidy_whitespace(raw) == "Title\n\nline one\nline two\n\nend"
+    assert tidy_whitespace("a   b\t\tc") == "a   b\t\tc"  # spacing inside lines kept (code)
+    assert tidy_whitespace("a   b\t\tc", collapse_spaces=True) == "a b c"
+    assert tidy_whitespace("    indented\n        more") == "indented\n        more"
+
+
+def test_normalization_forms():
+    text = "ｶﾀｶﾅ ＡＢＣ　１２３ e\u0301"
+    assert Cleaner(CleanConfig(normalize="NFKC", tidy_whitespace=False))(text)[0] == "カタカナ ABC 123 é"
+    assert Cleaner(CleanConfig(normalize="NFC", tidy_whitespace=False))(text)[0] == "ｶﾀｶﾅ ＡＢＣ　１２３ é"
+    assert Cleaner(CleanConfig(normalize="none", tidy_whitespace=False))(text)[0] == text
+
+
+@pytest.mark.parametrize("cfg, text, reason", [
+    (CleanConfig(), " \n\t \n", "empty_after_clean"),
+    (CleanConfig(min_chars=10), "short", "too_short"),
+    (CleanConfig(max_chars=5), "far too long", "too_long"),
+    (CleanConfig(script="ja", min_script_share=0.5), "This is English with 一 kanji", "low_script_share"),
+    (CleanConfig(script="latin", min_script_share=0.5), "これは日本語です", "low_script_share"),
+    (CleanConfig(max_symbol_share=0.3), "!!! ??? ### $$$ word", "too_many_symbols"),
+])
+def test_each_filter_names_its_reason(cfg, text, reason):
+    assert Cleaner(cfg)(text) == (None, reason)
+
+
+def test_filters_keep_good_documents():
+    cfg = CleanConfig(normalize="NFKC", min_chars=5, max_chars=100, script="ja", min_script_share=0.6, max_symbol_share=0.3)
+    assert Cleaner(cfg)("吾輩は猫である。名前はまだ無い。") == ("吾輩は猫である。名前はまだ無い。", None)
+
+
+def test_script_share():
+    assert script_share("ひらがなカタカナ漢字", "ja") == 1.0
+    assert script_share("abc かな", "ja") == pytest.approx(2 / 5)
+    assert script_share("12345 !!!", "latin") == 0.0  # no letters at all
+    assert script_share("Crème brûlée", "latin") == 1.0
+    assert symbol_share("a!") == 0.5 and symbol_share("") == 0.0
+
+
+def test_content_key_ignores_spacing_and_width_only():
+    key = content_key("Hello world\nsecond line")
+    assert len(key) == 16
+    assert content_key("Hello  world second\tline") == key
+    assert content_key("Ｈｅｌｌｏ world\nsecond line") == key  # full-width letters: NFKC folds them
+    assert content_key("Hello world\nsecond line!") != key
+    assert content_key("hello world\nsecond line") != key  # case matters
+
+
+def test_drop_counts_keep_first_locations_only():
+    counts = DropCounts()
+    for i in range(8):
+        counts.add("too_short", f"f.jsonl:{i}")
+    counts.add("duplicate", "g.jsonl:1")
+    assert counts.counts == {"too_short": 8, "duplicate": 1} and counts.total == 9
+    assert counts.examples["too_short"] == [f"f.jsonl:{i}" for i in range(5)]

@@ -1,0 +1,61 @@
+"""`ayumi data prepare|inspect` as users run them: Hydra overrides in, shards + manifest + report out."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from data.manifest import MANIFEST_NAME
+from pretrain.cli import main as ayumi
+from tests.data.helpers import JA_PARAGRAPHS, write_jsonl
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_prepare_then_inspect_in_process(tmp_path, tokenizer_dir, en_texts, capsys):
+    write_jsonl(tmp_path / "en" / "a.jsonl", en_texts[:60])
+    (tmp_path / "ja").mkdir()
+    (tmp_path / "ja" / "a.txt").write_text("\n\n".join(JA_PARAGRAPHS + ["English only paragraph here."]), encoding="utf-8")
+    root = tmp_path / "root"
+    code = ayumi(["data", "prepare", "data=tiny", f"tokenizer_dir={tokenizer_dir}", f"data.root={root}", "workers=0",
+                  "progress=false", f"data.domains.en.inputs=['{tmp_path}/en/*.jsonl']",
+                  f"data.domains.ja.inputs=['{tmp_path}/ja/*.txt']", "data.domains.ja.val_count=1",
+                  "data.domains.ja.val_fraction=0"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "prepared 2 domains" in out
+    manifest = json.loads((root / MANIFEST_NAME).read_text())
+    assert manifest["domains"]["ja"]["dropped"] == {"low_script_share": 1}
+    assert manifest["domains"]["ja"]["splits"]["val"]["docs"] == 1
+    assert ayumi(["data", "inspect", str(root), "--samples", "1"]) == 0
+    report = capsys.readouterr().out
+    assert "ja" in report and "en" in report and "overlap check: passed" in report
+    assert "low_script_share=1" in report
+    assert "⟨eos⟩" in report and any(paragraph[:10] in report for paragraph in JA_PARAGRAPHS), report
+
+
+def test_prepare_errors_are_one_clear_line(tmp_path, tokenizer_dir, capsys):
+    code = ayumi(["data", "prepare", f"tokenizer_dir={tokenizer_dir}", f"data.root={tmp_path}/r", "progress=false",
+                  f"data.domains.en.inputs=['{tmp_path}/missing/*.jsonl']", f"data.domains.ja.inputs=['{tmp_path}/x']"])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "error: data.domains.en.inputs" in err and "Traceback" not in err
+    assert ayumi(["data", "prepare", "bogus=1"]) == 1
+    assert "bogus" in capsys.readouterr().err
+    assert ayumi(["data", "inspect", str(tmp_path / "nothing")]) == 1
+    assert "ayumi data prepare" in capsys.readouterr().err
+
+
+def test_cfg_job_and_worker_processes_through_the_real_command(tmp_path, tokenizer_dir, en_texts):
+    """The console command in a fresh process, with 2 spawned workers, as a user runs it."""
+    write_jsonl(tmp_path / "en" / "a.jsonl", en_texts[:80])
+    write_jsonl(tmp_path / "ja" / "a.jsonl", JA_PARAGRAPHS)
+    args = [sys.executable, "-m", "pretrain.cli", "data", "prepare", f"tokenizer_dir={tokenizer_dir}",
+            f"data.root={tmp_path}/root", "workers=2", f"data.domains.en.inputs=['{tmp_path}/en/*.jsonl']",
+            f"data.domains.ja.inputs=['{tmp_path}/ja/*.jsonl']", "data.domains.ja.text_unit=line"]
+    shown = subprocess.run(args + ["--cfg", "job"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0 and f"root: {tmp_path}/root" in shown.stdout and "workers: 2" in shown.stdout
+    assert not (tmp_path / "root").exists()
+    done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "docs/s" in done.stderr  # the progress bar
+    assert (tmp_path / "root" / MANIFEST_NAME).is_file()

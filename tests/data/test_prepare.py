@@ -1,0 +1,335 @@
+"""Corpus → shards end to end, with a real SentencePiece tokenizer on real text.
+
+Round trip, determinism across worker counts, split stability, overlap detection, resume after a
+kill, bad inputs, empty domains, and the tokenizer-sha contract with training.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import sentencepiece as spm
+
+from data.clean import Cleaner, content_key
+from data.config import CleanConfig
+from data.manifest import KEYS_NAME, MANIFEST_NAME, check_manifest_tokenizer, load_manifest
+from data.packed import PackedSamples, domains_under
+from data.prepare import EmptyDomainError, OverlapError, prepare, split_threshold
+from data.shards import ShardReader, TokenizerMismatchError, check_tokenizer, find_shards
+from tests.data.helpers import JA_PARAGRAPHS, domain, make_config, write_jsonl
+from tokenizer import load_tokenizer_info
+from tokenizer.sources import CorpusError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def read_split(root: Path, name: str, split: str) -> list[np.ndarray]:
+    directory = root / name / split
+    if not directory.is_dir():
+        return []
+    return [doc.copy() for prefix in find_shards(directory) for doc in ShardReader(prefix)]
+
+
+def split_keys(root: Path, name: str, split: str) -> list[bytes]:
+    path = root / name / split / KEYS_NAME
+    data = path.read_bytes() if path.is_file() else b""
+    return [data[i:i + 16] for i in range(0, len(data), 16)]
+
+
+def tree_bytes(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def expected_splits(texts: list[str], clean: CleanConfig, val_fraction: float) -> dict[str, list[str]]:
+    """What the shards must hold, computed independently: clean, de-dup by key, split by key."""
+    cleaner, seen = Cleaner(clean), set()
+    out = {"train": [], "val": []}
+    for text in texts:
+        cleaned, reason = cleaner(text)
+        if reason:
+            continue
+        key = content_key(cleaned)
+        if key in seen:
+            continue
+        seen.add(key)
+        split = "val" if int.from_bytes(key[:8], "big") < split_threshold(val_fraction) else "train"
+        out[split].append(cleaned)
+    return out
+
+
+@pytest.fixture
+def en_corpus(tmp_path, en_texts) -> Path:
+    """Two jsonl files of real English with messy whitespace and some duplicates (also across files)."""
+    messy = [text.replace("\n", "  \r\n") + "   \n\n\n\n" for text in en_texts]
+    write_jsonl(tmp_path / "in" / "en" / "a.jsonl", messy[:120] + messy[:5])
+    write_jsonl(tmp_path / "in" / "en" / "b.jsonl", messy[120:] + messy[10:13])
+    return tmp_path / "in" / "en"
+
+
+def test_round_trip_decodes_to_cleaned_text(tmp_path, tokenizer_dir, en_corpus, en_texts):
+    clean = CleanConfig(min_chars=100)
+    cfg = make_config(tmp_path / "root", tokenizer_dir, {
+        "en": domain([en_corpus / "*.jsonl"], val_fraction=0.1, shard_max_mb=0.02, clean=clean)})
+    manifest = prepare(cfg)
+    raw = [json.loads(line)["text"] for name in ("a", "b") for line in open(en_corpus / f"{name}.jsonl", encoding="utf-8")]
+    expected = expected_splits(raw, clean, 0.1)
+    sp = spm.SentencePieceProcessor(model_file=str(tokenizer_dir / "tokenizer.model"))
+    for split in ("train", "val"):
+        docs = read_split(tmp_path / "root", "en", split)
+        assert all(doc[-1] == 2 for doc in docs), "every document ends with EOS"
+        assert [sp.decode(doc[:-1].tolist()) for doc in docs] == expected[split]
+    record = manifest["domains"]["en"]
+    assert record["docs_kept"] == len(expected["train"]) + len(expected["val"])
+    assert record["dropped"]["duplicate"] >= 8 and "too_short" in record["dropped"]
+    assert record["docs_read"] == len(raw) and record["files_read"] == 2
+    assert len(record["splits"]["train"]["shards"]) > 1, "the size cap makes several shards"
+    for shard in record["splits"]["train"]["shards"]:
+        assert shard["bytes"] <= 0.02 * 2**20 or shard["docs"] == 1
+    assert 0 < record["splits"]["val"]["docs"] < record["splits"]["train"]["docs"]
+
+
+def test_same_bytes_for_any_worker_count(tmp_path, tokenizer_dir, en_corpus):
+    ja = write_jsonl(tmp_path / "in" / "ja.jsonl", JA_PARAGRAPHS * 2 + ["ｶﾀｶﾅの文章です。" * 5])
+    trees = []
+    for workers in (0, 2):
+        root = tmp_path / f"root{workers}"
+        cfg = make_config(root, tokenizer_dir, {
+            "en": domain([en_corpus / "*.jsonl"], val_fraction=0.2, shard_max_mb=0.03),
+            "ja": domain([ja], val_count=2, clean=CleanConfig(normalize="NFKC", script="ja", min_script_share=0.5)),
+        }, workers=workers, chunk_mb=0.01)  # small chunks: many in flight, out of order across workers
+        prepare(cfg)
+        trees.append(tree_bytes(root))
+    assert trees[0] == trees[1]
+    assert any(name.endswith(".bin") for name in trees[0]) and MANIFEST_NAME in trees[0]
+
+
+def test_split_is_stable_when_files_are_added(tmp_path, tokenizer_dir, en_texts):
+    first = write_jsonl(tmp_path / "in" / "a.jsonl", en_texts[:100])
+    cfg = make_config(tmp_path / "r1", tokenizer_dir, {"en": domain([first], val_fraction=0.2)})
+    prepare(cfg)
+    write_jsonl(tmp_path / "in" / "b.jsonl", en_texts[100:])
+    cfg = make_config(tmp_path / "r2", tokenizer_dir, {"en": domain([tmp_path / "in" / "*.jsonl"], val_fraction=0.2)})
+    prepare(cfg)
+    before = {split: set(split_keys(tmp_path / "r1", "en", split)) for split in ("train", "val")}
+    after = {split: set(split_keys(tmp_path / "r2", "en", split)) for split in ("train", "val")}
+    assert before["val"] and before["val"] <= after["val"] and before["train"] <= after["train"]
+    assert len(after["val"]) > len(before["val"])
+
+
+def test_val_count_takes_the_smallest_keys(tmp_path, tokenizer_dir, en_corpus):
+    cfg = make_config(tmp_path / "root", tokenizer_dir, {"en": domain([en_corpus / "*.jsonl"], val_count=7)})
+    prepare(cfg)
+    val, train = split_keys(tmp_path / "root", "en", "val"), split_keys(tmp_path / "root", "en", "train")
+    assert len(val) == 7 and len(read_split(tmp_path / "root", "en", "val")) == 7
+    assert max(val) < min(train) and not set(val) & set(train)
+
+
+def test_overlap_across_domains_fails_the_run(tmp_path, tokenizer_dir, en_texts):
+    shared = write_jsonl(tmp_path / "in" / "shared.jsonl", en_texts[:150])
+    extra = write_jsonl(tmp_path / "in" / "extra.jsonl", en_texts[150:])
+    # Same documents in two domains with different val fractions: some are val in one, train in the other.
+    cfg = make_config(tmp_path / "root", tokenizer_dir, {
+        "raw": domain([shared, extra], val_fraction=0.3),
+        "curated": domain([shared], val_fraction=0.05),
+    })
+    with pytest.raises(OverlapError, match=r"validation documents also sit in training data.*val of 'raw'.*train of 'curated'"):
+        prepare(cfg)
+    assert not (tmp_path / "root" / MANIFEST_NAME).exists(), "a failed check leaves no manifest"
+    # The same val_fraction puts a shared document in the same split everywhere: the check passes.
+    cfg.data.domains["curated"].val_fraction = 0.3
+    manifest = prepare(cfg)
+    assert manifest["overlap_check"]["passed"] and manifest["overlap_check"]["val_docs"] > 0
+
+
+def test_rerun_skips_finished_work_and_is_byte_identical(tmp_path, tokenizer_dir, en_corpus, caplog):
+    cfg = make_config(tmp_path / "root", tokenizer_dir, {"en": domain([en_corpus / "*.jsonl"], val_fraction=0.1)})
+    prepare(cfg)
+    before = tree_bytes(tmp_path / "root")
+    mtimes = {p: p.stat().st_mtime_ns for p in (tmp_path / "root" / "en").rglob("*.bin")}
+    caplog.set_level("INFO", logger="ayumi.data")
+    prepare(cfg)
+    assert "up to date" in caplog.text
+    assert tree_bytes(tmp_path / "root") == before
+    assert {p: p.stat().st_mtime_ns for p in mtimes} == mtimes, "finished shards are not rewritten"
+    # A changed input redoes the domain.
+    with open(en_corpus / "b.jsonl", "a", encoding="utf-8") as handle:
+        handle.write(json.dumps({"text": "A brand new document about tokenizers and shards, long enough to keep."}) + "\n")
+    caplog.clear()
+    manifest = prepare(cfg)
+    assert "up to date" not in caplog.text
+    assert manifest["domains"]["en"]["docs_read"] == load_manifest(tmp_path / "root")["domains"]["en"]["docs_read"]
+
+
+KILLER = """
+import os, signal, sys
+from pathlib import Path
+sys.path.insert(0, {repo!r})
+import data.prepare as prepare_module
+from tests.data.helpers import domain, make_config
+from data.config import CleanConfig
+
+calls = 0
+original = prepare_module.ShardSequence.add
+def add_then_die(self, key, tokens):
+    global calls
+    calls += 1
+    if calls == {kill_after}:
+        os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no finally: like a crash or the OOM killer
+    return original(self, key, tokens)
+prepare_module.ShardSequence.add = add_then_die
+cfg = make_config(Path({root!r}), Path({tok!r}), {{
+    "en": domain([{en!r}], val_fraction=0.1, shard_max_mb=0.01),
+    "ja": domain([{ja!r}], val_fraction=0.1, shard_max_mb=0.0001),
+}}, workers={workers})
+prepare_module.prepare(cfg)
+"""
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_after_a_killed_run(tmp_path, tokenizer_dir, en_corpus, workers):
+    ja = write_jsonl(tmp_path / "in" / "ja.jsonl", [p * (i + 1) for i, p in enumerate(JA_PARAGRAPHS)])
+    root = tmp_path / "root"
+    en_kept = prepare(make_config(tmp_path / "count", tokenizer_dir, {"en": domain([en_corpus / "*.jsonl"])}))["totals"]["docs_kept"]
+    # Dying at the 4th ja document leaves en finished and ja half written.
+    script = KILLER.format(repo=str(REPO), root=str(root), tok=str(tokenizer_dir), en=str(en_corpus / "*.jsonl"),
+                           ja=str(ja), kill_after=en_kept + 4, workers=workers)
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == -9, done.stderr
+    assert not (root / MANIFEST_NAME).exists()
+    assert (root / "en" / "domain.json").is_file(), "the finished domain was published"
+    assert not (root / "ja").exists(), "the interrupted domain is not published"
+    assert list((root / ".partial" / "ja").rglob("*.idx")), "the kill left partial shards behind (in .partial only)"
+    cfg = make_config(root, tokenizer_dir, {"en": domain([en_corpus / "*.jsonl"], val_fraction=0.1, shard_max_mb=0.01),
+                                            "ja": domain([ja], val_fraction=0.1, shard_max_mb=0.0001)})
+    prepare(cfg)
+    assert not (root / ".partial").exists()
+    clean_root = tmp_path / "clean"
+    cfg.data.root = str(clean_root)
+    prepare(cfg)
+    assert tree_bytes(root) == tree_bytes(clean_root)
+
+
+def test_interrupt_mid_domain_leaves_nothing_that_looks_complete(tmp_path, tokenizer_dir, en_corpus, monkeypatch):
+    import data.prepare as prepare_module
+
+    cfg = make_config(tmp_path / "root", tokenizer_dir, {"en": domain([en_corpus / "*.jsonl"], shard_max_mb=0.01)})
+    prepare(cfg)
+    assert (tmp_path / "root" / MANIFEST_NAME).exists()
+    cfg.data.domains["en"].clean.min_chars = 50  # config change: the domain must be redone
+    calls = {"n": 0}
+    original = prepare_module.ShardSequence.add
+
+    def interrupt(self, key, tokens):
+        calls["n"] += 1
+        if calls["n"] == 60:
+            raise KeyboardInterrupt
+        return original(self, key, tokens)
+
+    monkeypatch.setattr(prepare_module.ShardSequence, "add", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(cfg)
+    root = tmp_path / "root"
+    assert not (root / MANIFEST_NAME).exists(), "the old manifest no longer describes the root"
+    assert not list(root.rglob("*.tmp")) and not (root / ".partial" / "en").exists()
+
+
+def test_bad_inputs_are_skipped_counted_and_located(tmp_path, tokenizer_dir, en_texts):
+    good = write_jsonl(tmp_path / "in" / "good.jsonl", en_texts[:30])
+    bad = tmp_path / "in" / "bad.jsonl"
+    bad.write_bytes(
+        json.dumps({"text": en_texts[40]}).encode() + b"\n"
+        + b'{"text": "unterminated\n'
+        + b'{"text": "bad utf-8 \xff\xfe here"}\n'
+        + json.dumps({"body": "no text field"}).encode() + b"\n"
+        + json.dumps({"text": 42}).encode() + b"\n"
+    )
+    (tmp_path / "in" / "empty.jsonl").write_bytes(b"")
+    (tmp_path / "in" / "broken.jsonl.gz").write_bytes(gzip.compress(b'{"text": "x"}\n' * 100)[:12])
+    cfg = make_config(tmp_path / "root", tokenizer_dir, {"en": domain([tmp_path / "in" / "*"])})
+    record = prepare(cfg)["domains"]["en"]
+    dropped, examples = record["dropped"], record["drop_examples"]
+    assert dropped["malformed_json"] == 1 and examples["malformed_json"] == [f"{bad}:2"]
+    assert dropped["invalid_utf8"] == 1 and examples["invalid_utf8"] == [f"{bad}:3"]
+    assert dropped["missing_field"] == 1 and examples["missing_field"] == [f"{bad}:4"]
+    assert dropped["not_a_string"] == 1
+    assert dropped["empty_file"] == 1 and examples["empty_file"] == [str(tmp_path / "in" / "empty.jsonl")]
+    assert dropped["unreadable_file"] == 1 and "broken.jsonl.gz" in examples["unreadable_file"][0]
+    assert record["docs_kept"] == 31
+    # strict: the first bad record is an error naming the file and line.
+    cfg.strict = True
+    with pytest.raises(CorpusError, match=r"bad\.jsonl:2: malformed JSON"):
+        prepare(cfg)
+
+
+def test_input_pattern_matching_nothing_names_the_domain(tmp_path, tokenizer_dir):
+    cfg = make_config(tmp_path / "root", tokenizer_dir, {"en": domain([tmp_path / "nowhere" / "*.jsonl"])})
+    with pytest.raises(CorpusError, match=r"data\.domains\.en\.inputs"):
+        prepare(cfg)
+
+
+def test_domain_emptied_by_filters_is_an_error(tmp_path, tokenizer_dir, en_texts):
+    path = write_jsonl(tmp_path / "in" / "en.jsonl", en_texts[:20] + ["short"])
+    cfg = make_config(tmp_path / "root", tokenizer_dir, {
+        "ja": domain([path], clean=CleanConfig(min_chars=10, script="ja", min_script_share=0.5))})
+    with pytest.raises(EmptyDomainError, match=r"domain 'ja' is empty.*low_script_share=20 \(data\.domains\.ja\.clean\.min_script_share\).*too_short=1"):
+        prepare(cfg)
+    assert not (tmp_path / "root" / "ja").exists() and not (tmp_path / "root" / MANIFEST_NAME).exists()
+
+
+def test_all_formats_feed_one_domain(tmp_path, tokenizer_dir, en_texts):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    with gzip.open(inputs / "a.jsonl.gz", "wt", encoding="utf-8") as handle:
+        handle.writelines(json.dumps({"content": t}) + "\n" for t in en_texts[:10])
+    (inputs / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(
+        "".join(json.dumps({"content": t}) + "\n" for t in en_texts[10:20]).encode()))
+    pq.write_table(pa.table({"content": en_texts[20:30]}), inputs / "c.parquet", row_group_size=4)
+    datasets.Dataset.from_dict({"content": en_texts[30:40]}).save_to_disk(str(inputs / "d_hf"))
+    record = prepare(make_config(tmp_path / "root", tokenizer_dir, {
+        "en": domain([inputs / "*"], text_field="content")}))["domains"]["en"]
+    assert record["files_read"] == 4 and record["docs_read"] == 40
+    text_dir = tmp_path / "txt"
+    text_dir.mkdir()
+    paragraphs = [re.sub(r"\n\s*\n", "\n", text) for text in en_texts[:12]]  # no blank line inside a paragraph
+    (text_dir / "book.txt").write_text("\n\n".join(paragraphs), encoding="utf-8")
+    record = prepare(make_config(tmp_path / "root2", tokenizer_dir, {
+        "en": domain([text_dir / "book.txt"], text_unit="paragraph")}))["domains"]["en"]
+    assert record["docs_read"] == 12
+
+
+def test_trainer_contract_refuses_another_tokenizer(tmp_path, tokenizer_dir, other_tokenizer_dir, en_corpus):
+    cfg = make_config(tmp_path / "root", tokenizer_dir, {"en": domain([en_corpus / "*.jsonl"], val_fraction=0.1)})
+    manifest = prepare(cfg)
+    ours, other = load_tokenizer_info(tokenizer_dir), load_tokenizer_info(other_tokenizer_dir)
+    assert ours.sha256 != other.sha256
+    readers = [ShardReader(prefix) for prefix in find_shards(tmp_path / "root" / "en" / "train")]
+    check_tokenizer(readers, ours.sha256, ours.model_path)  # the right tokenizer passes
+    with pytest.raises(TokenizerMismatchError) as excinfo:
+        check_tokenizer(readers, other.sha256, other.model_path)
+    assert ours.sha256 in str(excinfo.value) and other.sha256 in str(excinfo.value)
+    with pytest.raises(TokenizerMismatchError) as excinfo:
+        check_manifest_tokenizer(manifest, other.sha256, other.model_path, root=str(tmp_path / "root"))
+    assert ours.sha256 in str(excinfo.value) and other.sha256 in str(excinfo.value)
+    # Re-preparing with the other tokenizer redoes the shards, stamped with its sha.
+    cfg.tokenizer_dir = str(other_tokenizer_dir)
+    assert prepare(cfg)["tokenizer"]["sha256"] == other.sha256
+    assert all(ShardReader(p).tokenizer_sha256 == other.sha256 for p in find_shards(tmp_path / "root" / "en" / "train"))
+
+
+def test_shards_feed_the_trainer_loader(tmp_path, tokenizer_dir, en_corpus):
+    prepare(make_config(tmp_path / "root", tokenizer_dir, {"en": domain([en_corpus / "*.jsonl"], val_fraction=0.1)}))
+    train_dirs = domains_under(tmp_path / "root", "train")
+    assert list(train_dirs) == ["en"] and list(domains_under(tmp_path / "root", "val")) == ["en"]
+    samples = PackedSamples.from_directory(train_dirs["en"], seq_len=32)
+    assert len(samples) > 10 and samples.sample(3).shape == (33,)
