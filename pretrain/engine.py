@@ -181,13 +181,10 @@ class SkippableAdamW(torch.optim.AdamW):
         """Whether the last boundary step's update (any sub-group) was withheld."""
 
     def _grads_finite_on_all_ranks(self) -> bool:
-        finite = True
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is not None and not bool(torch.isfinite(param.grad).all()):
-                    finite = False
-                    break
-        return not any_rank(not finite)
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        # One fused norm and one host sync for all gradients: inf/NaN anywhere makes it non-finite.
+        local = bool(torch.isfinite(torch.stack([n.float() for n in torch._foreach_norm(grads)])).all()) if grads else True
+        return not any_rank(not local)
 
     def _gate_allows(self) -> bool:
         # ZeRO-3 steps once per parameter sub-group: ask the gate once per optimizer step.

@@ -34,6 +34,10 @@ from pretrain.model.llama import Llama
 from pretrain.trainer import Trainer, TrainResult
 
 
+EXIT_STABILITY_STOP = 3
+"""Exit status when the stability machinery stopped the run (state saved; see events.jsonl)."""
+
+
 def load_tokenizer_identity(tokenizer_dir: str | None) -> dict:
     """sha256 and special ids of the run's tokenizer (empty when the run names none)."""
     if not tokenizer_dir:
@@ -146,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     result = run(cfg, resolved)
     if os.environ.get("AYUMI_RESULT_FILE") and int(os.environ.get("RANK", 0)) == 0:
         Path(os.environ["AYUMI_RESULT_FILE"]).write_text(json.dumps(asdict(result)))
-    return 0
+    # A stability stop saved its state but needs a person: a distinct status keeps schedulers
+    # with automatic requeue from restarting into the same spike.
+    return EXIT_STABILITY_STOP if result.stopped_by_stability else 0
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import math
 import shutil
 import signal
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +123,8 @@ class Trainer:
         if self.mixer is not None:
             self.mixer.add_skips(self.skips)
         stab = cfg.stability
+        if cfg.deepspeed.precision != "fp16":  # there is no loss scale to reset (or to mention)
+            stab = replace(stab, recovery=replace(stab.recovery, reset_loss_scale=False))
         self.stability = StabilityMonitor(stab, cfg.optim.grad_clip, cfg.deepspeed.min_loss_scale, knobs=_knobs(cfg))
         self.ring = Checkpointer(Path(cfg.checkpoint.dir) / "recovery", keep_last=0, rank=dist.rank, barrier=barrier)
         self._pending: tuple[int, float] | None = None  # (step, all-reduced loss) for the update gate
@@ -293,7 +295,7 @@ class Trainer:
             self.engine.set_grad_clip(self.stability.clip_threshold())
         faults = self.stability.injector.faults_at(step)
         if faults:
-            self.logger.event("fault_injected", step, self.state.tokens,
+            self.logger.event("fault_injected", step + 1, self.state.tokens + self.tokens_per_step,
                               f"injected {', '.join(faults)} (stability.inject fire drill)", faults=faults)
         self.engine.withhold_next_update(False)
         return lr
@@ -341,8 +343,10 @@ class Trainer:
         num_domains = len(self.domain_names)
         # Per-domain [loss sum, sample count], plus the total loss sum and the stop flag: one
         # all-reduce per step carries everything the ranks must agree on or report.
-        domain_sums = torch.zeros(2 * num_domains, dtype=torch.float64)
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        # Kept on the device: a .cpu() per micro-batch would make the host wait for the GPU each time.
+        device = self.dist.device
+        domain_sums = torch.zeros(2 * num_domains, dtype=torch.float64, device=device)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         result = None
         telemetry: dict[str, float] = {}
         reduced = None
@@ -354,13 +358,14 @@ class Trainer:
             self.engine.backward(loss)
             # The reported loss is the cross-entropy (no z-loss); an injected NaN shows in it too.
             logged = out.ce_loss * float("nan") if self.stability.injector.should_nan_loss(step) else out.ce_loss
-            loss_sum += logged.double().cpu()
-            sample_loss = out.sample_loss.double().cpu()
-            domain_sums.index_add_(0, batch.domains, sample_loss)
-            domain_sums.index_add_(0, batch.domains + num_domains, torch.ones_like(sample_loss))
+            loss_sum += logged.double()
+            sample_loss = out.sample_loss.double()
+            domains = batch.domains.to(device, non_blocking=True)
+            domain_sums.index_add_(0, domains, sample_loss)
+            domain_sums.index_add_(0, domains + num_domains, torch.ones_like(sample_loss))
             if index == len(batches) - 1:
                 stop_flag = torch.tensor([1.0 if self.stop.received is not None else 0.0], dtype=torch.float64)
-                reduced = all_reduce_tensor(torch.cat([loss_sum.reshape(1), domain_sums, stop_flag]))
+                reduced = all_reduce_tensor(torch.cat([loss_sum.reshape(1).cpu(), domain_sums.cpu(), stop_flag]))
                 mean_loss = float(reduced[0]) / (len(batches) * self.dist.world_size)
                 self._pending = (step, mean_loss)
                 telemetry, before = self.pre_update_telemetry(step)
@@ -369,15 +374,19 @@ class Trainer:
         step_time = time.perf_counter() - start
 
         grad_norm = result.grad_norm if result is not None else None
-        # DeepSpeed skipped the update itself (fp16 overflow, non-finite bf16 grads): judge now.
-        self.stability.judge(step, mean_loss, grad_norm, self.checkpoint_steps)
         applied = bool(result is not None and result.applied and not self.engine.update_was_withheld())
+        # DeepSpeed skipped the update itself (fp16 overflow, non-finite bf16 grads): judge now.
+        # An fp16 overflow with a finite loss is the dynamic loss scaler at work, not a spike: the
+        # watchdog owns those, so the detector judges that step on its loss alone.
+        overflow = self.cfg.deepspeed.precision == "fp16" and result is not None and not result.applied \
+            and math.isfinite(mean_loss)
+        self.stability.judge(step, mean_loss, None if overflow else grad_norm, self.checkpoint_steps)
         action, events, reset_scale = self.stability.after_step(step, self.engine.loss_scale(), applied)
         if reset_scale is not None:
             self.engine.reset_loss_scale(reset_scale)
         if before is not None and applied:
             telemetry.update(group_metrics(update_to_weight_ratios(before, self.engine.full_fp32_params()),
-                                           "stability/update_ratio"))
+                                           "stability/update_ratio/"))
 
         self.state.step += 1
         self.state.tokens += self.tokens_per_step
@@ -414,14 +423,17 @@ class Trainer:
         interval = self.cfg.stability.telemetry.group_norm_interval
         if interval <= 0 or step % interval:
             return {}, None
-        metrics = group_metrics(self.engine.group_grad_norms(layer_groups), "opt/grad_norm")
+        metrics = group_metrics(self.engine.group_grad_norms(layer_groups), "opt/grad_norm/")
         before = self.engine.full_fp32_params() if self.cfg.stability.telemetry.update_ratio else None
         return metrics, before
 
     def log_stability_event(self, event: dict[str, Any]) -> None:
+        """Stability components count steps from 0 (step k runs on checkpoint k's weights); events and
+        metrics report the steps done after it (k + 1), like the progress line."""
         event = dict(event)
         kind, step, message = event.pop("event"), event.pop("step"), event.pop("message")
-        self.logger.event(kind, step, self.state.tokens, message, **event)
+        tokens = (step + 1) * self.tokens_per_step
+        self.logger.event(kind, step + 1, tokens, message, **event)
 
     # -- recovery -------------------------------------------------------------------------------
     def roll_back(self, action: Action) -> None:
@@ -443,14 +455,14 @@ class Trainer:
             self.engine.reset_loss_scale(action.reset_loss_scale)
         self.apply_optimizer_overrides()
         self.stability.rewound(to_step)
-        latency = time.perf_counter() - began
+        self.save("after rollback")
+        latency = time.perf_counter() - began  # detection -> training again, the save included
         self.logger.event("recovered", to_step, self.state.tokens,
                           f"rolled back to step {to_step} ({root.name}), skipped {action.skip_batches} batches, "
                           f"LR x{action.lr_factor:g} cooling over {action.cooldown_steps} steps; "
                           f"training again after {latency:.1f}s", latency_s=latency, to_step=to_step,
                           skip_batches=action.skip_batches)
         self.logger.set_progress(self.total_steps, self.state.step)
-        self.save("after rollback")
 
     def drop_checkpoints_after(self, step: int) -> None:
         """Delete checkpoints of the abandoned timeline (later than the rollback target)."""
@@ -553,6 +565,7 @@ class Trainer:
         if results:
             metrics = {f"val/{name}/loss": value for name, value in results.items()}
             metrics["val/loss"] = sum(results.values()) / len(results)
+            metrics["tokens"] = self.state.tokens
             self.logger.log(self.state.step, metrics, console=False)
             self.logger.info("eval @ step {}: {}".format(
                 self.state.step, ", ".join(f"{name} {value:.4f}" for name, value in results.items())))
