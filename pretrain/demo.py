@@ -1,0 +1,177 @@
+"""`ayumi demo`: the whole pipeline on real multilingual text, on this machine, in minutes.
+
+corpus (Debian man pages in Japanese, Jane Austen, the PARI/GP manual, the Python standard
+library) -> merged 8k SentencePiece tokenizer -> token shards with validation splits -> the plan
+-> a small Llama trained through a 4-stage curriculum with DeepSpeed (2 processes on CPU, or the
+GPUs) with one injected loss spike that ayumi detects and recovers from -> per-domain evaluation
+-> the run report and an offline W&B run. Each stage is cached, so a second demo only retrains.
+
+`ayumi demo corpus` builds (or shows) just the corpus.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from pretrain.paths import REPO_ROOT
+
+EXPERIMENT = "demo"
+TOKENIZER_PRESET = "demo_8k"
+DATA_PRESET = "demo"
+# Which corpus files train which tokenizer domain (ja_clean is a filtered subset of ja_raw).
+TOKENIZER_INPUTS = {"ja": "ja_raw", "en": "en", "code": "code", "math": "math"}
+
+
+def data_root() -> Path:
+    return Path(os.environ.get("AYUMI_DATA_ROOT", REPO_ROOT / ".cache")).resolve()
+
+
+def run_root() -> Path:
+    return Path(os.environ.get("AYUMI_RUN_ROOT", REPO_ROOT / "runs")).resolve()
+
+
+class Stage:
+    """Prints a numbered banner and the stage's duration."""
+
+    def __init__(self, number: int, total: int, title: str):
+        self.label = f"[{number}/{total}] {title}"
+
+    def __enter__(self) -> "Stage":
+        self.started = time.perf_counter()
+        print(f"\n=== {self.label} ===", flush=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None:
+            print(f"--- {self.label}: done in {time.perf_counter() - self.started:.0f}s", flush=True)
+
+
+class DemoError(RuntimeError):
+    """A demo stage failed; the message says which and what to look at."""
+
+
+def check(status: int, what: str) -> None:
+    if status != 0:
+        raise DemoError(f"{what} failed (exit status {status}); the output above says why")
+
+
+def build_corpus(corpus_dir: Path) -> dict[str, Path]:
+    from data.demo_corpus import build_demo_corpus
+
+    manifest = build_demo_corpus(corpus_dir)
+    missing = manifest.get("missing") or {}
+    if not manifest.get("complete"):
+        raise DemoError(
+            "the demo corpus is incomplete (" + ", ".join(sorted(missing)) + " unavailable). "
+            "On a machine without apt-get, give your own JSONL files (one per domain, field `text`): "
+            "ayumi demo corpus --use ja_raw=ja.jsonl --use en=en.jsonl --use math=math.jsonl --use code=code.jsonl"
+        )
+    return {domain: corpus_dir / f"{domain}.jsonl" for domain in ("ja_raw", "ja_clean", "en", "math", "code")}
+
+
+def build_tokenizer(files: dict[str, Path], tokenizer_dir: Path) -> None:
+    from tokenizer import load_tokenizer_info
+    from tokenizer.cli import main as tokenizer_main
+
+    try:
+        info = load_tokenizer_info(tokenizer_dir)
+        print(f"tokenizer: {tokenizer_dir} (cached, {info.vocab_size} pieces, sha256 {info.sha256[:12]}…)")
+        return
+    except Exception:
+        pass  # not built yet (or incomplete): build it
+    overrides = [f"tokenizer={TOKENIZER_PRESET}", f"output_dir={tokenizer_dir}", "overwrite=true"]
+    overrides += [f"tokenizer.inputs.{domain}={files[source]}" for domain, source in TOKENIZER_INPUTS.items()]
+    check(tokenizer_main(["build", *overrides]), "tokenizer build")
+
+
+def prepare_shards(files: dict[str, Path], tokenizer_dir: Path, shards: Path) -> None:
+    from data.cli import main as data_main
+
+    overrides = [f"data={DATA_PRESET}", f"tokenizer_dir={tokenizer_dir}", f"data.root={shards}", "workers=2"]
+    overrides += [f"data.domains.{domain}.inputs=[{path}]" for domain, path in files.items()]
+    check(data_main(["prepare", *overrides]), "data prepare")
+
+
+def training_overrides(shards: Path, tokenizer_dir: Path, runs: Path) -> list[str]:
+    return [f"experiment={EXPERIMENT}", f"data.root={shards}", f"data.tokenizer_dir={tokenizer_dir}",
+            f"run_root={runs}"]
+
+
+def show_plan(overrides: list[str]) -> None:
+    from curriculum.cli import main as plan_main
+
+    check(plan_main(overrides), "ayumi plan")
+
+
+def train(overrides: list[str], run_dir: Path) -> None:
+    from pretrain.launch import main as launch_main
+
+    if run_dir.exists():
+        print(f"replacing the previous demo run in {run_dir}")
+        shutil.rmtree(run_dir)
+    check(launch_main(overrides), "training")
+
+
+def report(run_dir: Path) -> None:
+    from pretrain.report import main as report_main
+
+    check(report_main([str(run_dir)]), "ayumi report")
+
+
+def summary(run_dir: Path, tokenizer_dir: Path, shards: Path, corpus_dir: Path, started: float) -> str:
+    wandb_runs = sorted((run_dir / "wandb").glob("offline-run-*"))
+    lines = [
+        "",
+        f"ayumi demo finished in {(time.perf_counter() - started) / 60:.1f} min. What to open:",
+        f"  report      {run_dir / 'report' / 'summary.html'}  (and summary.md, loss.png, optim.png, throughput.png)",
+        f"  run dir     {run_dir}  (metrics.jsonl, events.jsonl, config.yaml, checkpoints/)",
+        f"  W&B         {wandb_runs[-1] if wandb_runs else run_dir / 'wandb'}",
+        f"              upload it with: wandb sync {wandb_runs[-1] if wandb_runs else '<offline-run dir>'}",
+        f"  tokenizer   {tokenizer_dir}  (tokenizer.model, tokenizer.json, eval.json)",
+        f"  shards      {shards}  (ayumi data inspect {shards})",
+        f"  corpus      {corpus_dir}",
+        f"  HF export   ayumi export hf {run_dir} out/demo_hf",
+        "The events (stage switches, the injected spike, the rollback and recovery) are listed in the report.",
+    ]
+    return "\n".join(lines)
+
+
+def main_demo(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="ayumi demo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.parse_args(argv)
+    started = time.perf_counter()
+    root, runs = data_root(), run_root()
+    corpus_dir, tokenizer_dir = root / "demo_corpus", root / "tokenizers" / TOKENIZER_PRESET
+    shards, run_dir = root / "shards" / DATA_PRESET, runs / EXPERIMENT
+    overrides = training_overrides(shards, tokenizer_dir, runs)
+    try:
+        with Stage(1, 6, "demo corpus: real Japanese, English, math and code text"):
+            files = build_corpus(corpus_dir)
+        with Stage(2, 6, "merged SentencePiece tokenizer (8k pieces)"):
+            build_tokenizer(files, tokenizer_dir)
+        with Stage(3, 6, "token shards with validation splits"):
+            prepare_shards(files, tokenizer_dir, shards)
+        with Stage(4, 6, "the plan: stages, repetition, steps, disk"):
+            show_plan(overrides)
+        with Stage(5, 6, "training: 4-stage curriculum, one injected spike, DeepSpeed"):
+            train(overrides, run_dir)
+        with Stage(6, 6, "run report"):
+            report(run_dir)
+    except DemoError as err:
+        print(f"\nayumi demo: {err}", file=sys.stderr)
+        return 1
+    print(summary(run_dir, tokenizer_dir, shards, corpus_dir, started))
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] == "corpus":
+        from data.demo_corpus import main_corpus
+
+        return main_corpus(argv[1:])
+    return main_demo(argv)
