@@ -183,7 +183,9 @@ class LoggingConfig:
     """Console, metrics.jsonl and W&B."""
 
     console: bool = True
-    """Print a progress line per log step on rank 0."""
+    """Print progress lines on rank 0."""
+    console_interval: int = 1
+    """Print a progress line every this many steps (metrics.jsonl and W&B still get every log step)."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """W&B settings."""
 

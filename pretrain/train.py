@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 
@@ -33,6 +34,9 @@ from pretrain.model.flops import count_parameters
 from pretrain.model.llama import Llama
 from pretrain.trainer import Trainer, TrainResult
 
+
+# DeepSpeed's ZeRO calls a torch collective that torch now deprecates, once per step and rank.
+warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
 
 EXIT_STABILITY_STOP = 3
 """Exit status when the stability machinery stopped the run (state saved; see events.jsonl)."""

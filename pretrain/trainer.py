@@ -228,7 +228,9 @@ class Trainer:
                 last_loss = metrics.get("train/loss", last_loss)
                 step = self.state.step
                 if step % self.cfg.train.log_interval == 0 or step == self.total_steps or action.kind != "none":
-                    self.logger.log(step, metrics)
+                    console = step % max(1, self.cfg.logging.console_interval) == 0 or step == self.total_steps \
+                        or action.kind != "none"
+                    self.logger.log(step, metrics, console=console)
                 if action.kind == "rollback":
                     self.roll_back(action)
                     continue

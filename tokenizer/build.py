@@ -68,7 +68,7 @@ def train_baseline(cfg: TokenizerConfig, samples: dict[str, DomainSample], out: 
 
 def merge_domains(cfg: TokenizerConfig, samples: dict[str, DomainSample], models: dict[str, Path], log: Log = print):
     """The merged ModelProto and which domain each learned piece came from."""
-    from tokenizer.merge import build_proto, domain_pieces, reestimate_scores
+    from tokenizer.merge import build_proto, domain_pieces, quantize_scores, reestimate_scores
 
     total = sum(s.train_bytes for s in samples.values())
     pieces = [domain_pieces(d, models[d], samples[d].train_bytes / total, cfg.domains[d].vocab_size) for d in models]
@@ -79,6 +79,8 @@ def merge_domains(cfg: TokenizerConfig, samples: dict[str, DomainSample], models
         history = reestimate_scores(proto, lines, cfg.merge.em_iterations, cfg.merge.smoothing, cfg.num_threads)
         log(f"[merge] {cfg.merge.em_iterations} Viterbi-EM passes over {len(lines)} lines in {time.time() - start:.1f}s; "
             f"tokens per pass: {', '.join(str(int(h)) for h in history)}")
+    if cfg.model_type == "unigram":
+        quantize_scores(proto, cfg.merge.score_quantum)
     shares = {d: sum(1 for o in owners.values() if o == d) for d in models}
     log(f"[merge] {len(proto.pieces)} pieces; learned pieces by first domain: {shares}")
     return proto, shares

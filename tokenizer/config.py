@@ -101,6 +101,8 @@ class MergeConfig:
     """Bytes of the mixed training sample the EM passes encode (a deterministic subset, in sample proportions)."""
     smoothing: float = 0.5
     """Add-k count smoothing in the re-estimation, so that a piece unused in the sample keeps a finite score."""
+    score_quantum: float = 0.125
+    """Round unigram scores to multiples of this power of two so SentencePiece's float32 and HF's float64 path sums are exact alike (identical ids); 0 = off."""
 
 
 @dataclass

@@ -194,3 +194,27 @@ def reestimate_scores(proto, lines: list[str], iterations: int, smoothing: float
         for i in normal:
             proto.pieces[i].score = math.log((float(counts[i]) + smoothing) / total)
     return history
+
+
+def quantize_scores(proto, quantum: float) -> int:
+    """Round NORMAL pieces' scores to multiples of `quantum` (a power of two); returns how many changed.
+
+    SentencePiece adds path scores in float32, Hugging Face's tokenizers in float64. With scores on
+    a coarse binary grid every partial sum is exactly representable in both (up to |sum| <
+    2^24 * quantum, e.g. ~200k tokens at 1/8), so both Viterbi searches compare the same numbers
+    and, iterating candidates in the same order, pick the same segmentation, ties included. Without
+    it, long documents can round differently in float32 and split differently. A 1/8 step in log
+    probability (a 13% probability ratio) costs well under 0.1% compression here.
+    """
+    if quantum <= 0:
+        return 0
+    if math.log2(quantum) != int(math.log2(quantum)):
+        raise ValueError(f"tokenizer.merge.score_quantum={quantum} must be a power of two (e.g. 0.125), or 0 for off")
+    normal_type = pb().ModelProto.SentencePiece.NORMAL
+    changed = 0
+    for piece in proto.pieces:
+        if piece.type == normal_type:
+            rounded = round(piece.score / quantum) * quantum
+            changed += rounded != piece.score
+            piece.score = rounded
+    return changed

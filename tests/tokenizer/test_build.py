@@ -119,3 +119,36 @@ def test_pad_to_multiple_and_eval_cli(corpus, tmp_path, capsys):
     assert "ja" in table and "math" in table and "hf" in table
     results = json.loads((tmp_path / "e.json").read_text())["results"]
     assert results["padded"]["domains"]["ja"]["tokens"] == results["hf"]["domains"]["ja"]["tokens"]
+
+
+def test_hf_ids_identical_on_very_long_documents(built, corpus):
+    """SentencePiece sums path scores in float32, HF in float64: the merged model's scores sit on a
+    binary grid (merge.score_quantum) so both sums are exact and long documents split alike."""
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    sp = spm.SentencePieceProcessor(model_file=str(built / "tokenizer.model"))
+    hf = AutoTokenizer.from_pretrained(str(built))
+    texts = []
+    for domain in ("ja", "code", "math", "en"):
+        path = corpus[domain]
+        files = sorted(path.glob("*")) if path.is_dir() else [path]
+        texts.append("\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files if f.is_file()))
+    long_text = "\n\n".join(texts)
+    ids = sp.encode(long_text)
+    assert len(ids) > 20_000, "the test needs a document far longer than float32 rounding tolerates"
+    assert hf(long_text, add_special_tokens=False)["input_ids"] == ids
+
+
+def test_quantized_scores_are_on_the_grid():
+    from tokenizer.merge import pb, quantize_scores
+
+    proto = pb().ModelProto()
+    normal = pb().ModelProto.SentencePiece.NORMAL
+    for score in (-3.14159, -10.0625, -7.3):
+        proto.pieces.add(piece=f"p{score}", score=score, type=normal)
+    proto.pieces.add(piece="<unk>", score=0.0, type=pb().ModelProto.SentencePiece.UNKNOWN)
+    assert quantize_scores(proto, 0.125) == 3
+    assert [p.score for p in proto.pieces] == [-3.125, -10.0, -7.25, 0.0]
+    with pytest.raises(ValueError, match="power of two"):
+        quantize_scores(proto, 0.1)

@@ -1,0 +1,63 @@
+"""The curriculum inside real DeepSpeed runs: a mid-run stage switch, per-domain metrics in
+metrics.jsonl and the W&B offline run, and a resume on a different number of ranks."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import read_jsonl, run_training, tiny_overrides, train_losses, write_tiny_corpus
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_tiny_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def check_ok(proc) -> None:
+    assert proc.returncode == 0, proc.stdout[-6000:]
+
+
+def test_stage_switch_with_per_domain_metrics_and_wandb(corpus, tmp_path):
+    runs = tmp_path / "runs"
+    check_ok(run_training(tiny_overrides(corpus, runs, "curriculum=tiny", "logging=wandb_offline")))
+    run_dir = runs / "cpu_tiny"
+    switches = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "stage_switch"]
+    # conf/curriculum/tiny.yaml: stage 2 starts at 24,000 tokens = sample 375, inside step 47.
+    assert [(e["step"], e["stage"]) for e in switches] == [(1, 1), (47, 2)]
+    records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "train/loss" in r]
+    by_step = {r["step"]: r for r in records}
+    assert by_step[46]["curriculum/stage"] == 1 and by_step[47]["curriculum/stage"] == 2
+    assert all("train/loss/ja" in r and "train/loss/en" in r for r in records)
+    # Stage 1 is 80% ja, stage 2 70% en: the trained-token counters follow the weights.
+    ja46, en46 = by_step[46]["curriculum/tokens/ja"], by_step[46]["curriculum/tokens/en"]
+    assert ja46 / (ja46 + en46) == pytest.approx(0.8, abs=0.02)
+    ja_added = by_step[128]["curriculum/tokens/ja"] - by_step[50]["curriculum/tokens/ja"]
+    en_added = by_step[128]["curriculum/tokens/en"] - by_step[50]["curriculum/tokens/en"]
+    assert en_added / (ja_added + en_added) == pytest.approx(0.7, abs=0.02)
+    # Re-warmup of stage 2 (4 steps): the LR of the switching step's successor is a quarter of plain cosine.
+    assert by_step[48]["opt/lr"] < 0.5 * by_step[46]["opt/lr"]
+    vals = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "val/ja/loss" in r]
+    assert vals and "val/en/loss" in vals[-1]
+    offline = list((run_dir / "wandb").glob("offline-run-*/*.wandb"))
+    assert len(offline) == 1
+    blob = offline[0].read_bytes()
+    for key in (b"curriculum/stage", b"train/loss/ja", b"curriculum/tokens/en", b"val/en/loss", b"events/table"):
+        assert key in blob, key
+
+
+def test_resume_on_fewer_ranks_continues_the_same_stream(corpus, tmp_path):
+    """2 ranks to step 60, then 1 rank to the end == 2 ranks all the way (ZeRO-0 loads at any size)."""
+    common = ["curriculum=tiny", "deepspeed=zero0", "checkpoint.interval=0"]
+    full = tmp_path / "full"
+    check_ok(run_training(tiny_overrides(corpus, full, *common)))
+    split = tmp_path / "split"
+    check_ok(run_training(tiny_overrides(corpus, split, *common, "train.max_steps=60")))
+    proc = run_training(tiny_overrides(corpus, split, *common), nproc=1, launcher="python")
+    check_ok(proc)
+    assert "resumed from" in proc.stdout
+    expected, got = train_losses(full / "cpu_tiny"), train_losses(split / "cpu_tiny")
+    assert sorted(got) == list(range(1, 129))
+    assert [got[s] for s in range(61, 129)] == pytest.approx([expected[s] for s in range(61, 129)], rel=1e-5)
