@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from curriculum.config import CurriculumConfig
 from pretrain.model.config import ModelConfig
-from pretrain.stability.config import StabilityConfig
+from pretrain.stability.config import StabilityConfig, StabilityConfigError, check_stability_config
 from pretrain.paths import CONF_DIR
 
 
@@ -336,6 +336,10 @@ def check_config(cfg: AyumiConfig) -> None:
         raise ConfigError(f"optim.schedule must be cosine, linear, constant or wsd, got {cfg.optim.schedule!r}")
     if cfg.optim.min_lr > cfg.optim.lr:
         raise ConfigError(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}")
+    try:
+        check_stability_config(cfg.stability, cfg.deepspeed.min_loss_scale)
+    except StabilityConfigError as err:
+        raise ConfigError(str(err)) from None
     if cfg.logging.wandb.mode not in ("offline", "online", "disabled"):
         raise ConfigError(f"logging.wandb.mode must be offline, online or disabled, got {cfg.logging.wandb.mode!r}")
     total_steps(cfg.train)

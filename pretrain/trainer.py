@@ -136,6 +136,7 @@ class Trainer:
         if self.stability.injector.active:
             logger.info(f"FAULT INJECTION ON (stability.inject): {cfg.stability.inject} — a fire drill, not a real run")
         self.checkpoint_steps: list[int] = []
+        self.evaluations = 0
 
     # -- state ----------------------------------------------------------------------------------
     def shared_state(self) -> dict[str, Any]:
@@ -548,26 +549,52 @@ class Trainer:
         ids = mine + [0] * (per_rank - len(mine))
         return [(ids[i:i + micro], weights[i:i + micro]) for i in range(0, per_rank, micro)]
 
-    @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """Mean loss over the first eval_samples samples of each validation set."""
-        self.engine.eval()
+    def _validation_losses(self, forward) -> dict[str, float]:
+        """Mean loss of `forward(inputs, labels)` over the first eval_samples samples of each set."""
         results: dict[str, float] = {}
         for name, samples in self.val_sets.items():
             total = torch.zeros(2, dtype=torch.float64)
             for ids, weights in self.eval_batches(len(samples)):
                 tokens = torch.from_numpy(np.stack([samples.sample(i) for i in ids]).astype(np.int64))
                 tokens = tokens.to(self.dist.device)
-                out = self.engine.forward(tokens[:, :-1], tokens[:, 1:])
+                out = forward(tokens[:, :-1], tokens[:, 1:])
                 weights = torch.tensor(weights, dtype=torch.float64)
                 total += torch.stack([(out.sample_loss.double().cpu() * weights).sum(), weights.sum()])
             total = all_reduce_tensor(total)
             results[name] = float(total[0] / total[1])
+        return results
+
+    def fp32_validation_losses(self) -> dict[str, float]:
+        """The same evaluation with a full fp32 copy of the weights (DALL-E Mega: bf16 and fp32
+        evaluations drifted apart late in training). Collective under ZeRO-3."""
+        from pretrain.model.llama import Llama
+
+        weights = self.engine.full_fp32_params()
+        model = Llama(self.cfg.model).to(self.dist.device)
+        missing = model.load_state_dict(weights, strict=False).missing_keys  # a tied lm_head is the embedding
+        if set(missing) - {"lm_head.weight"}:
+            raise RuntimeError(f"fp32 precision check: weights missing for {sorted(missing)}")
+        model.eval()
+        losses = self._validation_losses(lambda inputs, labels: model(inputs, labels))
+        del model, weights
+        return losses
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Mean loss over the first eval_samples samples of each validation set (+ the fp32 check)."""
+        self.engine.eval()
+        results = self._validation_losses(self.engine.forward)
         self.engine.train()
+        self.evaluations += 1
         if results:
             metrics = {f"val/{name}/loss": value for name, value in results.items()}
             metrics["val/loss"] = sum(results.values()) / len(results)
             metrics["tokens"] = self.state.tokens
+            every = self.cfg.stability.precision_check_every
+            if every > 0 and self.cfg.deepspeed.precision != "fp32" and self.evaluations % every == 0:
+                for name, value in self.fp32_validation_losses().items():
+                    metrics[f"val/{name}/loss_fp32"] = value
+                    metrics[f"val/{name}/fp32_gap"] = results[name] - value
             self.logger.log(self.state.step, metrics, console=False)
             self.logger.info("eval @ step {}: {}".format(
                 self.state.step, ", ".join(f"{name} {value:.4f}" for name, value in results.items())))

@@ -178,6 +178,8 @@ class StabilityConfig:
     """What is logged and how often."""
     inject: InjectConfig = field(default_factory=InjectConfig)
     """Fault injection (off by default; conf/stability/inject/)."""
+    precision_check_every: int = 0
+    """Every N evaluations also evaluate in fp32 (a full fp32 weight copy per rank) and log val/<domain>/fp32_gap; 0 = off."""
 
 
 def check_stability_config(cfg: StabilityConfig, min_loss_scale: float = 1.0) -> None:

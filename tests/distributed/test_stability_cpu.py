@@ -227,3 +227,20 @@ def test_nonfinite_step_leaves_weights_and_adam_moments_untouched(stage, precisi
     assert proc.returncode == 0 and lines, proc.stdout[-4000:]
     result = json.loads(lines[-1][len("RESULT "):])
     assert result == dict(same_params=True, same_moments=True, finite=True, applied=False, moved_after=True)
+
+
+def test_adaptive_clipping_follows_the_percentile_of_recent_norms(corpus, tmp_path):
+    """After 10 accepted steps the clip threshold becomes the p90 of the unclipped norms seen so far."""
+    import numpy as np
+
+    runs = tmp_path / "runs"
+    check_ok(run_training(tiny_overrides(corpus, runs, "train.tokens=16384", "stability.clip.enabled=true",
+                                         "stability.clip.warmup_steps=10", "stability.clip.window=1000")))
+    records = train_records(runs / "cpu_tiny")
+    norms = [r["opt/grad_norm"] for r in records]
+    thresholds = [r["opt/clip_threshold"] for r in records]
+    # The threshold logged with step k is the one for the next step: static (1.0) until 10 norms are in.
+    assert thresholds[:9] == [1.0] * 9
+    for k in range(10, len(records)):
+        assert thresholds[k - 1] == pytest.approx(np.percentile(norms[:k], 90), rel=1e-6)
+    assert "stability/clipped_share" in records[-1]

@@ -42,7 +42,8 @@ def test_every_zero_stage_trains_in_bf16(corpus, tmp_path):
     first_norms = {}
     for stage in (0, 1, 2, 3):
         runs = tmp_path / f"zero{stage}"
-        proc = run_training(tiny_overrides(corpus, runs, f"deepspeed=zero{stage}", "train.tokens=12288"))
+        proc = run_training(tiny_overrides(corpus, runs, f"deepspeed=zero{stage}", "train.tokens=12288",
+                                           "stability.precision_check_every=1"))
         check_ok(proc)
         records = metrics(runs / "cpu_tiny")
         assert [r["step"] for r in records] == list(range(1, 25))
@@ -55,6 +56,8 @@ def test_every_zero_stage_trains_in_bf16(corpus, tmp_path):
         assert records[-1]["tokens"] == 24 * 8 * 64
         vals = [r for r in read_jsonl(runs / "cpu_tiny" / "metrics.jsonl") if "val/ja/loss" in r]
         assert vals and vals[-1]["val/ja/loss"] < 4.5 and vals[-1]["val/en/loss"] < 4.5
+        # The fp32 evaluation beside the bf16 one (gathered from ZeRO partitions) agrees closely.
+        assert all(abs(v["val/ja/fp32_gap"]) < 0.05 and v["val/ja/loss_fp32"] > 0 for v in vals)
     for stage, norm in first_norms.items():
         assert norm == pytest.approx(first_norms[0], rel=0.03), first_norms
 
