@@ -26,7 +26,6 @@ import struct
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import time
 import unicodedata
 import zlib

@@ -575,9 +575,7 @@ class Trainer:
         if set(missing) - {"lm_head.weight"}:
             raise RuntimeError(f"fp32 precision check: weights missing for {sorted(missing)}")
         model.eval()
-        losses = self._validation_losses(lambda inputs, labels: model(inputs, labels))
-        del model, weights
-        return losses
+        return self._validation_losses(lambda inputs, labels: model(inputs, labels))
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

@@ -71,7 +71,6 @@ def run_training(overrides: list[str], nproc: int = 2, launcher: str = "torchrun
     Returns the CompletedProcess with stdout and stderr merged.
     """
     import subprocess
-    import sys
 
     from pretrain.launch import launcher_command
 

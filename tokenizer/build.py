@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 

@@ -245,7 +245,7 @@ def test_interrupt_mid_domain_leaves_nothing_that_looks_complete(tmp_path, token
 
 
 def test_bad_inputs_are_skipped_counted_and_located(tmp_path, tokenizer_dir, en_texts):
-    good = write_jsonl(tmp_path / "in" / "good.jsonl", en_texts[:30])
+    write_jsonl(tmp_path / "in" / "good.jsonl", en_texts[:30])
     bad = tmp_path / "in" / "bad.jsonl"
     bad.write_bytes(
         json.dumps({"text": en_texts[40]}).encode() + b"\n"

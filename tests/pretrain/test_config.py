@@ -1,6 +1,4 @@
 """Hydra composition: every shipped experiment composes, bad keys/types/batches fail with names."""
-from pathlib import Path
-
 import pytest
 
 from pretrain.config import (

@@ -2,7 +2,6 @@
 import math
 
 import pytest
-import torch
 
 from pretrain.config import OptimConfig
 from pretrain.model.config import ModelConfig
