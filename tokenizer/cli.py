@@ -110,7 +110,7 @@ def cmd_sweep(argv: list[str]) -> int:
     rows = []
     for label, job in jobs:
         out = root / job.tokenizer.name
-        meta = build_tokenizer(job.tokenizer, out, overwrite=True, samples=samples)
+        meta = _build_filling(job.tokenizer, out, samples, build_tokenizer)
         results = json.loads((out / "eval.json").read_text())["results"]
         rows.append((label, meta["vocab_size"], results))
     print(format_sweep(rows))
@@ -118,13 +118,43 @@ def cmd_sweep(argv: list[str]) -> int:
     return 0
 
 
+def _build_filling(tok, out: Path, samples, build_tokenizer, attempts: int = 3):
+    """Build one sweep candidate; if its domain models come up short of pieces after
+    de-duplication, grow them by the shortfall (+10%) and retrain, so every candidate fills its size."""
+    from tokenizer.merge import VocabShortfall
+
+    for attempt in range(attempts):
+        try:
+            return build_tokenizer(tok, out, overwrite=True, samples=samples)
+        except VocabShortfall as err:
+            if attempt == attempts - 1:
+                raise
+            learned = sum(d.vocab_size for d in tok.domains.values())
+            grow = 1.0 + err.missing / learned + 0.1
+            print(f"[sweep] {tok.name}: {err.missing} pieces short after de-duplication; "
+                  f"retraining the domain models {100 * (grow - 1):.0f}% larger")
+            for dcfg in tok.domains.values():
+                dcfg.vocab_size = round(dcfg.vocab_size * grow)
+
+
+SWEEP_HEADROOM = 1.1
+"""Extra learned pieces per candidate domain model: de-duplication across domains typically removes
+5-10%, and the merge only takes what it needs, so spare pieces cost training time, not quality."""
+
+
 def _scale_domain_vocab(tok, base_cfg) -> None:
-    """When a sweep changes total_vocab, scale the domain sizes with it so the shares stay as configured."""
+    """When a sweep changes total_vocab, scale each domain's *learned* pieces with it (the 256 byte
+    pieces and the specials are fixed in every model) so the shares stay as configured."""
+    from tokenizer.config import NUM_BYTE_PIECES, special_pieces
+
     base_total = base_cfg.tokenizer.total_vocab
     if tok.total_vocab == base_total:
         return
+    fixed = NUM_BYTE_PIECES + len(special_pieces(tok.specials))
+    factor = (tok.total_vocab - fixed) / max(1, base_total - fixed)
     for dcfg in tok.domains.values():
-        dcfg.vocab_size = max(16, round(dcfg.vocab_size * tok.total_vocab / base_total))
+        learned = max(16, dcfg.vocab_size - fixed)
+        dcfg.vocab_size = fixed + round(learned * factor * SWEEP_HEADROOM)
 
 
 def format_sweep(rows) -> str:

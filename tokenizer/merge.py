@@ -101,7 +101,7 @@ def select_pieces(domains: Sequence[DomainPieces], budget: int, reserved: set[st
             chosen.setdefault(piece, domain)
     if len(chosen) < budget:
         missing = budget - len(chosen)
-        raise MergeError(
+        raise VocabShortfall(missing, 
             f"the domain models hold {len(chosen)} distinct pieces after de-duplication, {missing} short of the "
             f"{budget} needed to fill the vocabulary. Fix: raise tokenizer.domains.*.vocab_size by about "
             f"{math.ceil(100 * missing / max(1, sum(d.vocab_size for d in domains)))+5}% or lower tokenizer.total_vocab."
@@ -194,6 +194,14 @@ def reestimate_scores(proto, lines: list[str], iterations: int, smoothing: float
         for i in normal:
             proto.pieces[i].score = math.log((float(counts[i]) + smoothing) / total)
     return history
+
+
+class VocabShortfall(MergeError):
+    """The domain models hold too few distinct pieces to fill the vocabulary (`missing` more needed)."""
+
+    def __init__(self, missing: int, message: str):
+        super().__init__(message)
+        self.missing = missing
 
 
 def quantize_scores(proto, quantum: float) -> int:

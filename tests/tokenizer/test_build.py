@@ -152,3 +152,4 @@ def test_quantized_scores_are_on_the_grid():
     assert [p.score for p in proto.pieces] == [-3.125, -10.0, -7.25, 0.0]
     with pytest.raises(ValueError, match="power of two"):
         quantize_scores(proto, 0.1)
+
