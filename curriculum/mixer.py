@@ -43,6 +43,7 @@ import numpy as np
 
 from curriculum.config import CurriculumConfig, CurriculumError, domains_used, max_repetition, validate
 from curriculum.schedule import stage_at_sample, stage_ends, stage_lr, stage_starts, step_in_stage
+from data.manifest import write_json_atomic
 from data.packed import EpochPermutation, PackedSamples
 
 PERIOD = 10_000
@@ -222,6 +223,14 @@ class CurriculumEvent:
     """Extra structured fields (stage, domain, epoch, skip range ...)."""
 
 
+def batches_due(ranges: Sequence[Sequence[int]], position: int, global_batch: int) -> int:
+    """Whole global batches to skip at stream `position` if it lies inside a recorded skip range, else 0."""
+    for start, stop in ranges:
+        if start <= position < stop:
+            return -(-(stop - position) // global_batch)
+    return 0
+
+
 def merge_ranges(ranges: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
     """Sorted, non-overlapping [start, stop) ranges covering the same samples."""
     merged: list[tuple[int, int]] = []
@@ -344,11 +353,7 @@ class Mixer:
 
     def skip_due(self, position: int | None = None) -> int:
         """Whole batches to skip now because `position` lies in a recorded skip range (after restoring an older state)."""
-        position = self.position if position is None else position
-        for start, stop in self.skips:
-            if start <= position < stop:
-                return -(-(stop - position) // self.global_batch)
-        return 0
+        return batches_due(self.skips, self.position if position is None else position, self.global_batch)
 
     def add_skips(self, ranges: Sequence[Sequence[int]]) -> None:
         """Add skip ranges (from a checkpoint, a ledger, or `skip`); overlapping ranges merge."""
@@ -493,7 +498,5 @@ class SkipLedger:
         return merge_ranges(json.loads(self.path.read_text())["skips"])
 
     def save(self, ranges: Sequence[Sequence[int]]) -> None:
-        tmp = self.path.with_name(f".{self.path.name}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"skips": [list(r) for r in merge_ranges(ranges)]}) + "\n")
-        os.replace(tmp, self.path)
+        write_json_atomic(self.path, {"skips": [list(r) for r in merge_ranges(ranges)]})
 

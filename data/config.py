@@ -17,10 +17,12 @@ from typing import Any
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from tokenizer import sources
+
 NORMALIZATIONS = ("none", "NFC", "NFKC")
 SCRIPTS = ("none", "ja", "latin", "cjk", "hangul", "cyrillic")
-FORMATS = ("auto", "jsonl", "text", "parquet", "hf")
-TEXT_UNITS = ("line", "paragraph", "file")
+FORMATS = ("auto", *sources.FORMATS)  # the readers are tokenizer.sources'
+TEXT_UNITS = sources.TEXT_UNITS
 
 
 class ConfigError(ValueError):

@@ -37,7 +37,7 @@ class ManifestError(ValueError):
 def write_json_atomic(path: Path, payload: Any) -> None:
     """Write JSON under a temporary name, fsync, then rename: readers see the old file or the whole new one."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")  # per process: concurrent writers never share it
     with open(tmp, "w", encoding="utf-8") as handle:
         json.dump(payload, handle, indent=2, sort_keys=False, ensure_ascii=False)
         handle.write("\n")

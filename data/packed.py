@@ -118,10 +118,6 @@ class ShuffledDomains:
         samples = self.domains[self.domain_names[domain]]
         return samples.sample(flat - int(self._starts[domain])), domain
 
-    def epochs_at(self, global_index: int) -> float:
-        """How many times the data has been seen after `global_index` samples."""
-        return global_index / self.num_samples
-
 
 def domains_under(root: str | Path, split: str, names: Iterable[str] | None = None) -> dict[str, Path]:
     """`ROOT/<domain>/<split>` directories, for the given names or every domain found."""

@@ -19,7 +19,6 @@ import os
 import random
 import shutil
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -189,7 +188,3 @@ def load_for_export(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelCon
     state = consolidated_state_dict(root, tag)
     extra = {key: meta.get(key) for key in ("tokenizer_dir", "bos_id", "eos_id", "pad_id")}
     return state, model_config_from_meta(meta), extra
-
-
-def model_meta(model_cfg: ModelConfig) -> dict[str, Any]:
-    return asdict(model_cfg)

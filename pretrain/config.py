@@ -10,10 +10,7 @@ here that raise `ConfigError` with the field, the value and the fix.
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
@@ -348,15 +345,3 @@ def check_config(cfg: AyumiConfig) -> None:
 def config_as_yaml(cfg: DictConfig | AyumiConfig) -> str:
     node = cfg if isinstance(cfg, DictConfig) else OmegaConf.structured(cfg)
     return OmegaConf.to_yaml(node, resolve=True)
-
-
-def asdict_resolved(cfg: AyumiConfig) -> dict[str, Any]:
-    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
-
-
-def print_config(cfg: DictConfig) -> None:
-    sys.stdout.write(OmegaConf.to_yaml(cfg, resolve=True))
-
-
-def resolve_path(path: str) -> Path:
-    return Path(path).expanduser().resolve()

@@ -30,12 +30,11 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from curriculum.plan import checkpoint_count, checkpoint_size, existing_parent
+
 OK, INFO, WARN, FAIL = "ok", "info", "warn", "FAIL"
 GIB = 1024**3
-# Bytes per parameter in a checkpoint: bf16/fp16 weights (2) + fp32 master weights and Adam's two
-# moments (4 + 4 + 4). ZeRO shards them over ranks but the total on the shared disk is the same.
-CHECKPOINT_BYTES_PER_PARAM = 2 + 12
-LOW_DISK_GIB = 20  # below this a root is flagged even without a plan: one 1B checkpoint is ~14 GiB
+LOW_DISK_GIB = 20  # below this a root is flagged even without a plan: one 1B bf16 checkpoint is ~15 GiB
 DEEPSPEED_PROBE_TIMEOUT_S = 120
 LIBRARIES = ("sentencepiece", "transformers", "datasets", "hydra-core", "safetensors", "wandb", "psutil")
 
@@ -206,10 +205,7 @@ def check_libraries() -> list[Check]:
 
 def disk_free(path: Path) -> int:
     """Free bytes on the filesystem that holds `path` (or would: its nearest existing parent)."""
-    path = Path(path).absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return shutil.disk_usage(path).free
+    return shutil.disk_usage(existing_parent(path)).free
 
 
 def check_roots(data_root: Path, run_root: Path) -> list[Check]:
@@ -227,20 +223,12 @@ def check_roots(data_root: Path, run_root: Path) -> list[Check]:
 
 
 def _writable(path: Path) -> bool:
-    path = Path(path).absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return os.access(path, os.W_OK)
-
-
-def checkpoint_bytes(parameters: int, keep_last: int) -> int:
-    """Disk the run's kept checkpoints need: parameters x 14 bytes x keep_last."""
-    return parameters * CHECKPOINT_BYTES_PER_PARAM * max(1, keep_last)
+    return os.access(existing_parent(path), os.W_OK)
 
 
 def check_plan(overrides: list[str]) -> tuple[list[Check], object | None]:
     """Compose the run's config; compare its checkpoints' size with the free disk. (checks, config or None)"""
-    from pretrain.config import ConfigError, compose_config, to_object
+    from pretrain.config import ConfigError, compose_config, to_object, total_steps
     from pretrain.model.flops import count_parameters
 
     try:
@@ -250,11 +238,16 @@ def check_plan(overrides: list[str]) -> tuple[list[Check], object | None]:
         message = " / ".join(line.strip() for line in str(err).splitlines() if line.strip())
         return [Check("plan", "config", FAIL, message[:400], "fix the overrides (`ayumi train --cfg job ...` "
                       "prints the resolved config)")], None
-    needed = checkpoint_bytes(parameters, cfg.checkpoint.keep_last)
+    # The same arithmetic as `ayumi plan` (curriculum/plan.py): bytes per parameter by precision,
+    # keep_last <= 0 keeping every checkpoint of the run.
+    one = checkpoint_size(parameters, cfg.deepspeed.precision)
+    kept = cfg.checkpoint.keep_last if cfg.checkpoint.keep_last > 0 else checkpoint_count(
+        total_steps(cfg.train), cfg.checkpoint.interval, cfg.checkpoint.save_final)
+    needed = one * kept
     ckpt_dir = Path(cfg.checkpoint.dir)
     free = disk_free(ckpt_dir)
     # While a new checkpoint is written the oldest kept one still exists: keep_last + 1 at the peak.
-    peak = needed + checkpoint_bytes(parameters, 1)
+    peak = needed + one
     status, fix = OK, ""
     if needed > free:
         status, fix = FAIL, (f"the checkpoints need {needed / GIB:.1f} GiB but {ckpt_dir} has {free / GIB:.1f} GiB free: "
@@ -262,8 +255,8 @@ def check_plan(overrides: list[str]) -> tuple[list[Check], object | None]:
     elif peak > free:
         status, fix = WARN, (f"while a new checkpoint is written {peak / GIB:.1f} GiB are needed, "
                              f"{free / GIB:.1f} GiB are free: lower checkpoint.keep_last or free space")
-    detail = (f"{cfg.name}: {parameters / 1e6:,.1f} M parameters x {CHECKPOINT_BYTES_PER_PARAM} B x keep_last "
-              f"{cfg.checkpoint.keep_last} = {needed / GIB:.2f} GiB in {ckpt_dir} ({free / GIB:.1f} GiB free)")
+    detail = (f"{cfg.name}: {parameters / 1e6:,.1f} M parameters, {one / GIB:.2f} GiB per checkpoint x {kept} kept "
+              f"= {needed / GIB:.2f} GiB in {ckpt_dir} ({free / GIB:.1f} GiB free)")
     return [Check("plan", "checkpoints", status, detail, fix)], cfg
 
 

@@ -352,9 +352,6 @@ class TrainEngine:
         if hasattr(self.optimizer, "clip_grad"):
             self.optimizer.clip_grad = float(value)
 
-    def grad_clip(self) -> float:
-        return float(self.engine.gradient_clipping())
-
     def set_adam_hparams(self, eps: float | None = None, beta1: float | None = None) -> None:
         for group in self.optimizer.param_groups:
             if eps is not None:
@@ -362,28 +359,20 @@ class TrainEngine:
             if beta1 is not None:
                 group["betas"] = (beta1, group["betas"][1])
 
-    def group_grad_norms(self, group_of) -> dict[str, float]:
-        """Unclipped gradient L2 norm per parameter group, under any ZeRO stage.
+    def named_full_grads(self):
+        """(name, full unscaled gradient) of every parameter, under any ZeRO stage.
 
-        Call on every rank after the last backward of a step and before `micro_step()`:
+        Iterate on every rank after the last backward of a step and before `micro_step()`:
         under ZeRO-3 gathering a full gradient is collective.
         """
         from deepspeed.utils import safe_get_full_grad
 
-        sums: dict[str, float] = {}
-        scale = self.loss_scale() or 1.0
+        own_grads = self.cfg.deepspeed.zero_stage == 0 and self.precision != "bf16"
+        scale = self.loss_scale() if self.precision == "fp16" else None
         for name, param in self.engine.module.named_parameters():
-            grad = param.grad if self.cfg.deepspeed.zero_stage == 0 and self.precision != "bf16" \
-                else safe_get_full_grad(param)
-            if grad is None:
-                continue
-            group = group_of(name)
-            sums[group] = sums.get(group, 0.0) + float(grad.float().square().sum())
-        unscale = scale if self._grads_are_scaled() else 1.0
-        return {group: (total ** 0.5) / unscale for group, total in sums.items()}
-
-    def _grads_are_scaled(self) -> bool:
-        return self.precision == "fp16"
+            grad = param.grad if own_grads else safe_get_full_grad(param)
+            if grad is not None:
+                yield name, grad if scale is None else grad.float() / scale
 
     def full_fp32_params(self) -> dict[str, torch.Tensor]:
         """Full fp32 copies of every parameter (collective under ZeRO-3; for update ratios)."""
@@ -395,10 +384,6 @@ class TrainEngine:
             # Stage 0 keeps no fp32 partition to gather; the module's own weights are the truth.
             out[name] = (param.detach() if full is None else full.detach()).float().clone()
         return out
-
-    @property
-    def global_steps(self) -> int:
-        return int(self.engine.global_steps)
 
     @property
     def skipped_steps(self) -> int:
@@ -442,13 +427,16 @@ class TrainEngine:
 
 # -- distributed agreement ----------------------------------------------------------------------
 def all_reduce_tensor(values: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """All-reduce a small CPU tensor across ranks (a no-op on one rank)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return values
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    reduced = values.to(device)
-    dist.all_reduce(reduced, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
-    return reduced.cpu()
+    """All-reduce a small tensor across ranks and return it on the CPU (one host transfer).
+
+    Build it where it was computed: NCCL reduces on the GPU, gloo on the CPU; `.to` is a no-op
+    when the tensor already sits on the backend's device.
+    """
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        on_gpu = dist.get_backend() == "nccl"
+        values = values.to(torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu"))
+        dist.all_reduce(values, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+    return values.cpu()
 
 
 def any_rank(flag: bool) -> bool:

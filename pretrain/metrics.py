@@ -144,10 +144,6 @@ class MetricsLogger(NullLogger):
             settings=wandb.Settings(console="off", quiet=True, x_disable_stats=False),
         )
 
-    @property
-    def wandb_dir(self) -> Path | None:
-        return Path(self._wandb_run.dir).parent if self._wandb_run is not None else None
-
     def set_progress(self, total_steps: int, start_step: int) -> None:
         self._total_steps = total_steps
         self._start_step = start_step

@@ -21,7 +21,8 @@ from curriculum.config import enabled as curriculum_enabled
 from curriculum.mixer import Mixer
 from curriculum.plan import PlanRefused, plan_from_config, raise_if_refused
 from data.packed import PackedSamples, ShuffledDomains, domains_under
-from data.shards import check_tokenizer
+from data.manifest import MANIFEST_NAME, check_manifest_tokenizer, load_manifest
+from data.shards import check_tokenizer, find_shards
 from pretrain.checkpoint import Checkpointer, atomic_write_text, latest_tag
 from pretrain.config import (
     AyumiConfig, ConfigError, check_config, compose_config, config_as_yaml, data_parallel_grad_accum,
@@ -56,13 +57,16 @@ def load_tokenizer_identity(tokenizer_dir: str | None) -> dict:
 def build_data(cfg: AyumiConfig, tokenizer: dict) -> tuple[ShuffledDomains | Mixer, dict[str, PackedSamples]]:
     """The training stream (the curriculum's mixer, or all domains shuffled) and per-domain validation sets."""
     root = Path(cfg.data.root)
+    if tokenizer and (root / MANIFEST_NAME).is_file():
+        # The whole data root at once, with the manifest's record of which tokenizer made it;
+        # every shard header is checked below as well (a root assembled by hand has no manifest).
+        check_manifest_tokenizer(load_manifest(root), tokenizer["tokenizer_sha256"], tokenizer["tokenizer_dir"], str(root))
     train_dirs = domains_under(root, "train", cfg.data.domains or None)
     train = {name: PackedSamples.from_directory(path, cfg.train.seq_len, name) for name, path in train_dirs.items()}
     val: dict[str, PackedSamples] = {}
     if cfg.data.validation:
-        for name in train_dirs:
-            val_dir = root / name / "val"
-            if val_dir.is_dir() and any(val_dir.glob("*.idx")):
+        for name, val_dir in domains_under(root, "val").items():
+            if name in train_dirs and find_shards(val_dir):
                 samples = PackedSamples.from_directory(val_dir, cfg.train.seq_len, name)
                 if len(samples):
                     val[name] = samples
@@ -159,9 +163,24 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_STABILITY_STOP if result.stopped_by_stability else 0
 
 
+def exit_now(status: int) -> None:
+    """Leave without running C++ static destructors.
+
+    By now every rank has saved, closed its files and W&B, passed a barrier and destroyed the
+    process group. What remains is interpreter teardown, where DeepSpeed/gloo processes on CPU
+    sometimes abort ("terminate called without an active exception", shared/DEEPSPEED_CPU.md;
+    seen here once in ~40 runs even with the barrier and the shm op off), turning a finished run
+    into a failed one for the launcher.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 if __name__ == "__main__":
     try:
-        sys.exit(main())
+        status = main()
     except ConfigError as err:
         print(f"ayumi: {err}", file=sys.stderr)
-        sys.exit(2)
+        status = 2
+    exit_now(status)

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from curriculum.mixer import Mixer, SkipLedger, merge_ranges
+from curriculum.mixer import Mixer, SkipLedger, batches_due, merge_ranges
 from curriculum.schedule import eval_due
 from data.packed import PackedSamples
 from pretrain.checkpoint import Checkpointer, complete_tags, latest_tag, resolve_checkpoint, step_of, tag_for
@@ -31,7 +31,7 @@ from pretrain.model.llama import layer_groups
 from pretrain.optim import lr_at
 from pretrain.stability.policy import Action, ring_checkpoints_to_delete
 from pretrain.stability.recovery import StabilityMonitor
-from pretrain.stability.telemetry import group_metrics, log10_histogram, update_to_weight_ratios
+from pretrain.stability.telemetry import group_grad_norms, group_metrics, log10_histogram, update_to_weight_ratios
 
 # Dense bf16 peak FLOP/s per GPU, for MFU (vendor datasheets; no sparsity).
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12, "V100": 125e12}
@@ -228,9 +228,9 @@ class Trainer:
                 metrics, stop_requested, action = self.train_step()
                 last_loss = metrics.get("train/loss", last_loss)
                 step = self.state.step
-                if step % self.cfg.train.log_interval == 0 or step == self.total_steps or action.kind != "none":
-                    console = step % max(1, self.cfg.logging.console_interval) == 0 or step == self.total_steps \
-                        or action.kind != "none"
+                always = step == self.total_steps or action.kind != "none"
+                if always or step % self.cfg.train.log_interval == 0:
+                    console = always or step % max(1, self.cfg.logging.console_interval) == 0
                     self.logger.log(step, metrics, console=console)
                 if action.kind == "rollback":
                     self.roll_back(action)
@@ -314,14 +314,14 @@ class Trainer:
             batch.input_ids.copy_(tokens)
             batch.labels[:, :-1].copy_(tokens[:, 1:])
 
-    def faulty_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
-        """Fault injection: a NaN loss, or a loss so large that fp16 gradients overflow."""
+    def loss_fault(self, step: int) -> float:
+        """Fault injection: the factor this step's loss is multiplied by (NaN, a fp16-overflowing 1e30, or 1)."""
         injector = self.stability.injector
         if injector.should_nan_loss(step):
-            return loss * float("nan")
+            return float("nan")
         if injector.should_force_overflow(step):
-            return loss * 1e30
-        return loss
+            return 1e30
+        return 1.0
 
     def _update_gate(self) -> bool:
         """Asked inside the optimizer step, once DeepSpeed knows the global grad norm."""
@@ -355,20 +355,21 @@ class Trainer:
         reduced = None
         before = None
         mean_loss = float("nan")
+        fault = self.loss_fault(step)
         for index, batch in enumerate(batches):
             out = self.engine.forward(batch.input_ids, batch.labels)
-            loss = self.faulty_loss(step, out.loss)
-            self.engine.backward(loss)
+            self.engine.backward(out.loss if fault == 1.0 else out.loss * fault)
             # The reported loss is the cross-entropy (no z-loss); an injected NaN shows in it too.
-            logged = out.ce_loss * float("nan") if self.stability.injector.should_nan_loss(step) else out.ce_loss
+            logged = out.ce_loss * float("nan") if math.isnan(fault) else out.ce_loss
             loss_sum += logged.double()
             sample_loss = out.sample_loss.double()
             domains = batch.domains.to(device, non_blocking=True)
             domain_sums.index_add_(0, domains, sample_loss)
             domain_sums.index_add_(0, domains + num_domains, torch.ones_like(sample_loss))
             if index == len(batches) - 1:
-                stop_flag = torch.tensor([1.0 if self.stop.received is not None else 0.0], dtype=torch.float64)
-                reduced = all_reduce_tensor(torch.cat([loss_sum.reshape(1).cpu(), domain_sums.cpu(), stop_flag]))
+                stop_flag = torch.tensor([1.0 if self.stop.received is not None else 0.0], dtype=torch.float64,
+                                         device=device)
+                reduced = all_reduce_tensor(torch.cat([loss_sum.reshape(1), domain_sums, stop_flag]))
                 mean_loss = float(reduced[0]) / (len(batches) * self.dist.world_size)
                 self._pending = (step, mean_loss)
                 telemetry, before = self.pre_update_telemetry(step)
@@ -426,7 +427,7 @@ class Trainer:
         interval = self.cfg.stability.telemetry.group_norm_interval
         if interval <= 0 or step % interval:
             return {}, None
-        metrics = group_metrics(self.engine.group_grad_norms(layer_groups), "opt/grad_norm/")
+        metrics = group_metrics(group_grad_norms(self.engine.named_full_grads(), layer_groups), "opt/grad_norm/")
         before = self.engine.full_fp32_params() if self.cfg.stability.telemetry.update_ratio else None
         return metrics, before
 
@@ -484,18 +485,18 @@ class Trainer:
 
     def log_curriculum_events(self, events) -> None:
         for event in events:
+            if event.kind == "stage_switch":
+                # The loss jumps at a switch and settles quickly: no spike verdicts on it for a grace period.
+                self.stability.detector.note_stage_switch(self.state.step)
             self.logger.event(event.kind, self.state.step, self.state.tokens, event.message, **event.fields)
 
     def add_skips(self, ranges) -> None:
         self.skips = [tuple(r) for r in merge_ranges([*self.skips, *[tuple(r) for r in ranges]])]
 
     def skip_recorded_ranges(self) -> None:
-        """After restoring a position older than a recorded skip, jump over the skipped batches again."""
-        position = self.loader.consumed_samples
-        for start, stop in self.skips:
-            if start <= position < stop:
-                self.skip_batches(-(-(stop - position) // self.loader.global_batch))
-                return
+        """After restoring a position older than a recorded skip, jump over the skipped batches again
+        when the stream reaches them (checked every step: a few range comparisons)."""
+        self.skip_batches(batches_due(self.skips, self.loader.consumed_samples, self.loader.global_batch))
 
     def skip_batches(self, num_batches: int) -> None:
         """Advance the data stream past `num_batches` global batches that will never be trained on."""

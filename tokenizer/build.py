@@ -32,7 +32,7 @@ def sample_all(cfg: TokenizerConfig, work: Path, log: Log = print) -> dict[str, 
         log(f"[sample] {domain}: {sample.train_docs} docs / {sample.train_lines} lines / {sample.train_bytes / 1e6:.1f} MB "
             f"for training, {sample.heldout_docs} docs held out; read {sample.stats.summary()}")
     lines = sum(s.train_lines for s in samples.values())
-    need = spm_memory_estimate(max(lines, max(s.train_lines for s in samples.values())))
+    need = spm_memory_estimate(lines)
     log(f"[sample] SentencePiece may need up to ~{need / 1e9:.1f} GB RAM for the joint baseline "
         f"({lines} lines; ~7 GB per 1M lines at worst). Lower tokenizer.sample.max_sentences if that is too much.")
     return samples
@@ -86,11 +86,9 @@ def merge_domains(cfg: TokenizerConfig, samples: dict[str, DomainSample], models
 
 
 def _heldout_texts(samples: dict[str, DomainSample]) -> dict[str, list[str]]:
-    texts = {}
-    for domain, sample in samples.items():
-        with open(sample.heldout_path, encoding="utf-8") as f:
-            texts[domain] = [json.loads(line)["text"] for line in f]
-    return texts
+    from tokenizer.evaluate import read_texts
+
+    return read_texts({domain: str(sample.heldout_path) for domain, sample in samples.items()})
 
 
 def hf_parity(model_path: Path, hf_dir: Path, texts: dict[str, list[str]]) -> dict:

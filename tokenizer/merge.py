@@ -94,10 +94,11 @@ def select_pieces(domains: Sequence[DomainPieces], budget: int, reserved: set[st
         multi = [piece for piece, _ in d.pieces if len(piece) > 1]
         ranked += [(rank / d.vocab_size, index, piece, d.domain) for rank, piece in enumerate(multi)]
     ranked.sort(key=lambda item: (item[0], item[1]))
+    reserved_chars = {symbol for symbol in reserved if len(symbol) == 1}  # once, not per candidate
     for _, _, piece, domain in ranked:
         if len(chosen) == budget:
             break
-        if piece not in reserved and not any(symbol in piece for symbol in reserved if len(symbol) == 1):
+        if piece not in reserved and not any(symbol in piece for symbol in reserved_chars):
             chosen.setdefault(piece, domain)
     if len(chosen) < budget:
         missing = budget - len(chosen)

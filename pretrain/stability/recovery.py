@@ -48,6 +48,7 @@ class StabilityMonitor:
         self.injector = FaultInjector(cfg.inject)
         self.judgement = StepJudgement()
         self._checkpoints: list[int] = []
+        self._warned_clipping = False
 
     # -- before the step ----------------------------------------------------------------------------
     def lr_factor(self, step: int) -> float:
@@ -92,10 +93,12 @@ class StabilityMonitor:
         if judgement.verdict is not None and judgement.verdict.kind == "ok" and norm is not None and math.isfinite(norm):
             self.clip.observe(norm)
             self.percentiles.push(norm)
-            if self.clip.too_many_clipped and self.clip.adapting:
+            too_many = self.clip.too_many_clipped and self.clip.adapting
+            if too_many and not self._warned_clipping:  # once per crossing, not every step
                 self.policy.record_event("clipping_too_often", step,
                                          f"{100 * self.clip.clipped_share:.0f}% of recent steps were clipped: "
                                          "lower the LR instead (optim.lr)")
+            self._warned_clipping = too_many
         self.injector.step_done(step)
         return action, self.policy.new_events(), reset_scale
 
@@ -121,9 +124,6 @@ class StabilityMonitor:
         """After loading checkpoint `to_step`: forget the abandoned timeline's statistics."""
         self.detector.rewind(to_step)
         self.watchdog.rewind()
-
-    def is_bad_checkpoint(self, step: int) -> bool:
-        return self.policy.is_bad_checkpoint(step)
 
     def in_episode(self, step: int) -> bool:
         return self.detector.in_episode(step)

@@ -155,14 +155,15 @@ GroupOf = Callable[[str], str]
 def group_sq_sums(named_tensors: Iterable[tuple[str, torch.Tensor | None]],
                   group_of: GroupOf = layer_groups) -> dict[str, float]:
     """Sum of squares per group (fp64 accumulation), in the model's group order; None tensors skipped."""
-    sums: dict[str, float] = {}
+    sums: dict[str, torch.Tensor] = {}
     for name, tensor in named_tensors:
         if tensor is None:
             continue
         group = group_of(name)
-        value = float(torch.linalg.vector_norm(tensor.detach().float(), dtype=torch.float64) ** 2)
-        sums[group] = sums.get(group, 0.0) + value
-    return sums
+        # Accumulate on the tensors' device: one host sync per group, not one per parameter.
+        value = torch.linalg.vector_norm(tensor.detach(), dtype=torch.float64) ** 2
+        sums[group] = sums[group] + value if group in sums else value
+    return {group: float(total) for group, total in sums.items()}
 
 
 def group_grad_norms(named_grads: Iterable[tuple[str, torch.Tensor | None]],

@@ -1,11 +1,9 @@
 """`ayumi plan`: the table, the arithmetic, and the refusals (repetition, disk, budgets) with their messages."""
-import dataclasses
 from pathlib import Path
 
 import pytest
 
 import curriculum.cli as plan_cli
-import pretrain.config as pretrain_config
 from curriculum.config import CurriculumConfig, Stage
 from data.packed import PackedSamples
 from curriculum.plan import (
@@ -15,12 +13,10 @@ from curriculum.plan import (
 from pretrain.config import compose_config, to_object
 from pretrain.model.flops import count_parameters
 from tests.curriculum.helpers import three_stage, write_domains
-from tests.curriculum.test_config import load_group
 from tests.helpers import tiny_overrides, write_tiny_corpus
 
 SEQ = 16
 GiB = 2**30
-INTEGRATED = "curriculum" in {f.name for f in dataclasses.fields(pretrain_config.AyumiConfig)}
 
 
 @pytest.fixture(scope="module")
@@ -119,13 +115,9 @@ def test_no_curriculum_plan_reads_every_domain_in_proportion(data_root, tmp_path
 
 
 def tiny_config(tmp_path, *extra):
-    """cpu_tiny composed as `pretrain.train` does, with the tiny curriculum attached (pre-integration)."""
+    """cpu_tiny with the tiny curriculum, composed as `pretrain.train` does."""
     root = write_tiny_corpus(tmp_path / "tiny")
-    extra = (*extra, "curriculum=tiny") if INTEGRATED else extra
-    cfg = to_object(compose_config(tiny_overrides(root, tmp_path / "runs", *extra)))
-    if not INTEGRATED:
-        cfg.curriculum = load_group("tiny")
-    return cfg
+    return to_object(compose_config(tiny_overrides(root, tmp_path / "runs", *extra, "curriculum=tiny")))
 
 
 def test_plan_from_a_composed_training_config(tmp_path):
@@ -142,14 +134,9 @@ def test_plan_from_a_composed_training_config(tmp_path):
     assert len(missing.stages) == 2  # the stage table is still shown
 
 
-def test_plan_cli_exit_codes(tmp_path, capsys, monkeypatch):
+def test_plan_cli_exit_codes(tmp_path, capsys):
     root = write_tiny_corpus(tmp_path / "tiny")
-    args = [*tiny_overrides(root, tmp_path / "runs")]
-    if INTEGRATED:
-        args.append("curriculum=tiny")
-    else:  # until the lead adds the `curriculum` group: attach it where the CLI turns the config into objects
-        real = pretrain_config.to_object
-        monkeypatch.setattr(pretrain_config, "to_object", lambda composed: _with_curriculum(real(composed)))
+    args = [*tiny_overrides(root, tmp_path / "runs"), "curriculum=tiny"]
     assert plan_cli.main(args + ["--tokens-per-s", "65536"]) == 0
     out = capsys.readouterr().out
     assert "ja_heavy" in out and "128 steps" in out and "estimated wall time: 0h 0m 1s" in out and "plan ok" in out
@@ -161,12 +148,6 @@ def test_plan_cli_exit_codes(tmp_path, capsys, monkeypatch):
     assert plan_cli.main(["train.no_such_key=1"]) == 2
 
 
-def _with_curriculum(cfg):
-    cfg.curriculum = load_group("tiny")
-    return cfg
-
-
-@pytest.mark.skipif(not INTEGRATED, reason="needs AyumiConfig.curriculum and the conf/config.yaml curriculum group (lead)")
 def test_four_stage_experiment_composes_and_plans(tmp_path, capsys):
     assert plan_cli.main(["experiment=ja_en_4stage", f"data.root={tmp_path / 'none'}"]) == 1
     out = capsys.readouterr().out

@@ -283,7 +283,8 @@ def test_user_files_build_a_complete_corpus_that_is_cached(tmp_path, fake_stdlib
     assert manifest["ja_filter"]["dropped"] == {"low_japanese_share": 1, "too_short": 1}
     clean = [json.loads(line) for line in (out / "ja_clean.jsonl").read_text().splitlines()]
     assert clean == [{"text": JA_PROSE, "source": "user:ja.jsonl:1"}]
-    assert (out / "licenses" / "python.LICENSE").is_file() or "python.LICENSE" not in manifest["licenses"]
+    # A licence is listed exactly when its file was copied beside the text.
+    assert ("python.LICENSE" in manifest["licenses"]) == (out / "licenses" / "python.LICENSE").is_file()
     assert sorted(p.name for p in out.parent.iterdir()) == ["demo_corpus"]  # no partial folders left
 
     messages: list[str] = []

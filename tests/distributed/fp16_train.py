@@ -5,13 +5,11 @@ fp16 matmuls work. Declaring fp16 supported lets the real fp16 optimizer and dyn
 run on CPU, which is how the tests exercise that path on machines without a GPU
 (shared/DEEPSPEED_CPU.md). The product never does this.
 """
-import sys
-
 from deepspeed.accelerator import get_accelerator
 
 get_accelerator().is_fp16_supported = lambda: True
 
-from pretrain.train import main  # noqa: E402
+from pretrain.train import exit_now, main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -53,6 +53,12 @@ def test_every_zero_stage_trains_in_bf16(corpus, tmp_path):
         norms = [r["opt/grad_norm"] for r in records]
         assert all(n is not None and math.isfinite(n) and n > 0 for n in norms), norms
         first_norms[stage] = norms[0]
+        # Per-group norms, gathered from ZeRO's partitions, combine to DeepSpeed's global norm.
+        groups = {k: v for k, v in records[0].items() if k.startswith("opt/grad_norm/")}
+        assert {"opt/grad_norm/embedding", "opt/grad_norm/block_0", "opt/grad_norm/block_1",
+                "opt/grad_norm/final_norm", "opt/grad_norm/lm_head"} == set(groups)
+        assert math.sqrt(sum(v * v for v in groups.values())) == pytest.approx(norms[0], rel=1e-3)
+        assert all(r["stability/update_ratio/lm_head"] > 0 for r in records if "stability/update_ratio/lm_head" in r)
         assert records[-1]["tokens"] == 24 * 8 * 64
         vals = [r for r in read_jsonl(runs / "cpu_tiny" / "metrics.jsonl") if "val/ja/loss" in r]
         assert vals and vals[-1]["val/ja/loss"] < 4.5 and vals[-1]["val/en/loss"] < 4.5

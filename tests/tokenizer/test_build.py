@@ -129,12 +129,8 @@ def test_hf_ids_identical_on_very_long_documents(built, corpus):
 
     sp = spm.SentencePieceProcessor(model_file=str(built / "tokenizer.model"))
     hf = AutoTokenizer.from_pretrained(str(built))
-    texts = []
-    for domain in ("ja", "code", "math", "en"):
-        path = corpus[domain]
-        files = sorted(path.glob("*")) if path.is_dir() else [path]
-        texts.append("\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files if f.is_file()))
-    long_text = "\n\n".join(texts)
+    # Every fixture file (jsonl lines included) back to back: one document of tens of thousands of tokens.
+    long_text = "\n\n".join(corpus[domain].read_text(encoding="utf-8") for domain in ("ja", "code", "math", "en"))
     ids = sp.encode(long_text)
     assert len(ids) > 20_000, "the test needs a document far longer than float32 rounding tolerates"
     assert hf(long_text, add_special_tokens=False)["input_ids"] == ids
