@@ -341,7 +341,7 @@ def ours(files: dict[str, Path], tokenizer: Path, root: Path, workers: int) -> t
 
 def pool_startup(model_path: Path) -> float:
     """Seconds to start 2 spawned workers with the model loaded (a fixed cost per run, part of `ours`)."""
-    from data.prepare import ChunkPool
+    from data.workers import ChunkPool
 
     start = time.perf_counter()
     pool = ChunkPool(2, str(model_path), 1, 2)

@@ -35,7 +35,16 @@ _NOT_LETTER = re.compile(r"[\W\d_]+")  # removing these leaves the letters
 _NOT_SYMBOL = re.compile(r"[^\W_]+|\s+")  # removing letters, digits, spaces leaves the symbols
 # C0 controls but \t and \n, DEL, BOM. One character per match: searching is ~3x faster than with "+".
 _CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ufeff]")
-_BLANK_LINES = re.compile(r"\n{3,}")
+# The same C0/DEL set as bytes: in UTF-8 these bytes only ever stand for those characters, so
+# deleting them from the encoded text and comparing lengths finds one ~3x faster than a regex search.
+_CONTROL_BYTES = bytes([*range(0x00, 0x09), 0x0B, 0x0C, *range(0x0E, 0x20), 0x7F])
+# A literal prefix lets the regex engine jump between candidates; "\n{3,}" is ~6x slower.
+_BLANK_LINES = re.compile(r"\n\n\n+")
+# Whitespace as str.split() sees it, by how a key removes it: ASCII bytes are deleted from the
+# UTF-8 encoding; these four survive NFKC (every other non-ASCII space becomes " ") and send a
+# text down the slower str.split() path.
+_ASCII_WHITESPACE_BYTES = b"\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f "
+_NFKC_STABLE_SPACES = ("\x85", "\u1680", "\u2028", "\u2029")
 
 
 class Cleaner:
@@ -84,15 +93,23 @@ def tidy_whitespace(text: str, collapse_spaces: bool = False) -> str:
     """
     if "\r" in text:
         text = text.replace("\r\n", "\n").replace("\r", "\n")
-    if _CONTROL.search(text):
+    if has_control(text):
         text = _CONTROL.sub("", text)
     if collapse_spaces:
         text = "\n".join(" ".join(line.split()) for line in text.split("\n"))
     else:
-        text = "\n".join(line.rstrip() for line in text.split("\n"))
+        text = "\n".join(map(str.rstrip, text.split("\n")))
     if "\n\n\n" in text:
         text = _BLANK_LINES.sub("\n\n", text)
     return text.strip()
+
+
+def has_control(text: str) -> bool:
+    """Whether the text holds a character `tidy_whitespace` removes (C0 control but tab/newline, DEL, BOM)."""
+    if "\ufeff" in text:
+        return True
+    encoded = text.encode("utf-8", "surrogatepass")  # lone surrogates are not ours to judge here
+    return len(encoded.translate(None, _CONTROL_BYTES)) != len(encoded)
 
 
 def symbol_share(text: str) -> float:
@@ -108,9 +125,14 @@ def content_key(cleaned: str) -> bytes:
     Documents that differ only in spacing, line breaks or character width get the same key, so
     de-duplication and the overlap check also catch copies that two domains cleaned differently.
     """
-    canonical = cleaned if cleaned.isascii() else unicodedata.normalize("NFKC", cleaned)  # ASCII is NFKC already
-    canonical = "".join(canonical.split())  # every Unicode whitespace run, like re.sub(r"\s+", "") but faster
-    return hashlib.blake2b(canonical.encode("utf-8"), digest_size=16).digest()
+    canonical = cleaned
+    if not cleaned.isascii() and not unicodedata.is_normalized("NFKC", cleaned):  # the check is ~20x cheaper
+        canonical = unicodedata.normalize("NFKC", cleaned)
+    if any(space in canonical for space in _NFKC_STABLE_SPACES):
+        stripped = "".join(canonical.split()).encode("utf-8", "surrogatepass")
+    else:  # only ASCII whitespace is left: delete its bytes, ~4x faster than split and join
+        stripped = canonical.encode("utf-8", "surrogatepass").translate(None, _ASCII_WHITESPACE_BYTES)
+    return hashlib.blake2b(stripped, digest_size=16).digest()
 
 
 @dataclass

@@ -21,6 +21,7 @@ from tokenizer import sources
 
 NORMALIZATIONS = ("none", "NFC", "NFKC")
 SCRIPTS = ("none", "ja", "latin", "cjk", "hangul", "cyrillic")
+START_METHODS = ("auto", "fork", "forkserver", "spawn")  # how data prepare starts its workers
 FORMATS = ("auto", *sources.FORMATS)  # the readers are tokenizer.sources'
 TEXT_UNITS = sources.TEXT_UNITS
 
@@ -103,6 +104,8 @@ class DataPrepareConfig:
     """Text per work unit sent to a worker, in MiB (throughput knob; does not change the output)."""
     encode_threads: int = 1
     """Threads sentencepiece uses inside each worker's batch encode (keep 1 when workers fill the cores)."""
+    start_method: str = "auto"
+    """How workers start: auto (fork when this process has no other thread, else forkserver), fork, forkserver, spawn."""
     progress: bool = True
     """Show a progress bar (docs/s, MB/s) on stderr."""
     force: bool = False
@@ -193,6 +196,7 @@ def check_prepare_config(cfg: DataPrepareConfig) -> None:
         raise ConfigError(f"chunk_mb={cfg.chunk_mb} must be > 0.")
     if cfg.encode_threads < 1:
         raise ConfigError(f"encode_threads={cfg.encode_threads} must be >= 1.")
+    _choice("start_method", cfg.start_method, START_METHODS)
     for name, domain in cfg.data.domains.items():
         if not name or "/" in name or name.startswith("."):
             raise ConfigError(f"data.domains: {name!r} cannot be a folder name. Fix: use letters, digits, _ or -.")

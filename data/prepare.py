@@ -1,17 +1,18 @@
 """Corpus → token shards: read, clean, de-duplicate, split, tokenize in N processes, pack, check.
 
-Per domain, in the parent process::
+In the parent process, one stream over every domain that needs work::
 
-    files ─ iter_domain ─ chunks of ~chunk_mb text ─► worker pool (clean, key, encode + EOS)
+    files ─ iter_domain ─ chunks of ~chunk_mb text ─► worker pool (clean, key, encode + EOS; data/workers.py)
           ◄─ results in chunk order ─ de-dup (key set) ─ split (pure function of the key) ─ shards
+    (a marker after each domain's last chunk: its writer closes and publishes it)
 
 Why the output is identical for any worker count: chunks are cut from the document stream alone,
 results are consumed in chunk order, and every decision that depends on other documents
 (de-duplication, the `val_count` split) is made in the parent in stream order.
 
-Why `spawn` workers: the parent may have imported torch or other threaded libraries (tests, the
-demo), and forking a process that holds threads can deadlock the child. Spawning costs a fraction
-of a second per worker once per run; each worker loads the SentencePiece model once.
+Why one stream for all domains: a pool that drained at every domain boundary left a worker idle
+while the other finished the domain's last chunk; with several domains per run that idle time
+was most of what kept 2 workers from being twice as fast as one.
 
 Memory: chunks in flight are bounded (2 per worker); the only per-document state is the set of
 16-byte content keys for de-duplication (~100 bytes per kept document in a Python set), plus, for
@@ -25,34 +26,28 @@ and written last, after the train/val overlap check passed.
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import hashlib
 import heapq
-import itertools
 import json
 import logging
-import multiprocessing
-import os
 import shutil
-import signal
-import threading
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 
-from data.clean import Cleaner, DropCounts, content_key
-from data.config import CleanConfig, DataPrepareConfig, DomainConfig, check_prepare_config
+from data.clean import DropCounts
+from data.config import DataPrepareConfig, DomainConfig, check_prepare_config
 from data.manifest import (
     DOMAIN_RECORD_NAME, KEY_BYTES, KEYS_NAME, MANIFEST_NAME, build_manifest, read_domain_record,
     shards_intact, write_json_atomic,
 )
 from data.shards import ShardWriter, dtype_for_vocab
 from data.sources import ReadStats, domain_files, file_fingerprints, iter_domain
+from data.workers import ChunkPool
 
 log = logging.getLogger("ayumi.data")
 
@@ -80,141 +75,7 @@ class OverlapError(PrepareError):
 
 
 # ----------------------------------------------------------------------------------------------
-# Worker side: clean, key and encode one chunk. Module-level state, set once per process.
-# ----------------------------------------------------------------------------------------------
-
-_worker: dict = {}
-
-
-def _init_worker(model_path: str, encode_threads: int, eos_id: int, ignore_sigint: bool = False) -> None:
-    import sentencepiece as spm
-
-    if ignore_sigint:  # Ctrl-C reaches the whole process group: let the parent alone handle it
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        _exit_with_parent()
-    _worker["sp"] = spm.SentencePieceProcessor(model_file=model_path)
-    _worker["threads"] = encode_threads
-    _worker["eos"] = eos_id
-    _worker["cleaners"] = {}
-
-
-def _exit_with_parent(poll_seconds: float = 1.0) -> None:
-    """End this worker when the parent dies (SIGKILL, OOM killer): orphans would otherwise wait forever."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(poll_seconds)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
-
-
-@contextlib.contextmanager
-def _sigint_ignored():
-    """Ignore SIGINT in this process while the block runs (children started meanwhile inherit it)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-def _cleaner(clean: dict) -> Cleaner:
-    cache_key = json.dumps(clean, sort_keys=True)
-    cleaner = _worker["cleaners"].get(cache_key)
-    if cleaner is None:
-        cleaner = _worker["cleaners"][cache_key] = Cleaner(CleanConfig(**clean))
-    return cleaner
-
-
-def encode_chunk(clean: dict, texts: list[str]) -> tuple[list, bytes, np.ndarray, np.ndarray, int]:
-    """Clean, key and tokenize one chunk of documents (runs in a worker).
-
-    Returns (reasons, keys, lengths, tokens, text_bytes): `reasons[i]` is None for a kept document
-    or its drop reason; `keys` holds 16 bytes per kept document; `lengths` the token count of
-    each kept document including the EOS appended to it; `tokens` all of them back to back.
-    Duplicates inside the chunk are dropped here, before paying for their encoding.
-    """
-    cleaner = _cleaner(clean)
-    dedup = clean["dedup"]
-    reasons: list[str | None] = []
-    kept_texts: list[str] = []
-    keys: list[bytes] = []
-    seen: set[bytes] = set()
-    text_bytes = 0
-    for text in texts:
-        text_bytes += len(text.encode("utf-8"))
-        cleaned, reason = cleaner(text)
-        if reason is None:
-            key = content_key(cleaned)
-            if dedup and key in seen:
-                reason = "duplicate"
-            else:
-                seen.add(key)
-                keys.append(key)
-                kept_texts.append(cleaned)
-        reasons.append(reason)
-    ids = _worker["sp"].encode(kept_texts, out_type=int, num_threads=_worker["threads"]) if kept_texts else []
-    raw_lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=int(raw_lengths.sum()))
-    tokens = np.insert(flat, np.cumsum(raw_lengths), _worker["eos"])  # EOS after every document
-    return reasons, b"".join(keys), raw_lengths + 1, tokens, text_bytes
-
-
-class ChunkPool:
-    """Runs `encode_chunk` over a stream of chunks, in N spawned processes or in this one (N = 0).
-
-    Results come back in submission order with at most 2 chunks per worker in flight, so memory
-    stays bounded however long the stream is. A worker that dies (or fails to load the model)
-    raises BrokenProcessPool here instead of hanging the run.
-    """
-
-    def __init__(self, workers: int, model_path: str, encode_threads: int, eos_id: int):
-        self.workers = workers
-        init_args = (model_path, encode_threads, eos_id)
-        self._executor: ProcessPoolExecutor | None = None
-        if workers > 0:
-            self._executor = ProcessPoolExecutor(
-                workers, mp_context=multiprocessing.get_context("spawn"),
-                initializer=_init_worker, initargs=(*init_args, True),
-            )
-            with _sigint_ignored():  # children are born ignoring Ctrl-C, even during their imports
-                # One no-op per worker: the executor starts a process per submit while none is idle.
-                warmups = [self._executor.submit(os.getpid) for _ in range(workers)]
-            for warmup in warmups:
-                warmup.result()  # a model that fails to load fails here, before any reading
-        else:
-            _init_worker(*init_args)
-
-    def map_ordered(self, chunks: Iterable[tuple[object, dict, list[str]]]) -> Iterator[tuple[object, tuple]]:
-        """(meta, encode_chunk result) per (meta, clean config, texts) chunk, in order."""
-        if self._executor is None:
-            for meta, clean, texts in chunks:
-                yield meta, encode_chunk(clean, texts)
-            return
-        pending: collections.deque = collections.deque()
-        for meta, clean, texts in chunks:
-            pending.append((meta, self._executor.submit(encode_chunk, clean, texts)))
-            if len(pending) >= 2 * self.workers:
-                meta_done, future = pending.popleft()
-                yield meta_done, future.result()
-        while pending:
-            meta_done, future = pending.popleft()
-            yield meta_done, future.result()
-
-    def close(self) -> None:
-        """Stop the workers; chunks not yet started are dropped (after an error or Ctrl-C nothing waits for them)."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
-            self._executor = None
-
-
-# ----------------------------------------------------------------------------------------------
-# Parent side: shards, splits, one domain, the whole run.
+# Shards and splits
 # ----------------------------------------------------------------------------------------------
 
 
@@ -233,22 +94,43 @@ class ShardSequence:
         self._writer: ShardWriter | None = None
         self._keys = None
 
+    def add_docs(self, keys: np.ndarray, lengths: np.ndarray, tokens: np.ndarray) -> None:
+        """Append documents in order: one 16-byte key row and one length per document, their tokens
+        (each ending with EOS) back to back. A shard is closed when the next document would take it
+        over the cap; a document larger than the cap gets a shard of its own."""
+        ends = np.cumsum(lengths, dtype=np.int64)
+        first, count = 0, len(lengths)
+        while first < count:
+            writer = self._writer or self._open_shard()
+            start = int(ends[first - 1]) if first else 0
+            room = (self.cap_bytes - writer.num_bytes) // self.itemsize  # tokens that still fit
+            fit = int(np.searchsorted(ends, start + room, side="right")) - first
+            if fit <= 0:
+                if writer.num_docs:
+                    self._finish_shard()
+                    continue
+                fit = 1
+            self._write(writer, keys[first:first + fit], lengths[first:first + fit],
+                        tokens[start:int(ends[first + fit - 1])])
+            first += fit
+
     def add(self, key: bytes, tokens: np.ndarray) -> None:
-        """Append one document (its tokens already end with EOS); opens the next shard when this one is full."""
-        writer = self._writer
-        if writer is not None and writer.num_docs and writer.num_bytes + tokens.size * self.itemsize > self.cap_bytes:
-            self._finish_shard()
-            writer = None
-        if writer is None:
-            if self._keys is None:
-                self.directory.mkdir(parents=True, exist_ok=True)
-                self._keys = open(self.directory / KEYS_NAME, "wb")
-            prefix = self.directory / f"part_{len(self.shards):05d}"
-            writer = self._writer = ShardWriter(prefix, self.vocab_size, self.sha)
-        writer.add_document(tokens)
-        self._keys.write(key)
-        self.docs += 1
+        """Append one document (its tokens already end with EOS)."""
+        self.add_docs(np.frombuffer(key, dtype=np.uint8).reshape(1, KEY_BYTES), np.array([tokens.size]), tokens)
+
+    def _write(self, writer: ShardWriter, keys: np.ndarray, lengths: np.ndarray, tokens: np.ndarray) -> None:
+        writer.add_packed(tokens, lengths)
+        self._keys.write(keys.tobytes())
+        self.docs += len(lengths)
         self.tokens += int(tokens.size)
+
+    def _open_shard(self) -> ShardWriter:
+        if self._keys is None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._keys = open(self.directory / KEYS_NAME, "wb")
+        prefix = self.directory / f"part_{len(self.shards):05d}"
+        self._writer = ShardWriter(prefix, self.vocab_size, self.sha)
+        return self._writer
 
     def _finish_shard(self) -> None:
         writer = self._writer
@@ -277,14 +159,22 @@ def split_threshold(val_fraction: float) -> int:
     return int(val_fraction * 2**64)
 
 
+def _select(mask: np.ndarray, keys: np.ndarray, lengths: np.ndarray, tokens: np.ndarray) -> tuple:
+    """The documents of a chunk where `mask` is set: (keys, lengths, tokens back to back)."""
+    if mask.all():
+        return keys, lengths, tokens
+    return keys[mask], lengths[mask], tokens[np.repeat(mask, lengths)]
+
+
 class SplitRouter:
     """Sends each kept document to train or val, deterministically from its content key.
 
     With `val_fraction` the decision is a pure function of the key, so adding files never moves
-    a document between splits. With `val_count` the N documents with the smallest keys are held
-    in memory until the end; one pushed out by a smaller key goes to train at that moment. Adding
-    files can then push former validation documents into training (compare val losses only across
-    preparations of the same files; prefer val_fraction for growing corpora).
+    a document between splits; a chunk is routed with a few array operations. With `val_count`
+    the N documents with the smallest keys are held in memory until the end; one pushed out by a
+    smaller key goes to train at that moment. Adding files can then push former validation
+    documents into training (compare val losses only across preparations of the same files;
+    prefer val_fraction for growing corpora).
     """
 
     def __init__(self, train: ShardSequence, val: ShardSequence, domain: DomainConfig):
@@ -294,20 +184,32 @@ class SplitRouter:
         self._heap: list[tuple[int, int, bytes, np.ndarray]] = []  # (-key value, arrival, key, tokens)
         self._arrival = 0
 
-    def add(self, key: bytes, tokens: np.ndarray) -> None:
-        if not self.val_count:
-            target = self.val if int.from_bytes(key[:8], "big") < self.threshold else self.train
-            target.add(key, tokens)
+    def add_chunk(self, keys: np.ndarray, lengths: np.ndarray, tokens: np.ndarray, keep: np.ndarray) -> None:
+        """Route a chunk's documents where `keep` is set (key rows, lengths and tokens as ShardSequence.add_docs)."""
+        if self.val_count:
+            ends = np.cumsum(lengths)
+            for row in np.flatnonzero(keep):
+                self._add_counted(keys[row].tobytes(), tokens[ends[row] - lengths[row]:ends[row]])
             return
+        if self.threshold >= 2**64:
+            to_val = np.ones(len(lengths), dtype=bool)
+        else:
+            to_val = keys.view(">u8")[:, 0] < np.uint64(self.threshold)  # first 8 bytes, big-endian
+        for target, mask in ((self.train, keep & ~to_val), (self.val, keep & to_val)):
+            if mask.any():
+                target.add_docs(*_select(mask, keys, lengths, tokens))
+
+    def _add_counted(self, key: bytes, tokens: np.ndarray) -> None:
         self._arrival += 1
-        entry = (-int.from_bytes(key, "big"), self._arrival, key, tokens)
+        # A copy: a view would keep its whole chunk's token array alive while the document waits here.
+        entry = (-int.from_bytes(key, "big"), self._arrival, key, tokens.copy())
         if len(self._heap) < self.val_count:
             heapq.heappush(self._heap, entry)
         elif entry[0] > self._heap[0][0]:  # smaller key than the largest candidate: it replaces it
             _, _, out_key, out_tokens = heapq.heapreplace(self._heap, entry)
             self.train.add(out_key, out_tokens)
         else:
-            self.train.add(key, tokens)
+            self.train.add(key, entry[3])
 
     def finish(self) -> None:
         """Write the `val_count` candidates to val, in the order they arrived."""
@@ -316,21 +218,23 @@ class SplitRouter:
         self._heap = []
 
 
+# ----------------------------------------------------------------------------------------------
+# One run: a stream of chunks over every domain to do, results routed per domain
+# ----------------------------------------------------------------------------------------------
+
+
 @dataclasses.dataclass
-class RunContext:
-    """What every domain of one run shares."""
+class DomainJob:
+    """A domain this run must (re)write: what to read and what its output must match."""
 
-    cfg: DataPrepareConfig
-    root: Path
-    tokenizer: object  # tokenizer.TokenizerInfo
-    pool_factory: Callable[[], ChunkPool]
-    _pool: ChunkPool | None = None
-
-    @property
-    def pool(self) -> ChunkPool:
-        if self._pool is None:  # started on first need, so a run with nothing to do spawns nothing
-            self._pool = self.pool_factory()
-        return self._pool
+    name: str
+    domain: DomainConfig
+    files: list[Path]
+    inputs: list[dict]
+    """(path, size, mtime) of every input file, from file_fingerprints."""
+    fingerprint: str
+    stats: ReadStats = dataclasses.field(default_factory=ReadStats)
+    """Reader counts, filled in as the stream reads the domain's files."""
 
 
 def domain_fingerprint(domain: DomainConfig, files: list[dict], tokenizer_sha256: str, strict: bool) -> str:
@@ -345,8 +249,9 @@ def domain_fingerprint(domain: DomainConfig, files: list[dict], tokenizer_sha256
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode("utf-8")).hexdigest()
 
 
-def _chunks(documents: Iterable, clean: dict, chunk_chars: int) -> Iterator[tuple[list[str], dict, list[str]]]:
-    """(locations, clean config, texts) groups of about `chunk_chars` characters, cut from the stream alone."""
+
+def _chunks(documents: Iterable, chunk_chars: int) -> Iterator[tuple[list[str], list[str]]]:
+    """(locations, texts) groups of about `chunk_chars` characters, cut from the stream alone."""
     locations: list[str] = []
     texts: list[str] = []
     size = 0
@@ -355,10 +260,29 @@ def _chunks(documents: Iterable, clean: dict, chunk_chars: int) -> Iterator[tupl
         texts.append(document.text)
         size += len(document.text)
         if size >= chunk_chars:
-            yield locations, clean, texts
+            yield locations, texts
             locations, texts, size = [], [], 0
     if texts:
-        yield locations, clean, texts
+        yield locations, texts
+
+
+def work_stream(jobs: list[DomainJob], strict: bool, chunk_chars: int) -> Iterator[tuple]:
+    """Work items for ChunkPool.map_ordered: each job's chunks `((name, locations), clean, texts)`,
+    then its end marker `((name, None), None, None)`.
+
+    One stream for all domains keeps every worker busy across domain boundaries. A reading error
+    (strict mode, an unreadable file) ends the stream with `((name, error), None, None)` in its
+    place, so the domains before it still finish and are published before the error is raised.
+    """
+    for job in jobs:
+        clean = dataclasses.asdict(job.domain.clean)
+        try:
+            for locations, texts in _chunks(iter_domain(job.files, job.domain, strict, job.stats), chunk_chars):
+                yield (job.name, locations), clean, texts
+        except Exception as err:  # Ctrl-C is not deferred: it stops the run where it is
+            yield (job.name, err), None, None
+            return
+        yield (job.name, None), None, None
 
 
 def _progress(cfg: DataPrepareConfig, name: str):
@@ -367,7 +291,6 @@ def _progress(cfg: DataPrepareConfig, name: str):
     from tqdm import tqdm
 
     return tqdm(desc=name, unit="B", unit_scale=True, mininterval=1.0, dynamic_ncols=True)
-
 
 class Deduper:
     """Drops documents whose content key was seen before in this domain (in stream order).
@@ -389,57 +312,106 @@ class Deduper:
         return False
 
 
+
 def _route_chunk(locations: list[str], result: tuple, deduper: Deduper, router: SplitRouter, drops: DropCounts) -> None:
     """Apply one chunk's worker result in document order: count drops, de-duplicate, route the rest."""
     reasons, keys, lengths, tokens, _ = result
-    ends = np.cumsum(lengths)
+    keep = np.ones(len(lengths), dtype=bool)
     kept = 0
     for location, reason in zip(locations, reasons):
         if reason is not None:
             drops.add(reason, location)
             continue
-        key = keys[KEY_BYTES * kept:KEY_BYTES * (kept + 1)]
-        start, end = (int(ends[kept - 1]) if kept else 0), int(ends[kept])
-        kept += 1
-        if deduper.is_duplicate(key):
+        if deduper.is_duplicate(keys[KEY_BYTES * kept:KEY_BYTES * (kept + 1)]):
             drops.add("duplicate", location)
-        else:
-            router.add(key, tokens[start:end])
+            keep[kept] = False
+        kept += 1
+    router.add_chunk(np.frombuffer(keys, dtype=np.uint8).reshape(-1, KEY_BYTES), lengths, tokens, keep)
 
 
-def _pack_domain(name: str, domain: DomainConfig, files: list[Path], out: Path, ctx: RunContext) -> dict:
-    """Read, clean, encode and write one domain under `out`; returns its counts and split records."""
-    info = ctx.tokenizer
-    cap = max(1, int(domain.shard_max_mb * 2**20))
-    train = ShardSequence(out / "train", cap, info.vocab_size, info.sha256)
-    val = ShardSequence(out / "val", cap, info.vocab_size, info.sha256)
-    router, deduper = SplitRouter(train, val, domain), Deduper(domain.clean.dedup)
-    stats, drops = ReadStats(), DropCounts()
-    chunk_chars = max(1, int(ctx.cfg.chunk_mb * 2**20))
-    bar = _progress(ctx.cfg, name)
-    docs_done, text_bytes, started = 0, 0, time.monotonic()
+class DomainWriter:
+    """The parent's side of one domain: routes its chunk results into `.partial/<name>/`, then
+    publishes the folder (`finish`) or removes it (`abort`)."""
+
+    def __init__(self, job: DomainJob, root: Path, cfg: DataPrepareConfig, tokenizer):
+        self.job = job
+        self.out = root / job.name
+        self.partial = root / PARTIAL_DIR / job.name
+        shutil.rmtree(self.partial, ignore_errors=True)
+        self.partial.mkdir(parents=True)
+        cap = max(1, int(job.domain.shard_max_mb * 2**20))
+        self.train = ShardSequence(self.partial / "train", cap, tokenizer.vocab_size, tokenizer.sha256)
+        self.val = ShardSequence(self.partial / "val", cap, tokenizer.vocab_size, tokenizer.sha256)
+        self.router, self.deduper, self.drops = SplitRouter(self.train, self.val, job.domain), Deduper(job.domain.clean.dedup), DropCounts()
+        self.docs, self.text_bytes, self.started = 0, 0, time.monotonic()
+        self.bar = _progress(cfg, job.name)
+        log.info("%s: %d input files", job.name, len(job.files))
+
+    def route(self, locations: list[str], result: tuple) -> None:
+        _route_chunk(locations, result, self.deduper, self.router, self.drops)
+        self.docs += len(locations)
+        self.text_bytes += result[-1]
+        if self.bar is not None:
+            self.bar.update(result[-1])
+            self.bar.set_postfix_str(f"{self.docs / max(time.monotonic() - self.started, 1e-9):,.0f} docs/s", refresh=False)
+
+    def finish(self) -> dict:
+        """Close the splits, check and record the domain, move it into place; returns its record."""
+        job = self.job
+        self.router.finish()
+        packed = {"stats": job.stats, "drops": self.drops, "text_bytes": self.text_bytes,
+                  "splits": {"train": self.train.close(), "val": self.val.close()}}
+        self._close_bar()
+        seconds = time.monotonic() - self.started
+        log.info("%s: %s docs, %.1f MB of text in %.1fs (%.2f MB/s)", job.name, f"{self.docs:,}", self.text_bytes / 1e6,
+                 seconds, self.text_bytes / 1e6 / max(seconds, 1e-9))
+        record = _domain_record(job.name, job.domain, job.fingerprint, job.inputs, packed)
+        _check_not_empty(job.name, job.domain, record)
+        _log_domain(job.name, job.domain, record)
+        write_json_atomic(self.partial / DOMAIN_RECORD_NAME, record)
+        shutil.rmtree(self.out, ignore_errors=True)
+        self.partial.rename(self.out)
+        return record
+
+    def abort(self) -> None:
+        """Remove everything written so far: nothing half-written survives an error or Ctrl-C."""
+        self.train.abort()
+        self.val.abort()
+        self._close_bar()
+        shutil.rmtree(self.partial, ignore_errors=True)
+
+    def _close_bar(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def prepare_domains(jobs: list[DomainJob], pool: ChunkPool, root: Path, cfg: DataPrepareConfig, tokenizer) -> dict[str, dict]:
+    """Write every job's domain from one stream of chunks; returns their records by name.
+
+    Results arrive in stream order, so a domain's end marker comes after all its chunks and
+    before any chunk of the next domain: one DomainWriter is open at a time.
+    """
+    by_name = {job.name: job for job in jobs}
+    records: dict[str, dict] = {}
+    writer: DomainWriter | None = None
+    chunk_chars = max(1, int(cfg.chunk_mb * 2**20))
     try:
-        documents = iter_domain(files, domain, ctx.cfg.strict, stats)
-        for locations, result in ctx.pool.map_ordered(_chunks(documents, dataclasses.asdict(domain.clean), chunk_chars)):
-            _route_chunk(locations, result, deduper, router, drops)
-            docs_done += len(locations)
-            text_bytes += result[-1]
-            if bar is not None:
-                bar.update(result[-1])
-                bar.set_postfix_str(f"{docs_done / max(time.monotonic() - started, 1e-9):,.0f} docs/s", refresh=False)
-        router.finish()
-        splits = {"train": train.close(), "val": val.close()}
+        for (name, payload), result in pool.map_ordered(work_stream(jobs, cfg.strict, chunk_chars)):
+            if writer is None:
+                writer = DomainWriter(by_name[name], root, cfg, tokenizer)
+            if isinstance(payload, Exception):
+                raise payload
+            if result is not None:
+                writer.route(payload, result)
+            else:
+                records[name] = writer.finish()
+                writer = None
     except BaseException:
-        train.abort()
-        val.abort()
+        if writer is not None:
+            writer.abort()
         raise
-    finally:
-        if bar is not None:
-            bar.close()
-    seconds = time.monotonic() - started
-    log.info("%s: %s docs, %.1f MB of text in %.1fs (%.2f MB/s)", name, f"{docs_done:,}", text_bytes / 1e6,
-             seconds, text_bytes / 1e6 / max(seconds, 1e-9))
-    return {"stats": stats, "drops": drops, "splits": splits, "text_bytes": text_bytes}
+    return records
 
 
 def _domain_record(name: str, domain: DomainConfig, fingerprint: str, inputs: list[dict], packed: dict) -> dict:
@@ -504,28 +476,6 @@ def _finished_record(out: Path, fingerprint: str) -> dict | None:
     if record is None or record.get("fingerprint") != fingerprint or not shards_intact(out, record):
         return None
     return record
-
-
-def prepare_domain(name: str, domain: DomainConfig, ctx: RunContext, files: list[Path], inputs: list[dict],
-                   fingerprint: str) -> dict:
-    """Write one domain from scratch under `.partial/`, then move it into place; returns its record."""
-    out = ctx.root / name
-    partial = ctx.root / PARTIAL_DIR / name
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    try:
-        packed = _pack_domain(name, domain, files, partial, ctx)
-        record = _domain_record(name, domain, fingerprint, inputs, packed)
-        _check_not_empty(name, domain, record)
-        _log_domain(name, domain, record)
-        write_json_atomic(partial / DOMAIN_RECORD_NAME, record)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)  # nothing half-written survives an error or Ctrl-C
-        raise
-    shutil.rmtree(out, ignore_errors=True)
-    partial.rename(out)
-    return record
-
 
 def check_overlap(root: Path, names: Iterable[str], chunk_rows: int = 1 << 20) -> dict:
     """Fail if any validation document's content key is also in any domain's training data.
@@ -592,32 +542,34 @@ def _load_tokenizer(tokenizer_dir: str):
     return info
 
 
+
 def prepare(cfg: DataPrepareConfig) -> dict:
     """Prepare every domain of `cfg` (skipping finished ones), check train/val overlap, write the manifest."""
     check_prepare_config(cfg)
     info = _load_tokenizer(cfg.tokenizer_dir)
     root = Path(cfg.data.root)
     root.mkdir(parents=True, exist_ok=True)
-    ctx = RunContext(cfg, root, info, lambda: ChunkPool(cfg.workers, str(info.model_path), cfg.encode_threads, info.eos_id))
-    plan = _plan(cfg, root, info)
-    if any(record is None for *_, record in plan.values()):
-        (root / MANIFEST_NAME).unlink(missing_ok=True)  # from here on, the root is not complete
     records: dict[str, dict] = {}
-    try:
-        for name, (files, inputs, fingerprint, record) in plan.items():
-            domain = cfg.data.domains[name]
-            if record is not None:
-                log.info("%s: up to date (%s docs, %s tokens), skipped", name, f"{record['docs_kept']:,}", f"{record['tokens']:,}")
-            else:
-                log.info("%s: %d input files", name, len(files))
-                record = prepare_domain(name, domain, ctx, files, inputs, fingerprint)
+    jobs: list[DomainJob] = []
+    for name, (files, inputs, fingerprint, record) in _plan(cfg, root, info).items():
+        if record is None:
+            jobs.append(DomainJob(name, cfg.data.domains[name], files, inputs, fingerprint))
+        else:
+            log.info("%s: up to date (%s docs, %s tokens), skipped", name, f"{record['docs_kept']:,}", f"{record['tokens']:,}")
             records[name] = record
-    finally:
-        if ctx._pool is not None:
-            ctx._pool.close()
-        with contextlib.suppress(OSError):
-            (root / PARTIAL_DIR).rmdir()  # only when empty: an interrupted domain has cleaned up after itself
+    if jobs:
+        (root / MANIFEST_NAME).unlink(missing_ok=True)  # from here on, the root is not complete
+        # Built before any progress bar: under `fork` the workers must start while this process
+        # has no other thread (data/workers.py).
+        pool = ChunkPool(cfg.workers, str(info.model_path), cfg.encode_threads, info.eos_id, cfg.start_method)
+        try:
+            records.update(prepare_domains(jobs, pool, root, cfg, info))
+        finally:
+            pool.close()
+            with contextlib.suppress(OSError):
+                (root / PARTIAL_DIR).rmdir()  # only when empty: an interrupted domain has cleaned up after itself
     shutil.rmtree(root / PARTIAL_DIR, ignore_errors=True)
+    records = {name: records[name] for name in cfg.data.domains}  # config order, as before
     overlap = check_overlap(root, records)
     tokenizer = {"sha256": info.sha256, "model_path": str(info.model_path), "vocab_size": info.vocab_size,
                  "eos_id": info.eos_id}

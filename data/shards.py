@@ -114,6 +114,18 @@ class ShardWriter:
         self._bin.write(array.astype(self.dtype, copy=False).tobytes())
         self._offsets.append(self._offsets[-1] + int(array.size))
 
+    def add_packed(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Append many documents at once: their ids back to back in `tokens`, their sizes in `lengths`."""
+        if int(lengths.sum()) != tokens.size:
+            raise ValueError(f"document lengths add up to {int(lengths.sum())} tokens, got {tokens.size}")
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
+            raise ValueError(
+                f"token id out of range [0, {self.vocab_size}) in documents for {self.bin_path}: "
+                f"min {tokens.min()}, max {tokens.max()}"
+            )
+        self._bin.write(tokens.astype(self.dtype, copy=False).tobytes())
+        self._offsets.extend((self._offsets[-1] + np.cumsum(lengths, dtype=np.int64)).tolist())
+
     def add_documents(self, documents: Iterable[Sequence[int] | np.ndarray]) -> None:
         for document in documents:
             self.add_document(document)

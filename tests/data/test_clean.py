@@ -1,4 +1,9 @@
 """Cleaning filters: each is pure, configurable, and names the reason it drops a document."""
+import hashlib
+import random
+import re
+import unicodedata
+
 import pytest
 
 from data.clean import Cleaner, DropCounts, content_key, script_share, symbol_share, tidy_whitespace
@@ -61,3 +66,34 @@ def test_drop_counts_keep_first_locations_only():
     counts.add("duplicate", "g.jsonl:1")
     assert counts.counts == {"too_short": 8, "duplicate": 1} and counts.total == 9
     assert counts.examples["too_short"] == [f"f.jsonl:{i}" for i in range(5)]
+
+
+def _tidy_by_definition(text: str, collapse_spaces: bool) -> str:
+    """tidy_whitespace written the plain way, to check the fast paths against."""
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    text = re.sub("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ufeff]", "", text)
+    if collapse_spaces:
+        lines = [" ".join(line.split()) for line in text.split("\n")]
+    else:
+        lines = [line.rstrip() for line in text.split("\n")]
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
+
+
+def _key_by_definition(text: str) -> bytes:
+    """content_key's definition: blake2b-128 of the NFKC form with every whitespace character removed."""
+    canonical = "".join(unicodedata.normalize("NFKC", text).split())
+    return hashlib.blake2b(canonical.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
+def test_fast_paths_agree_with_the_plain_definitions():
+    # Every whitespace and control character Python knows, full-width forms, and kana: the
+    # byte-level shortcuts in tidy_whitespace and content_key must not change a single result.
+    alphabet = list("ab \t\n\r\x00\x07\x0b\x0c\x1c\x1f\x7f\ufeff\x85\xa0\u1680\u2000\u200a\u2028\u2029\u202f"
+                    "\u205f\u3000ｱＡ漢アé①")
+    rng = random.Random(0)
+    texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40))) for _ in range(3000)]
+    texts += ["plain ascii line  \nnext\t\n\n\n\nend ", "全角　スペース　\n行末", "\x85\u2028"]
+    for text in texts:
+        for collapse in (False, True):
+            assert tidy_whitespace(text, collapse) == _tidy_by_definition(text, collapse), repr(text)
+        assert content_key(text) == _key_by_definition(text), repr(text)

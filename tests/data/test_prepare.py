@@ -96,17 +96,36 @@ def test_round_trip_decodes_to_cleaned_text(tmp_path, tokenizer_dir, en_corpus, 
 
 def test_same_bytes_for_any_worker_count(tmp_path, tokenizer_dir, en_corpus):
     ja = write_jsonl(tmp_path / "in" / "ja.jsonl", JA_PARAGRAPHS * 2 + ["ｶﾀｶﾅの文章です。" * 5])
-    trees = []
-    for workers in (0, 2):
-        root = tmp_path / f"root{workers}"
+    trees = {}
+    for workers, start_method in ((0, "auto"), (2, "auto"), (2, "forkserver"), (1, "spawn")):
+        root = tmp_path / f"root{workers}{start_method}"
         cfg = make_config(root, tokenizer_dir, {
             "en": domain([en_corpus / "*.jsonl"], val_fraction=0.2, shard_max_mb=0.03),
             "ja": domain([ja], val_count=2, clean=CleanConfig(normalize="NFKC", script="ja", min_script_share=0.5)),
-        }, workers=workers, chunk_mb=0.01)  # small chunks: many in flight, out of order across workers
+        }, workers=workers, chunk_mb=0.01, start_method=start_method)  # small chunks: many in flight, out of order
         prepare(cfg)
-        trees.append(tree_bytes(root))
-    assert trees[0] == trees[1]
-    assert any(name.endswith(".bin") for name in trees[0]) and MANIFEST_NAME in trees[0]
+        trees[workers, start_method] = tree_bytes(root)
+    reference = trees[0, "auto"]
+    assert all(tree == reference for tree in trees.values())
+    assert any(name.endswith(".bin") for name in reference) and MANIFEST_NAME in reference
+
+
+def test_domains_before_a_read_error_are_still_published(tmp_path, tokenizer_dir, en_corpus):
+    # One stream of chunks spans the domains: a strict-mode error while reading the second one
+    # must not take the first one, still in flight in the workers, down with it.
+    bad = tmp_path / "in" / "ja.jsonl"
+    write_jsonl(bad, JA_PARAGRAPHS)
+    with open(bad, "a", encoding="utf-8") as handle:
+        handle.write("{not json\n")
+    cfg = make_config(tmp_path / "root", tokenizer_dir, {
+        "en": domain([en_corpus / "*.jsonl"], val_fraction=0.1), "ja": domain([bad], val_fraction=0.1),
+    }, workers=2, chunk_mb=0.01, strict=True)
+    with pytest.raises(CorpusError, match=rf"{re.escape(str(bad))}:9: malformed JSON"):
+        prepare(cfg)
+    root = tmp_path / "root"
+    assert (root / "en" / "domain.json").is_file() and read_split(root, "en", "train")
+    assert not (root / "ja").exists() and not (root / ".partial").exists()
+    assert not (root / MANIFEST_NAME).exists()
 
 
 def test_split_is_stable_when_files_are_added(tmp_path, tokenizer_dir, en_texts):
@@ -174,15 +193,15 @@ import data.prepare as prepare_module
 from tests.data.helpers import domain, make_config
 from data.config import CleanConfig
 
-calls = 0
-original = prepare_module.ShardSequence.add
-def add_then_die(self, key, tokens):
-    global calls
-    calls += 1
-    if calls == {kill_after}:
+docs = 0
+original = prepare_module.ShardSequence._write
+def write_then_die(self, writer, keys, lengths, tokens):
+    global docs
+    docs += len(lengths)
+    if docs >= {kill_after}:
         os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no finally: like a crash or the OOM killer
-    return original(self, key, tokens)
-prepare_module.ShardSequence.add = add_then_die
+    return original(self, writer, keys, lengths, tokens)
+prepare_module.ShardSequence._write = write_then_die
 cfg = make_config(Path({root!r}), Path({tok!r}), {{
     "en": domain([{en!r}], val_fraction=0.1, shard_max_mb=0.01),
     "ja": domain([{ja!r}], val_fraction=0.1, shard_max_mb=0.0001),
@@ -227,16 +246,16 @@ def test_interrupt_mid_domain_leaves_nothing_that_looks_complete(tmp_path, token
     prepare(cfg)
     assert (tmp_path / "root" / MANIFEST_NAME).exists()
     cfg.data.domains["en"].clean.min_chars = 50  # config change: the domain must be redone
-    calls = {"n": 0}
-    original = prepare_module.ShardSequence.add
+    docs = {"n": 0}
+    original = prepare_module.ShardSequence._write
 
-    def interrupt(self, key, tokens):
-        calls["n"] += 1
-        if calls["n"] == 60:
+    def interrupt(self, writer, keys, lengths, tokens):
+        docs["n"] += len(lengths)
+        if docs["n"] >= 60:
             raise KeyboardInterrupt
-        return original(self, key, tokens)
+        return original(self, writer, keys, lengths, tokens)
 
-    monkeypatch.setattr(prepare_module.ShardSequence, "add", interrupt)
+    monkeypatch.setattr(prepare_module.ShardSequence, "_write", interrupt)
     with pytest.raises(KeyboardInterrupt):
         prepare(cfg)
     root = tmp_path / "root"

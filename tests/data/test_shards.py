@@ -32,6 +32,21 @@ def test_large_vocab_uses_uint32(tmp_path):
     assert (tmp_path / "big.bin").stat().st_size == 8
 
 
+def test_add_packed_matches_one_by_one(tmp_path):
+    docs = [[1, 2, 3], [7], [4, 5], list(range(10))]
+    one_by_one = write(tmp_path / "a", docs)
+    with ShardWriter(tmp_path / "b", vocab_size=1000, tokenizer_sha256=SHA) as writer:
+        writer.add_packed(np.array([1, 2, 3, 7], dtype=np.int32), np.array([3, 1]))
+        writer.add_packed(np.array([4, 5, *range(10)], dtype=np.int32), np.array([2, 10]))
+        with pytest.raises(ValueError, match="add up to 3 tokens, got 2"):
+            writer.add_packed(np.array([1, 2], dtype=np.int32), np.array([3]))
+        with pytest.raises(ValueError, match="out of range"):
+            writer.add_packed(np.array([1, 1000], dtype=np.int32), np.array([2]))
+    assert (tmp_path / "a.bin").read_bytes() == (tmp_path / "b.bin").read_bytes()
+    assert (tmp_path / "a.idx").read_bytes() == (tmp_path / "b.idx").read_bytes()
+    assert [list(doc) for doc in one_by_one] == docs
+
+
 def test_out_of_range_token_rejected(tmp_path):
     with pytest.raises(ValueError, match="out of range"):
         write(tmp_path / "s", [[5, 1000]], vocab=1000)
