@@ -15,11 +15,13 @@ Measured, on the same jsonl files:
   de-dup, split, encode in workers, write shards, overlap check, manifest).
 Runs are interleaved (baseline, 1 worker, 2 workers per round) and each figure is the best of
 --repeat rounds: others share this machine. `ours` includes starting the worker processes
-(spawn, imports, model load; printed separately). Ends with RESULT lines.
+(start_method auto: fork here, as in `ayumi data prepare`; plus the model load; printed
+separately). Ends with RESULT lines.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import json
 import os
@@ -340,11 +342,14 @@ def ours(files: dict[str, Path], tokenizer: Path, root: Path, workers: int) -> t
 
 
 def pool_startup(model_path: Path) -> float:
-    """Seconds to start 2 spawned workers with the model loaded (a fixed cost per run, part of `ours`)."""
-    from data.workers import ChunkPool
+    """Seconds from starting 2 workers to both having answered a one-word chunk (a fixed cost per run, part of `ours`)."""
+    from data.config import CleanConfig
+    from data.workers import ChunkPool, encode_chunk
 
+    clean = dataclasses.asdict(CleanConfig())
     start = time.perf_counter()
     pool = ChunkPool(2, str(model_path), 1, 2)
+    list(pool.map_ordered([(index, (encode_chunk, clean, ["word"])) for index in range(2)]))
     elapsed = time.perf_counter() - start
     pool.close()
     return elapsed
@@ -405,7 +410,7 @@ def main() -> int:
               f"docs), {tokens / seconds:,.0f} tok/s, {text_bytes / 1e6 / seconds:.2f} MB/s, "
               f"{text_bytes / 1e6 / seconds / workers:.2f} MB/s per worker")
         print(f"[bench]   CPU time {cpu:.2f}s (parent + workers): {tokens / cpu:,.0f} tok per CPU-second")
-    print(f"[bench] worker start-up included above (spawn, imports, model load): {pool_startup(model):.2f}s for 2 workers")
+    print(f"[bench] worker start-up included above (start, model load, first answer): {pool_startup(model):.3f}s for 2 workers")
     same = all(
         (work / "out_w1" / rel).read_bytes() == (work / "out_w2" / rel).read_bytes()
         for rel in (p.relative_to(work / "out_w1") for p in (work / "out_w1").rglob("*") if p.is_file())

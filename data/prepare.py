@@ -2,7 +2,8 @@
 
 In the parent process, one stream over every domain that needs work::
 
-    files ─ iter_domain ─ chunks of ~chunk_mb text ─► worker pool (clean, key, encode + EOS; data/workers.py)
+    files ─ blocks of ~chunk_mb ───────────────► worker pool (jsonl: parse; all: clean, key, encode + EOS)
+          (jsonl raw; other formats as documents)  (data/workers.py)
           ◄─ results in chunk order ─ de-dup (key set) ─ split (pure function of the key) ─ shards
     (a marker after each domain's last chunk: its writer closes and publishes it)
 
@@ -35,7 +36,7 @@ import logging
 import shutil
 import time
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -46,8 +47,9 @@ from data.manifest import (
     shards_intact, write_json_atomic,
 )
 from data.shards import ShardWriter, dtype_for_vocab
-from data.sources import ReadStats, domain_files, file_fingerprints, iter_domain
-from data.workers import ChunkPool
+from data.sources import ReadStats, domain_files, file_fingerprints
+from data.workers import ChunkPool, ChunkResult, encode_chunk, encode_jsonl_block
+from tokenizer.sources import READ_ERRORS, Recorder, detect_format, iter_file, read_jsonl_blocks
 
 log = logging.getLogger("ayumi.data")
 
@@ -266,23 +268,55 @@ def _chunks(documents: Iterable, chunk_chars: int) -> Iterator[tuple[list[str], 
         yield locations, texts
 
 
-def work_stream(jobs: list[DomainJob], strict: bool, chunk_chars: int) -> Iterator[tuple]:
-    """Work items for ChunkPool.map_ordered: each job's chunks `((name, locations), clean, texts)`,
-    then its end marker `((name, None), None, None)`.
+@dataclasses.dataclass(frozen=True)
+class JsonlBlock:
+    """Stream meta of a raw jsonl block: the file it came from (its lines are in the worker's result)."""
+
+    path: Path
+
+
+@dataclasses.dataclass(frozen=True)
+class FileEnd:
+    """Stream marker: a jsonl file read in blocks was read to its end."""
+
+    path: Path
+
+
+def _file_items(job: DomainJob, path: Path, clean: dict, strict: bool, chunk_bytes: int) -> Iterator[tuple]:
+    """One input file's work items: raw blocks for jsonl (parsed by the workers), document chunks otherwise."""
+    fmt = detect_format(path) if job.domain.format == "auto" else job.domain.format
+    if fmt != "jsonl":
+        documents = iter_file(path, fmt=fmt, text_field=job.domain.text_field, strict=strict, stats=job.stats,
+                              text_unit=job.domain.text_unit)
+        for locations, texts in _chunks(documents, chunk_bytes):
+            yield (job.name, locations), (encode_chunk, clean, texts)
+        return
+    try:
+        for first_line, block in read_jsonl_blocks(path, chunk_bytes):
+            yield (job.name, JsonlBlock(path)), (encode_jsonl_block, clean, block, first_line, job.domain.text_field)
+    except READ_ERRORS as err:
+        Recorder(path, job.stats, strict).unreadable(err)
+        return
+    yield (job.name, FileEnd(path)), None
+
+
+def work_stream(jobs: list[DomainJob], strict: bool, chunk_bytes: int) -> Iterator[tuple]:
+    """Work items for ChunkPool.map_ordered: each job's chunks `((name, meta), (function, *args))`,
+    then its end marker `((name, None), None)`.
 
     One stream for all domains keeps every worker busy across domain boundaries. A reading error
-    (strict mode, an unreadable file) ends the stream with `((name, error), None, None)` in its
-    place, so the domains before it still finish and are published before the error is raised.
+    (strict mode, an unreadable file) ends the stream with `((name, error), None)` in its place,
+    so the domains before it still finish and are published before the error is raised.
     """
     for job in jobs:
         clean = dataclasses.asdict(job.domain.clean)
         try:
-            for locations, texts in _chunks(iter_domain(job.files, job.domain, strict, job.stats), chunk_chars):
-                yield (job.name, locations), clean, texts
+            for path in job.files:
+                yield from _file_items(job, path, clean, strict, chunk_bytes)
         except Exception as err:  # Ctrl-C is not deferred: it stops the run where it is
-            yield (job.name, err), None, None
+            yield (job.name, err), None
             return
-        yield (job.name, None), None, None
+        yield (job.name, None), None
 
 
 def _progress(cfg: DataPrepareConfig, name: str):
@@ -313,20 +347,24 @@ class Deduper:
 
 
 
-def _route_chunk(locations: list[str], result: tuple, deduper: Deduper, router: SplitRouter, drops: DropCounts) -> None:
-    """Apply one chunk's worker result in document order: count drops, de-duplicate, route the rest."""
-    reasons, keys, lengths, tokens, _ = result
-    keep = np.ones(len(lengths), dtype=bool)
+def _route_chunk(locate: Callable[[int], str], result: ChunkResult, deduper: Deduper, router: SplitRouter,
+                 drops: DropCounts) -> None:
+    """Apply one chunk's worker result in document order: count drops, de-duplicate, route the rest.
+
+    `locate(i)` names the chunk's document i; it is only called for dropped ones.
+    """
+    keys = result.keys
+    keep = np.ones(len(result.lengths), dtype=bool)
     kept = 0
-    for location, reason in zip(locations, reasons):
+    for index, reason in enumerate(result.reasons):
         if reason is not None:
-            drops.add(reason, location)
+            drops.add(reason, locate(index))
             continue
         if deduper.is_duplicate(keys[KEY_BYTES * kept:KEY_BYTES * (kept + 1)]):
-            drops.add("duplicate", location)
+            drops.add("duplicate", locate(index))
             keep[kept] = False
         kept += 1
-    router.add_chunk(np.frombuffer(keys, dtype=np.uint8).reshape(-1, KEY_BYTES), lengths, tokens, keep)
+    router.add_chunk(np.frombuffer(keys, dtype=np.uint8).reshape(-1, KEY_BYTES), result.lengths, result.tokens, keep)
 
 
 class DomainWriter:
@@ -344,15 +382,32 @@ class DomainWriter:
         self.val = ShardSequence(self.partial / "val", cap, tokenizer.vocab_size, tokenizer.sha256)
         self.router, self.deduper, self.drops = SplitRouter(self.train, self.val, job.domain), Deduper(job.domain.clean.dedup), DropCounts()
         self.docs, self.text_bytes, self.started = 0, 0, time.monotonic()
+        self.file_docs = 0  # documents of the jsonl file being read in blocks, for its empty_file check
+        self.strict = cfg.strict
         self.bar = _progress(cfg, job.name)
         log.info("%s: %d input files", job.name, len(job.files))
 
-    def route(self, locations: list[str], result: tuple) -> None:
-        _route_chunk(locations, result, self.deduper, self.router, self.drops)
-        self.docs += len(locations)
-        self.text_bytes += result[-1]
+    def route(self, meta: list[str] | JsonlBlock | FileEnd, result: ChunkResult | None) -> None:
+        """Take one stream item of this domain: a chunk's result, or the end of a jsonl file."""
+        if isinstance(meta, FileEnd):
+            Recorder(meta.path, self.job.stats, self.strict).file_done(self.file_docs)
+            self.file_docs = 0
+            return
+        if isinstance(meta, JsonlBlock):
+            # The worker parsed the block: its bad records and documents are counted here, in order.
+            recorder = Recorder(meta.path, self.job.stats, self.strict)
+            for line, skip in result.skips:
+                recorder.record(skip.reason, f"{meta.path}:{line}", skip.problem, skip.fix)
+            self.job.stats.docs_read += len(result.reasons)
+            self.file_docs += len(result.reasons)
+            locate = lambda index: f"{meta.path}:{result.lines[index]}"  # noqa: E731
+        else:
+            locate = meta.__getitem__
+        _route_chunk(locate, result, self.deduper, self.router, self.drops)
+        self.docs += len(result.reasons)
+        self.text_bytes += result.text_bytes
         if self.bar is not None:
-            self.bar.update(result[-1])
+            self.bar.update(result.text_bytes)
             self.bar.set_postfix_str(f"{self.docs / max(time.monotonic() - self.started, 1e-9):,.0f} docs/s", refresh=False)
 
     def finish(self) -> dict:
@@ -395,18 +450,18 @@ def prepare_domains(jobs: list[DomainJob], pool: ChunkPool, root: Path, cfg: Dat
     by_name = {job.name: job for job in jobs}
     records: dict[str, dict] = {}
     writer: DomainWriter | None = None
-    chunk_chars = max(1, int(cfg.chunk_mb * 2**20))
+    chunk_bytes = max(1, int(cfg.chunk_mb * 2**20))
     try:
-        for (name, payload), result in pool.map_ordered(work_stream(jobs, cfg.strict, chunk_chars)):
+        for (name, meta), result in pool.map_ordered(work_stream(jobs, cfg.strict, chunk_bytes)):
             if writer is None:
                 writer = DomainWriter(by_name[name], root, cfg, tokenizer)
-            if isinstance(payload, Exception):
-                raise payload
-            if result is not None:
-                writer.route(payload, result)
-            else:
+            if isinstance(meta, Exception):
+                raise meta
+            if meta is None:
                 records[name] = writer.finish()
                 writer = None
+            else:
+                writer.route(meta, result)
     except BaseException:
         if writer is not None:
             writer.abort()

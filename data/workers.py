@@ -2,8 +2,8 @@
 
 `ChunkPool.map_ordered` takes a stream of work items and gives back results in the same order,
 whatever the number of workers, which is what keeps the output bytes independent of it. Items
-are either chunks (`meta, clean config, texts`), sent to a worker, or markers (`meta, None,
-None`), passed through in their place: the parent uses markers for "domain finished" so that
+are either work (`meta, (function, *args)`), sent to a worker, or markers (`meta, None`),
+passed through in their place: the parent uses markers for "domain finished" so that
 one stream, and one busy pool, spans every domain of a run instead of draining between domains.
 
 How the workers start (`start_method`, default `auto`):
@@ -30,12 +30,13 @@ import signal
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, NamedTuple
 
 import numpy as np
 
 from data.clean import Cleaner, content_key
 from data.config import CleanConfig
+from tokenizer.sources import parse_jsonl_block
 
 IN_FLIGHT_PER_WORKER = 2  # one chunk being encoded and one queued: workers never wait on the parent
 
@@ -88,12 +89,28 @@ def _cleaner(clean: dict) -> Cleaner:
     return cleaner
 
 
-def encode_chunk(clean: dict, texts: list[str]) -> tuple[list, bytes, np.ndarray, np.ndarray, int]:
+class ChunkResult(NamedTuple):
+    """What a worker sends back for one chunk."""
+
+    reasons: list
+    """Per document: None when kept, else its drop reason."""
+    keys: bytes
+    """16 bytes per kept document (data.clean.content_key)."""
+    lengths: np.ndarray
+    """Tokens of each kept document, the EOS appended to it included."""
+    tokens: np.ndarray
+    """The kept documents' tokens back to back."""
+    text_bytes: int
+    """UTF-8 bytes of the chunk's documents as read."""
+    lines: list | None = None
+    """jsonl blocks: the line number of each document (for drop locations)."""
+    skips: list = []
+    """jsonl blocks: (line number, tokenizer.sources.Skip) per record that is not a document."""
+
+
+def encode_chunk(clean: dict, texts: list[str]) -> ChunkResult:
     """Clean, key and tokenize one chunk of documents (runs in a worker).
 
-    Returns (reasons, keys, lengths, tokens, text_bytes): `reasons[i]` is None for a kept document
-    or its drop reason; `keys` holds 16 bytes per kept document; `lengths` the token count of
-    each kept document including the EOS appended to it; `tokens` all of them back to back.
     Duplicates inside the chunk are dropped here, before paying for their encoding.
     """
     cleaner = _cleaner(clean)
@@ -119,7 +136,17 @@ def encode_chunk(clean: dict, texts: list[str]) -> tuple[list, bytes, np.ndarray
     raw_lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
     flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=int(raw_lengths.sum()))
     tokens = np.insert(flat, np.cumsum(raw_lengths), _worker["eos"])  # EOS after every document
-    return reasons, b"".join(keys), raw_lengths + 1, tokens, text_bytes
+    return ChunkResult(reasons, b"".join(keys), raw_lengths + 1, tokens, text_bytes)
+
+
+def encode_jsonl_block(clean: dict, block: bytes, first_line: int, text_field: str) -> ChunkResult:
+    """Parse a block of raw jsonl lines (tokenizer.sources.read_jsonl_blocks), then as encode_chunk.
+
+    Parsing here rather than in the parent keeps the parent's work per block, not per document,
+    which is what lets throughput grow with the number of workers.
+    """
+    texts, lines, skips = parse_jsonl_block(block, first_line, text_field)
+    return encode_chunk(clean, texts)._replace(lines=lines, skips=skips)
 
 
 def resolve_start_method(requested: str) -> str:
@@ -156,17 +183,21 @@ class ChunkPool:
             # first chunks meanwhile, and a model that fails to load fails the first result.
             self._executor.submit(int)
 
-    def map_ordered(self, items: Iterable[tuple[object, dict | None, list[str] | None]]) -> Iterator[tuple[object, tuple | None]]:
-        """(meta, encode_chunk result) per chunk item and (meta, None) per marker item, in stream order."""
+    def map_ordered(self, items: Iterable[tuple[object, tuple | None]]) -> Iterator[tuple[object, ChunkResult | None]]:
+        """(meta, result) per item, in stream order.
+
+        An item is (meta, (function, *args)) for work (encode_chunk or encode_jsonl_block) or
+        (meta, None) for a marker, which comes back as (meta, None) in its place.
+        """
         if self._executor is None:
-            for meta, clean, texts in items:
-                yield meta, None if texts is None else encode_chunk(clean, texts)
+            for meta, call in items:
+                yield meta, None if call is None else call[0](*call[1:])
             return
         limit = IN_FLIGHT_PER_WORKER * self.workers
         pending: collections.deque = collections.deque()
         in_flight = 0
-        for meta, clean, texts in items:
-            future = None if texts is None else self._executor.submit(encode_chunk, clean, texts)
+        for meta, call in items:
+            future = None if call is None else self._executor.submit(*call)
             pending.append((meta, future))
             in_flight += future is not None
             while pending and (pending[0][1] is None or in_flight >= limit):

@@ -30,6 +30,8 @@ SKIP_REASONS = (
     "empty_text",
 )
 MAX_EXAMPLES = 5  # locations kept per skip reason: enough to find the problem, bounded in memory
+# What reading a broken file raises: gzip/zstd/arrow corruption, permissions, a file gone mid-read.
+READ_ERRORS = (OSError, EOFError, ValueError)
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 TEXT_SUFFIXES = (".txt", ".text")
@@ -233,7 +235,7 @@ def iter_file(
     if text_unit not in TEXT_UNITS:
         raise CorpusError(f"text_unit={text_unit!r} is not one of {', '.join(TEXT_UNITS)}.")
     reader = {"jsonl": _iter_jsonl, "text": _iter_text, "parquet": _iter_parquet, "hf": _iter_hf}[fmt]
-    recorder = _Recorder(path, stats, strict)
+    recorder = Recorder(path, stats, strict)
     try:
         if fmt == "text":
             docs = reader(path, recorder, text_unit)
@@ -246,16 +248,13 @@ def iter_file(
             yield doc
     except CorpusError:
         raise
-    except (OSError, EOFError, ValueError) as err:  # gzip/zstd/arrow corruption, permissions
-        recorder.bad_file("unreadable_file", f"cannot be read ({type(err).__name__}: {err})",
-                          "check the file is complete and of the format its name says")
+    except READ_ERRORS as err:
+        recorder.unreadable(err)
         return
-    stats.files_read += 1
-    if count == 0:
-        recorder.bad_file("empty_file", "holds no documents", "remove it from the inputs or check its contents")
+    recorder.file_done(count)
 
 
-class _Recorder:
+class Recorder:
     """Counts skips for one file, or raises at the first one when strict."""
 
     def __init__(self, path: Path, stats: ReadStats, strict: bool):
@@ -268,6 +267,17 @@ class _Recorder:
 
     def bad_file(self, reason: str, problem: str, fix: str) -> None:
         self.record(reason, str(self.path), problem, fix)
+
+    def unreadable(self, err: BaseException) -> None:
+        """The file broke off while being read (one of READ_ERRORS)."""
+        self.bad_file("unreadable_file", f"cannot be read ({type(err).__name__}: {err})",
+                      "check the file is complete and of the format its name says")
+
+    def file_done(self, documents: int) -> None:
+        """The file was read to its end and held `documents` documents."""
+        self.stats.files_read += 1
+        if documents == 0:
+            self.bad_file("empty_file", "holds no documents", "remove it from the inputs or check its contents")
 
 
 def _open_binary(path: Path) -> IO[bytes]:
@@ -284,7 +294,7 @@ def _open_binary(path: Path) -> IO[bytes]:
     return open(path, "rb")
 
 
-def _decoded_lines(path: Path, recorder: _Recorder) -> Iterator[tuple[int, str | None]]:
+def _decoded_lines(path: Path, recorder: Recorder) -> Iterator[tuple[int, str | None]]:
     """(1-based line number, text without the newline) per line; None where the line is not UTF-8."""
     with _open_binary(path) as raw:
         for number, line in enumerate(raw, start=1):
@@ -297,34 +307,87 @@ def _decoded_lines(path: Path, recorder: _Recorder) -> Iterator[tuple[int, str |
                 yield number, None
 
 
-def _iter_jsonl(path: Path, recorder: _Recorder, text_field: str) -> Iterator[Document]:
-    for number, line in _decoded_lines(path, recorder):
-        if line is None or not line.strip():
-            continue  # invalid UTF-8 is already counted; blank lines are not records
-        location = f"{path}:{number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            recorder.record("malformed_json", location, f"malformed JSON ({err.msg})",
-                            "fix or drop the line; each line must be one JSON object")
-            continue
-        if not isinstance(record, dict) or text_field not in record:
-            keys = sorted(record)[:8] if isinstance(record, dict) else type(record).__name__
-            recorder.record("missing_field", location, f"no {text_field!r} field (has {keys})",
-                            "set text_field to the key that holds the text")
-            continue
-        text = record[text_field]
-        if not isinstance(text, str):
-            recorder.record("not_a_string", location, f"{text_field!r} is a {type(text).__name__}, not a string",
-                            "set text_field to a field holding strings")
-            continue
-        if not text:
-            recorder.record("empty_text", location, f"{text_field!r} is empty", "drop empty records")
-            continue
-        yield Document(text, location)
+def _iter_jsonl(path: Path, recorder: Recorder, text_field: str) -> Iterator[Document]:
+    with _open_binary(path) as raw:
+        for number, line in enumerate(raw, start=1):
+            parsed = parse_jsonl_line(line, text_field)
+            if isinstance(parsed, str):
+                yield Document(parsed, f"{path}:{number}")
+            elif parsed is not None:
+                recorder.record(parsed.reason, f"{path}:{number}", parsed.problem, parsed.fix)
 
 
-def _iter_text(path: Path, recorder: _Recorder, text_unit: str) -> Iterator[Document]:
+@dataclass(frozen=True)
+class Skip:
+    """Why one record is not a document: a SKIP_REASONS key, what is wrong, and what to do."""
+
+    reason: str
+    problem: str
+    fix: str
+
+
+def parse_jsonl_line(line: bytes, text_field: str) -> str | Skip | None:
+    """One jsonl line (with or without its line ending) → its text, a Skip, or None for a blank line."""
+    try:
+        decoded = line.rstrip(b"\n").rstrip(b"\r").decode("utf-8")
+    except UnicodeDecodeError as err:
+        return Skip("invalid_utf8", f"invalid UTF-8 at byte {err.start}", "re-encode the file as UTF-8")
+    if not decoded.strip():
+        return None  # blank lines are not records
+    try:
+        record = json.loads(decoded)
+    except json.JSONDecodeError as err:
+        return Skip("malformed_json", f"malformed JSON ({err.msg})", "fix or drop the line; each line must be one JSON object")
+    if not isinstance(record, dict) or text_field not in record:
+        keys = sorted(record)[:8] if isinstance(record, dict) else type(record).__name__
+        return Skip("missing_field", f"no {text_field!r} field (has {keys})", "set text_field to the key that holds the text")
+    text = record[text_field]
+    if not isinstance(text, str):
+        return Skip("not_a_string", f"{text_field!r} is a {type(text).__name__}, not a string",
+                    "set text_field to a field holding strings")
+    if not text:
+        return Skip("empty_text", f"{text_field!r} is empty", "drop empty records")
+    return text
+
+
+def read_jsonl_blocks(path: Path, block_bytes: int) -> Iterator[tuple[int, bytes]]:
+    """A jsonl file as (number of its first line, ~block_bytes of whole lines), undecoded.
+
+    For pipelines that parse in worker processes (`parse_jsonl_block`): reading stays a few
+    system calls per block however small the documents are. Raises one of READ_ERRORS when the
+    file cannot be read to its end.
+    """
+    with _open_binary(path) as raw:
+        number = 1
+        while True:
+            block = raw.read(block_bytes)
+            if not block:
+                return
+            if not block.endswith(b"\n"):
+                block += raw.readline()  # finish the line the block cut
+            yield number, block
+            number += block.count(b"\n")
+
+
+def parse_jsonl_block(block: bytes, first_line: int, text_field: str) -> tuple[list[str], list[int], list[tuple[int, Skip]]]:
+    """The records of a `read_jsonl_blocks` block: (texts, their line numbers, (line number, Skip) per bad record)."""
+    lines = block.split(b"\n")
+    if block.endswith(b"\n") or not block:
+        lines.pop()  # after the last line ending: not a line
+    texts: list[str] = []
+    numbers: list[int] = []
+    skips: list[tuple[int, Skip]] = []
+    for number, line in enumerate(lines, start=first_line):
+        parsed = parse_jsonl_line(line, text_field)
+        if isinstance(parsed, str):
+            texts.append(parsed)
+            numbers.append(number)
+        elif parsed is not None:
+            skips.append((number, parsed))
+    return texts, numbers, skips
+
+
+def _iter_text(path: Path, recorder: Recorder, text_unit: str) -> Iterator[Document]:
     lines = _decoded_lines(path, recorder)
     if text_unit == "line":
         for number, line in lines:
@@ -352,7 +415,7 @@ def _iter_text(path: Path, recorder: _Recorder, text_unit: str) -> Iterator[Docu
         yield Document("\n".join(block), f"{path}:{start}")
 
 
-def _iter_parquet(path: Path, recorder: _Recorder, text_field: str) -> Iterator[Document]:
+def _iter_parquet(path: Path, recorder: Recorder, text_field: str) -> Iterator[Document]:
     import pyarrow.parquet as pq
 
     parquet = pq.ParquetFile(path)
@@ -368,7 +431,7 @@ def _iter_parquet(path: Path, recorder: _Recorder, text_field: str) -> Iterator[
             row += 1
 
 
-def _iter_hf(path: Path, recorder: _Recorder, text_field: str) -> Iterator[Document]:
+def _iter_hf(path: Path, recorder: Recorder, text_field: str) -> Iterator[Document]:
     import datasets
 
     loaded = datasets.load_from_disk(str(path))
@@ -386,7 +449,7 @@ def _iter_hf(path: Path, recorder: _Recorder, text_field: str) -> Iterator[Docum
                 index += 1
 
 
-def _checked_value(value: object, location: str, text_field: str, recorder: _Recorder) -> Iterator[Document]:
+def _checked_value(value: object, location: str, text_field: str, recorder: Recorder) -> Iterator[Document]:
     """A column value as a Document, or a counted skip when it is not a non-empty string."""
     if value is None:
         recorder.record("missing_field", location, f"{text_field!r} is null", "drop null rows")

@@ -263,7 +263,8 @@ def test_interrupt_mid_domain_leaves_nothing_that_looks_complete(tmp_path, token
     assert not list(root.rglob("*.tmp")) and not (root / ".partial" / "en").exists()
 
 
-def test_bad_inputs_are_skipped_counted_and_located(tmp_path, tokenizer_dir, en_texts):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_bad_inputs_are_skipped_counted_and_located(tmp_path, tokenizer_dir, en_texts, workers):
     write_jsonl(tmp_path / "in" / "good.jsonl", en_texts[:30])
     bad = tmp_path / "in" / "bad.jsonl"
     bad.write_bytes(
@@ -275,9 +276,10 @@ def test_bad_inputs_are_skipped_counted_and_located(tmp_path, tokenizer_dir, en_
     )
     (tmp_path / "in" / "empty.jsonl").write_bytes(b"")
     (tmp_path / "in" / "broken.jsonl.gz").write_bytes(gzip.compress(b'{"text": "x"}\n' * 100)[:12])
-    cfg = make_config(tmp_path / "root", tokenizer_dir, {"en": domain([tmp_path / "in" / "*"])})
+    cfg = make_config(tmp_path / "root", tokenizer_dir, {"en": domain([tmp_path / "in" / "*"])}, workers=workers)
     record = prepare(cfg)["domains"]["en"]
     dropped, examples = record["dropped"], record["drop_examples"]
+    assert record["files_read"] == 3 and record["docs_read"] == 31  # the broken file is not "read"
     assert dropped["malformed_json"] == 1 and examples["malformed_json"] == [f"{bad}:2"]
     assert dropped["invalid_utf8"] == 1 and examples["invalid_utf8"] == [f"{bad}:3"]
     assert dropped["missing_field"] == 1 and examples["missing_field"] == [f"{bad}:4"]

@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from tokenizer.sources import CorpusError, ReadStats, detect_format, expand_inputs, iter_documents, iter_file
+from tokenizer.sources import (
+    CorpusError, ReadStats, detect_format, expand_inputs, iter_documents, iter_file, parse_jsonl_block, read_jsonl_blocks,
+)
 
 
 def write_jsonl_with_faults(path):
@@ -24,6 +26,31 @@ def test_jsonl_skips_and_counts_each_fault(tmp_path):
     assert stats.skipped == {"malformed_json": 1, "missing_field": 1, "not_a_string": 1, "invalid_utf8": 1}
     assert stats.examples["malformed_json"] == [f"{path}:2"]
     assert stats.files_read == 1 and stats.docs_read == 2
+
+
+@pytest.mark.parametrize("block_bytes", [1, 7, 40, 1 << 20])
+@pytest.mark.parametrize("final_newline", [True, False])
+def test_jsonl_blocks_parse_like_the_line_reader(tmp_path, block_bytes, final_newline):
+    # Workers parse raw blocks; whatever the block size, they must see the same documents, line
+    # numbers and faults as the line-by-line reader.
+    path = tmp_path / "a.jsonl"
+    write_jsonl_with_faults(path)
+    if not final_newline:
+        path.write_bytes(path.read_bytes().rstrip(b"\n"))
+    stats = ReadStats()
+    expected = [(doc.text, int(doc.location.rsplit(":", 1)[1])) for doc in iter_file(path, stats=stats)]
+    texts, lines, skips = [], [], []
+    for first_line, block in read_jsonl_blocks(path, block_bytes):
+        assert block.endswith(b"\n") or block == path.read_bytes()[-len(block):], "blocks hold whole lines"
+        block_texts, block_lines, block_skips = parse_jsonl_block(block, first_line, "text")
+        texts += block_texts
+        lines += block_lines
+        skips += block_skips
+    assert list(zip(texts, lines)) == expected
+    assert sorted(skip.reason for _, skip in skips) == sorted(
+        reason for reason, count in stats.skipped.items() for _ in range(count))
+    assert [line for line, _ in skips] == [2, 3, 4, 5]
+    assert parse_jsonl_block(b"", 1, "text") == ([], [], [])
 
 
 def test_strict_raises_naming_file_and_line(tmp_path):
