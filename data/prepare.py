@@ -27,10 +27,12 @@ and written last, after the train/val overlap check passed.
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import hashlib
 import heapq
+import itertools
 import json
 import logging
 import shutil
@@ -48,7 +50,7 @@ from data.manifest import (
 )
 from data.shards import ShardWriter, dtype_for_vocab
 from data.sources import ReadStats, domain_files, file_fingerprints
-from data.workers import ChunkPool, ChunkResult, encode_chunk, encode_jsonl_block
+from data.workers import ChunkPool, ChunkResult, encode_chunk, encode_jsonl_blocks
 from tokenizer.sources import READ_ERRORS, Recorder, detect_format, iter_file, read_jsonl_blocks
 
 log = logging.getLogger("ayumi.data")
@@ -252,68 +254,110 @@ def domain_fingerprint(domain: DomainConfig, files: list[dict], tokenizer_sha256
 
 
 
-def _chunks(documents: Iterable, chunk_chars: int) -> Iterator[tuple[list[str], list[str]]]:
-    """(locations, texts) groups of about `chunk_chars` characters, cut from the stream alone."""
-    locations: list[str] = []
-    texts: list[str] = []
-    size = 0
-    for document in documents:
-        locations.append(document.location)
-        texts.append(document.text)
-        size += len(document.text)
-        if size >= chunk_chars:
-            yield locations, texts
-            locations, texts, size = [], [], 0
-    if texts:
-        yield locations, texts
-
-
 @dataclasses.dataclass(frozen=True)
-class JsonlBlock:
-    """Stream meta of a raw jsonl block: the file it came from (its lines are in the worker's result)."""
+class JsonlBatch:
+    """Stream meta of raw jsonl blocks sent to a worker together: the file of each block."""
 
-    path: Path
+    paths: list[Path]
 
 
 @dataclasses.dataclass(frozen=True)
 class FileEnd:
-    """Stream marker: a jsonl file read in blocks was read to its end."""
+    """Stream marker: a jsonl file read in blocks was read to its end (after the item with its last block)."""
 
     path: Path
 
 
-def _file_items(job: DomainJob, path: Path, clean: dict, strict: bool, chunk_bytes: int) -> Iterator[tuple]:
-    """One input file's work items: raw blocks for jsonl (parsed by the workers), document chunks otherwise."""
-    fmt = detect_format(path) if job.domain.format == "auto" else job.domain.format
+class _ItemBuilder:
+    """Groups one domain's input into work items of about `chunk_bytes`, across file boundaries.
+
+    Documents (from the non-jsonl readers) and raw jsonl blocks go into separate items; switching
+    between the two flushes, so items follow the file order. Grouping across files keeps a corpus
+    of many small files from turning into as many tiny items, each paying a round trip to a worker.
+    """
+
+    def __init__(self, job: DomainJob, chunk_bytes: int):
+        self.job, self.chunk_bytes = job, chunk_bytes
+        self.clean = dataclasses.asdict(job.domain.clean)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.locations: list[str] = []
+        self.texts: list[str] = []
+        self.blocks: list[tuple[int, bytes]] = []
+        self.block_paths: list[Path] = []
+        self.ended: list[Path] = []
+        self.size = 0
+
+    def add_document(self, document) -> Iterator[tuple]:
+        if self.blocks:
+            yield from self.flush()
+        self.locations.append(document.location)
+        self.texts.append(document.text)
+        self.size += len(document.text)
+        if self.size >= self.chunk_bytes:
+            yield from self.flush()
+
+    def add_block(self, path: Path, first_line: int, block: bytes) -> Iterator[tuple]:
+        if self.texts:
+            yield from self.flush()
+        self.blocks.append((first_line, block))
+        self.block_paths.append(path)
+        self.size += len(block)
+        if self.size >= self.chunk_bytes:
+            yield from self.flush()
+
+    def end_file(self, path: Path) -> None:
+        """`path`, read in blocks, is complete: its FileEnd follows the item holding its last block."""
+        self.ended.append(path)
+
+    def flush(self) -> Iterator[tuple]:
+        name = self.job.name
+        if self.texts:
+            yield (name, self.locations), (encode_chunk, self.clean, self.texts)
+        if self.blocks:
+            yield (name, JsonlBatch(self.block_paths)), (encode_jsonl_blocks, self.clean, self.blocks, self.job.domain.text_field)
+        for path in self.ended:
+            yield (name, FileEnd(path)), None
+        self._reset()
+
+
+def _file_items(builder: _ItemBuilder, path: Path, strict: bool) -> Iterator[tuple]:
+    """One input file into the builder: raw blocks for jsonl (parsed by the workers), documents otherwise."""
+    domain, stats = builder.job.domain, builder.job.stats
+    fmt = detect_format(path) if domain.format == "auto" else domain.format
     if fmt != "jsonl":
-        documents = iter_file(path, fmt=fmt, text_field=job.domain.text_field, strict=strict, stats=job.stats,
-                              text_unit=job.domain.text_unit)
-        for locations, texts in _chunks(documents, chunk_bytes):
-            yield (job.name, locations), (encode_chunk, clean, texts)
+        for document in iter_file(path, fmt=fmt, text_field=domain.text_field, strict=strict, stats=stats,
+                                  text_unit=domain.text_unit):
+            yield from builder.add_document(document)
         return
     try:
-        for first_line, block in read_jsonl_blocks(path, chunk_bytes):
-            yield (job.name, JsonlBlock(path)), (encode_jsonl_block, clean, block, first_line, job.domain.text_field)
+        for first_line, block in read_jsonl_blocks(path, builder.chunk_bytes):
+            yield from builder.add_block(path, first_line, block)
     except READ_ERRORS as err:
-        Recorder(path, job.stats, strict).unreadable(err)
+        Recorder(path, stats, strict).unreadable(err)
         return
-    yield (job.name, FileEnd(path)), None
+    builder.end_file(path)
 
 
 def work_stream(jobs: list[DomainJob], strict: bool, chunk_bytes: int) -> Iterator[tuple]:
-    """Work items for ChunkPool.map_ordered: each job's chunks `((name, meta), (function, *args))`,
-    then its end marker `((name, None), None)`.
+    """Work items for ChunkPool.map_ordered: each job's items `((name, meta), (function, *args))`
+    and markers `((name, FileEnd), None)`, then its end marker `((name, None), None)`.
 
     One stream for all domains keeps every worker busy across domain boundaries. A reading error
     (strict mode, an unreadable file) ends the stream with `((name, error), None)` in its place,
     so the domains before it still finish and are published before the error is raised.
     """
     for job in jobs:
-        clean = dataclasses.asdict(job.domain.clean)
+        builder = _ItemBuilder(job, chunk_bytes)
         try:
             for path in job.files:
-                yield from _file_items(job, path, clean, strict, chunk_bytes)
+                yield from _file_items(builder, path, strict)
+            yield from builder.flush()
         except Exception as err:  # Ctrl-C is not deferred: it stops the run where it is
+            # What was read before the error goes first: in strict mode an earlier bad record
+            # must be the one reported, as when reading and parsing were one step.
+            yield from builder.flush()
             yield (job.name, err), None
             return
         yield (job.name, None), None
@@ -382,25 +426,29 @@ class DomainWriter:
         self.val = ShardSequence(self.partial / "val", cap, tokenizer.vocab_size, tokenizer.sha256)
         self.router, self.deduper, self.drops = SplitRouter(self.train, self.val, job.domain), Deduper(job.domain.clean.dedup), DropCounts()
         self.docs, self.text_bytes, self.started = 0, 0, time.monotonic()
-        self.file_docs = 0  # documents of the jsonl file being read in blocks, for its empty_file check
+        self.file_docs: dict[Path, int] = {}  # documents so far of jsonl files read in blocks (empty_file check)
         self.strict = cfg.strict
         self.bar = _progress(cfg, job.name)
         log.info("%s: %d input files", job.name, len(job.files))
 
-    def route(self, meta: list[str] | JsonlBlock | FileEnd, result: ChunkResult | None) -> None:
+    def route(self, meta: list[str] | JsonlBatch | FileEnd, result: ChunkResult | None) -> None:
         """Take one stream item of this domain: a chunk's result, or the end of a jsonl file."""
+        stats = self.job.stats
         if isinstance(meta, FileEnd):
-            Recorder(meta.path, self.job.stats, self.strict).file_done(self.file_docs)
-            self.file_docs = 0
+            Recorder(meta.path, stats, self.strict).file_done(self.file_docs.pop(meta.path, 0))
             return
-        if isinstance(meta, JsonlBlock):
-            # The worker parsed the block: its bad records and documents are counted here, in order.
-            recorder = Recorder(meta.path, self.job.stats, self.strict)
-            for line, skip in result.skips:
-                recorder.record(skip.reason, f"{meta.path}:{line}", skip.problem, skip.fix)
-            self.job.stats.docs_read += len(result.reasons)
-            self.file_docs += len(result.reasons)
-            locate = lambda index: f"{meta.path}:{result.lines[index]}"  # noqa: E731
+        if isinstance(meta, JsonlBatch):
+            # The worker parsed the blocks: their bad records and documents are counted here, in order.
+            for block, line, skip in result.skips:
+                path = meta.paths[block]
+                Recorder(path, stats, self.strict).record(skip.reason, f"{path}:{line}", skip.problem, skip.fix)
+            for path, count in zip(meta.paths, result.docs_per_block):
+                self.file_docs[path] = self.file_docs.get(path, 0) + count
+            stats.docs_read += len(result.reasons)
+            block_ends = list(itertools.accumulate(result.docs_per_block))
+
+            def locate(index: int) -> str:
+                return f"{meta.paths[bisect.bisect_right(block_ends, index)]}:{result.lines[index]}"
         else:
             locate = meta.__getitem__
         _route_chunk(locate, result, self.deduper, self.router, self.drops)

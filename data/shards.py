@@ -106,13 +106,7 @@ class ShardWriter:
         array = np.asarray(tokens)
         if array.ndim != 1:
             raise ValueError(f"a document is a 1-D sequence of token ids, got shape {array.shape}")
-        if array.size and (array.min() < 0 or array.max() >= self.vocab_size):
-            raise ValueError(
-                f"token id out of range [0, {self.vocab_size}) in a document for {self.bin_path}: "
-                f"min {array.min()}, max {array.max()}"
-            )
-        self._bin.write(array.astype(self.dtype, copy=False).tobytes())
-        self._offsets.append(self._offsets[-1] + int(array.size))
+        self.add_packed(array, np.array([array.size]))
 
     def add_packed(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
         """Append many documents at once: their ids back to back in `tokens`, their sizes in `lengths`."""

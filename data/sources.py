@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterator
 
 from data.config import DomainConfig
-from tokenizer.sources import CorpusError, Document, ReadStats, expand_inputs, iter_file
+from tokenizer.sources import CorpusError, Document, ReadStats, expand_inputs
 
-__all__ = ["CorpusError", "Document", "ReadStats", "domain_files", "file_fingerprints", "iter_domain"]
+__all__ = ["CorpusError", "Document", "ReadStats", "domain_files", "file_fingerprints"]
 
 
 def domain_files(name: str, domain: DomainConfig) -> list[Path]:
@@ -49,10 +48,3 @@ def _fingerprint(path: Path) -> dict:
         size, mtime = -1, 0
     return {"path": str(path.resolve()), "size": size, "mtime_ns": mtime}
 
-
-def iter_domain(paths: list[Path], domain: DomainConfig, strict: bool, stats: ReadStats) -> Iterator[Document]:
-    """The documents of all the domain's files in order, streamed; skips are counted in `stats`."""
-    for path in paths:
-        yield from iter_file(
-            path, fmt=domain.format, text_field=domain.text_field, strict=strict, stats=stats, text_unit=domain.text_unit
-        )

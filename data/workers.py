@@ -104,8 +104,10 @@ class ChunkResult(NamedTuple):
     """UTF-8 bytes of the chunk's documents as read."""
     lines: list | None = None
     """jsonl blocks: the line number of each document (for drop locations)."""
+    docs_per_block: list | None = None
+    """jsonl blocks: how many of the documents came from each block."""
     skips: list = []
-    """jsonl blocks: (line number, tokenizer.sources.Skip) per record that is not a document."""
+    """jsonl blocks: (block index, line number, tokenizer.sources.Skip) per record that is not a document."""
 
 
 def encode_chunk(clean: dict, texts: list[str]) -> ChunkResult:
@@ -139,14 +141,24 @@ def encode_chunk(clean: dict, texts: list[str]) -> ChunkResult:
     return ChunkResult(reasons, b"".join(keys), raw_lengths + 1, tokens, text_bytes)
 
 
-def encode_jsonl_block(clean: dict, block: bytes, first_line: int, text_field: str) -> ChunkResult:
-    """Parse a block of raw jsonl lines (tokenizer.sources.read_jsonl_blocks), then as encode_chunk.
+def encode_jsonl_blocks(clean: dict, blocks: list[tuple[int, bytes]], text_field: str) -> ChunkResult:
+    """Parse raw jsonl blocks ((first line number, bytes) from tokenizer.sources.read_jsonl_blocks),
+    then clean, key and tokenize their documents as encode_chunk.
 
     Parsing here rather than in the parent keeps the parent's work per block, not per document,
     which is what lets throughput grow with the number of workers.
     """
-    texts, lines, skips = parse_jsonl_block(block, first_line, text_field)
-    return encode_chunk(clean, texts)._replace(lines=lines, skips=skips)
+    texts: list[str] = []
+    lines: list[int] = []
+    docs_per_block: list[int] = []
+    skips: list[tuple] = []
+    for index, (first_line, block) in enumerate(blocks):
+        block_texts, block_lines, block_skips = parse_jsonl_block(block, first_line, text_field)
+        texts += block_texts
+        lines += block_lines
+        docs_per_block.append(len(block_texts))
+        skips += [(index, line, skip) for line, skip in block_skips]
+    return encode_chunk(clean, texts)._replace(lines=lines, docs_per_block=docs_per_block, skips=skips)
 
 
 def resolve_start_method(requested: str) -> str:
@@ -186,7 +198,7 @@ class ChunkPool:
     def map_ordered(self, items: Iterable[tuple[object, tuple | None]]) -> Iterator[tuple[object, ChunkResult | None]]:
         """(meta, result) per item, in stream order.
 
-        An item is (meta, (function, *args)) for work (encode_chunk or encode_jsonl_block) or
+        An item is (meta, (function, *args)) for work (encode_chunk or encode_jsonl_blocks) or
         (meta, None) for a marker, which comes back as (meta, None) in its place.
         """
         if self._executor is None:

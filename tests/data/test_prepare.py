@@ -359,3 +359,26 @@ def test_shards_feed_the_trainer_loader(tmp_path, tokenizer_dir, en_corpus):
     assert list(train_dirs) == ["en"] and list(domains_under(tmp_path / "root", "val")) == ["en"]
     samples = PackedSamples.from_directory(train_dirs["en"], seq_len=32)
     assert len(samples) > 10 and samples.sample(3).shape == (33,)
+
+
+def test_many_small_files_share_work_items_and_keep_their_locations(tmp_path, tokenizer_dir, en_texts):
+    from data.prepare import DomainJob, FileEnd, work_stream
+
+    files = []
+    for number in range(12):
+        texts = en_texts[3 * number:3 * number + 3]
+        if number == 7:
+            texts = [texts[0], "tiny", texts[1]]  # dropped as too short: line 2 of file 7
+        if number == 10:
+            texts = [texts[0], texts[1], en_texts[4]]  # a copy of file 1's second document: line 3 of file 10
+        files.append(write_jsonl(tmp_path / "in" / f"part_{number:02d}.jsonl", texts))
+    dom = domain([tmp_path / "in" / "*.jsonl"], clean=CleanConfig(min_chars=20))
+    items = list(work_stream([DomainJob("en", dom, files, [], "fp")], strict=False, chunk_bytes=1 << 20))
+    work = [meta for meta, call in items if call is not None]
+    ends = [meta[1].path for meta, call in items if isinstance(meta[1], FileEnd)]
+    assert len(work) == 1, "small files are grouped into one work item, not one per file"
+    assert ends == files and items[-1] == (("en", None), None)
+
+    record = prepare(make_config(tmp_path / "root", tokenizer_dir, {"en": dom}, workers=2))["domains"]["en"]
+    assert record["files_read"] == 12 and record["docs_read"] == 36
+    assert record["drop_examples"] == {"too_short": [f"{files[7]}:2"], "duplicate": [f"{files[10]}:3"]}
