@@ -7,6 +7,7 @@ Layout under the checkpoint root::
         ayumi_rank00000.pt        per-rank state (RNG of torch, numpy, python, CUDA)
         ayumi.json                written last by rank 0: marks the folder complete, describes it
     latest                        the newest complete tag, replaced atomically after ayumi.json
+    universal/step_0000100/       only while a checkpoint of another data-parallel size is loaded
 
 A crash mid-save leaves a folder without `ayumi.json` and `latest` still naming the previous
 checkpoint; such folders are never loaded and are removed by the next save. *When* to save
@@ -31,6 +32,7 @@ LATEST = "latest"
 META = "ayumi.json"
 SHARED_STATE = "ayumi_state.pt"
 TAG_PREFIX = "step_"
+UNIVERSAL_DIR = "universal"  # under a checkpoint root: converted copies, while they are being loaded
 
 
 class CheckpointError(RuntimeError):
@@ -104,13 +106,23 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 
 class Checkpointer:
-    """Saves and loads ayumi checkpoints for one run (all ranks call every method)."""
+    """Saves and loads ayumi checkpoints for one run (all ranks call every method).
 
-    def __init__(self, root: Path, keep_last: int, rank: int, barrier):
+    `world_size` and `zero_stage` describe this run: a ZeRO 1-3 checkpoint saved by another
+    number of ranks is loaded through DeepSpeed's universal form (converted once by rank 0 under
+    `<root>/universal/`, removed after loading). `any_rank(flag)` is True on every rank when the
+    flag is on any one (pretrain.engine.any_rank); it carries a failed conversion to all ranks.
+    """
+
+    def __init__(self, root: Path, keep_last: int, rank: int, barrier, world_size: int = 1, zero_stage: int = 0,
+                 any_rank=lambda flag: flag):
         self.root = Path(root)
         self.keep_last = keep_last
         self.rank = rank
         self._barrier = barrier
+        self.world_size = world_size
+        self.zero_stage = zero_stage
+        self._any_rank = any_rank
 
     def save(self, engine, step: int, shared_state: dict[str, Any], meta: dict[str, Any]) -> Path:
         tag = tag_for(step)
@@ -146,18 +158,54 @@ class Checkpointer:
                     shutil.rmtree(path, ignore_errors=True)
 
     def load(self, engine, tag: str, root: Path | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Load engine state and return (shared state, meta); restores this rank's RNG last."""
+        """Load engine state and return (shared state, meta); restores this rank's RNG last.
+
+        meta["resharded_from"] is set when the checkpoint came from another number of ranks
+        through the universal form. Ranks the checkpoint had no RNG file for keep their seed.
+        """
         root = Path(root or self.root)
         tag_dir = root / tag
         if not is_complete(tag_dir):
             raise CheckpointError(f"{tag_dir} is not a complete ayumi checkpoint (no {META})")
-        engine.load(root, tag)
+        meta = json.loads((tag_dir / META).read_text())
+        if self._needs_universal(tag_dir, meta):
+            self._load_universal(engine, tag_dir)
+            meta["resharded_from"] = meta["world_size"]
+        else:
+            engine.load(root, tag)
         shared = torch.load(tag_dir / SHARED_STATE, map_location="cpu", weights_only=False)
         rank_file = tag_dir / rank_state_name(self.rank)
         if rank_file.exists():
             restore_rng(torch.load(rank_file, map_location="cpu", weights_only=False))
-        meta = json.loads((tag_dir / META).read_text())
         return shared, meta
+
+    def _needs_universal(self, tag_dir: Path, meta: dict[str, Any]) -> bool:
+        """Whether DeepSpeed cannot load this checkpoint directly on this run's ranks."""
+        saved_stage, saved_world = meta.get("zero_stage", self.zero_stage), meta.get("world_size", self.world_size)
+        if saved_stage != self.zero_stage:
+            raise CheckpointError(
+                f"{tag_dir} was saved with ZeRO stage {saved_stage}, this run uses stage {self.zero_stage}. "
+                f"Fix: resume with deepspeed=zero{saved_stage} (the data-parallel size may differ)."
+            )
+        # Stage 0 keeps whole optimizer state on every rank and loads at any size.
+        return saved_stage >= 1 and saved_world != self.world_size
+
+    def _load_universal(self, engine, tag_dir: Path) -> None:
+        from pretrain.engine import convert_to_universal
+
+        universal = self.root / UNIVERSAL_DIR / tag_dir.name
+        failure = None
+        if self.rank == 0 and not universal.is_dir():  # a complete one is reused (it only appears by rename)
+            try:
+                convert_to_universal(tag_dir, universal)
+            except Exception as err:  # every rank must hear of it, or they would wait forever below
+                failure = err
+        if self._any_rank(failure is not None):
+            raise CheckpointError(f"cannot load {tag_dir} on {self.world_size} ranks: {failure or 'see rank 0'}")
+        engine.load(universal.parent, universal.name, universal=True)
+        self._barrier()
+        if self.rank == 0:  # a one-off: this run saves regular checkpoints for its own size
+            shutil.rmtree(universal.parent, ignore_errors=True)  # with the `latest_universal` file DeepSpeed adds
 
 
 def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:

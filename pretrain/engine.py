@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -416,13 +417,62 @@ class TrainEngine:
         """Every rank writes its DeepSpeed shards under root/tag (no `latest`: the caller owns it)."""
         self.engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
 
-    def load(self, root: Path, tag: str) -> dict[str, Any]:
-        path, client_state = self.engine.load_checkpoint(
-            str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False,
-        )
+    def load(self, root: Path, tag: str, universal: bool = False) -> dict[str, Any]:
+        """Load root/tag into this engine; `universal` for a folder made by `convert_to_universal`.
+
+        DeepSpeed reads its `load_universal` setting at load time, so it is switched on for this
+        one load only: the run's own checkpoints (rollbacks, later resumes) are regular ones.
+        """
+        config = self.engine._config
+        previous = config.load_universal_checkpoint
+        config.load_universal_checkpoint = universal
+        # DeepSpeed 0.19's ZeRO-3 universal loader gives every param group group 0's
+        # hyperparameters, so the norms would start being weight-decayed. They come from this
+        # run's config anyway: keep them as they are.
+        hparams = [{key: value for key, value in group.items() if key != "params"} for group in self.optimizer.param_groups]
+        try:
+            path, client_state = self.engine.load_checkpoint(
+                str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False,
+            )
+        finally:
+            config.load_universal_checkpoint = previous
+        if universal:
+            for group, kept in zip(self.optimizer.param_groups, hparams):
+                group.update(kept)
+            # The same loader hands one `step` tensor to every group's state; AdamW increments
+            # it in place per parameter, so shared it would advance once per group each step.
+            for state in self.client_optimizer.state.values():
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].clone()
         if path is None:
             raise FileNotFoundError(f"DeepSpeed found no checkpoint {tag!r} under {root}")
         return client_state or {}
+
+
+def convert_to_universal(tag_dir: Path, out_dir: Path) -> None:
+    """Write DeepSpeed's universal form of a ZeRO 1-3 checkpoint folder to `out_dir` (atomically).
+
+    A ZeRO checkpoint's optimizer state is cut for the data-parallel size that saved it; the
+    universal form holds every parameter's fp32 weights and Adam moments whole, so any number of
+    ranks can load it (shared/DEEPSPEED_CPU.md). DeepSpeed's converter runs in a child process:
+    it starts worker pools of its own, which a process holding threads and a process group
+    should not fork.
+    """
+    import subprocess
+    import sys
+
+    partial = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag_dir),
+               "--output_folder", str(partial), "--inject_missing_state", "--num_extract_workers", "1",
+               "--num_merge_workers", "1"]
+    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if done.returncode != 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise RuntimeError(f"converting {tag_dir} to a universal checkpoint failed (exit {done.returncode}):\n"
+                           f"{done.stdout[-3000:]}")
+    partial.rename(out_dir)
 
 
 # -- distributed agreement ----------------------------------------------------------------------

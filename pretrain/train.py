@@ -28,7 +28,9 @@ from pretrain.config import (
     AyumiConfig, ConfigError, check_config, compose_config, config_as_yaml, data_parallel_grad_accum,
     split_cli_args, to_object, total_steps,
 )
-from pretrain.engine import DistInfo, TrainEngine, barrier, finalize_distributed, init_distributed, save_ds_config
+from pretrain.engine import (
+    DistInfo, TrainEngine, any_rank, barrier, finalize_distributed, init_distributed, save_ds_config,
+)
 from pretrain.loader import BatchLoader
 from pretrain.metrics import MetricsLogger, NullLogger
 from pretrain.model.flops import count_parameters
@@ -99,7 +101,8 @@ def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict) -> tuple[Tra
     torch.manual_seed(cfg.train.seed)  # same init on every rank
     model = Llama(cfg.model)
     engine = TrainEngine(model, cfg, dist)
-    checkpointer = Checkpointer(Path(cfg.checkpoint.dir), cfg.checkpoint.keep_last, dist.rank, barrier)
+    checkpointer = Checkpointer(Path(cfg.checkpoint.dir), cfg.checkpoint.keep_last, dist.rank, barrier,
+                                dist.world_size, cfg.deepspeed.zero_stage, any_rank)
     # Each rank gets its own stream of randomness (dropout-free today, but user code may add it).
     torch.manual_seed(cfg.train.seed + 1000 * dist.rank)
 

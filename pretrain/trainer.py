@@ -23,7 +23,7 @@ from curriculum.schedule import eval_due
 from data.packed import PackedSamples
 from pretrain.checkpoint import Checkpointer, complete_tags, latest_tag, resolve_checkpoint, step_of, tag_for
 from pretrain.config import AyumiConfig, tokens_per_step
-from pretrain.engine import DistInfo, TrainEngine, all_reduce_tensor, barrier, broadcast_object
+from pretrain.engine import DistInfo, TrainEngine, all_reduce_tensor, any_rank, barrier, broadcast_object
 from pretrain.loader import BatchLoader
 from pretrain.metrics import NullLogger, format_count
 from pretrain.model.flops import flops_per_token
@@ -126,7 +126,8 @@ class Trainer:
         if cfg.deepspeed.precision != "fp16":  # there is no loss scale to reset (or to mention)
             stab = replace(stab, recovery=replace(stab.recovery, reset_loss_scale=False))
         self.stability = StabilityMonitor(stab, cfg.optim.grad_clip, cfg.deepspeed.min_loss_scale, knobs=_knobs(cfg))
-        self.ring = Checkpointer(Path(cfg.checkpoint.dir) / "recovery", keep_last=0, rank=dist.rank, barrier=barrier)
+        self.ring = Checkpointer(Path(cfg.checkpoint.dir) / "recovery", keep_last=0, rank=dist.rank, barrier=barrier,
+                                 world_size=dist.world_size, zero_stage=cfg.deepspeed.zero_stage, any_rank=any_rank)
         self._pending: tuple[int, float] | None = None  # (step, all-reduced loss) for the update gate
         if stab.enabled:
             engine.set_update_gate(self._update_gate)
@@ -169,7 +170,10 @@ class Trainer:
         shared, meta = self.checkpointer.load(self.engine, tag, root=root)
         self.load_shared_state(shared)
         self.apply_optimizer_overrides()
-        self.logger.info(f"resumed from {root / tag} at step {self.state.step} ({format_count(self.state.tokens)} tokens)")
+        resharded = (f"; re-sharded from {meta['resharded_from']} ranks to {self.dist.world_size} through DeepSpeed's "
+                     "universal checkpoint" if "resharded_from" in meta else "")
+        self.logger.info(f"resumed from {root / tag} at step {self.state.step} ({format_count(self.state.tokens)} tokens)"
+                         f"{resharded}")
         return self.state.step
 
     def save(self, reason: str) -> None:

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from pretrain.checkpoint import (
-    LATEST, META, Checkpointer, complete_tags, latest_tag, resolve_checkpoint, tag_for,
+    LATEST, META, CheckpointError, Checkpointer, complete_tags, latest_tag, resolve_checkpoint, tag_for,
 )
 
 
@@ -19,6 +19,17 @@ class FakeEngine:
         (root / tag / "mp_rank_00_model_states.pt").write_bytes(b"weights")
         if self.fail:
             raise OSError("No space left on device")
+
+
+class LoadingEngine(FakeEngine):
+    """Also records loads, as (tag, universal)."""
+
+    def __init__(self):
+        super().__init__()
+        self.loads = []
+
+    def load(self, root, tag, universal=False):
+        self.loads.append((tag, universal))
 
 
 def make(tmp_path, keep=2):
@@ -63,3 +74,18 @@ def test_keep_last_prunes_old_and_incomplete(tmp_path):
     ckpt.save(FakeEngine(), 30, {}, {})
     assert complete_tags(root) == [tag_for(20), tag_for(30)]
     assert not (root / tag_for(10)).exists() and not (root / tag_for(25)).exists()
+
+
+def test_a_checkpoint_of_another_zero_stage_is_refused_with_the_fix(tmp_path):
+    saved = make(tmp_path).save(FakeEngine(), 10, {}, {"world_size": 2, "zero_stage": 1})
+    other_stage = Checkpointer(tmp_path / "checkpoints", keep_last=2, rank=0, barrier=lambda: None, world_size=2, zero_stage=3)
+    with pytest.raises(CheckpointError, match=r"saved with ZeRO stage 1, this run uses stage 3.*deepspeed=zero1"):
+        other_stage.load(LoadingEngine(), saved.name)
+
+
+def test_stage0_loads_directly_on_another_number_of_ranks(tmp_path):
+    saved = make(tmp_path).save(FakeEngine(), 10, {"train": 1}, {"world_size": 2, "zero_stage": 0})
+    engine = LoadingEngine()
+    one_rank = Checkpointer(tmp_path / "checkpoints", keep_last=2, rank=0, barrier=lambda: None, world_size=1, zero_stage=0)
+    shared, meta = one_rank.load(engine, saved.name)
+    assert engine.loads == [(saved.name, False)] and shared == {"train": 1} and "resharded_from" not in meta
