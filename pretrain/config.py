@@ -65,6 +65,9 @@ class DeepSpeedConfig:
     """ZeRO 1-3: keep optimizer states (and the step) on the CPU (ZeRO-Offload)."""
     offload_param: bool = False
     """ZeRO 3 only: keep parameters on the CPU (ZeRO-Infinity style)."""
+    zero3_init: bool = True
+    """ZeRO 3 only: build the model already partitioned (deepspeed.zero.Init), so no rank ever holds
+    all of it; the same init values as without. Needed from a few billion parameters per node."""
     initial_scale_power: int = 16
     """fp16: the loss scale starts at 2**this."""
     loss_scale_window: int = 1000

@@ -236,6 +236,27 @@ class StepResult:
     """fp16 dynamic loss scale after the step (None in bf16/fp32)."""
 
 
+def build_model(factory, cfg: AyumiConfig, dist_info: DistInfo) -> torch.nn.Module:
+    """The model from `factory(init_weights: bool)`, partitioned as it is built under ZeRO-3.
+
+    With `deepspeed.zero3_init` on stage 3 every parameter is cut across ranks as soon as its
+    module exists (deepspeed.zero.Init), so no rank ever holds the whole model: what makes a 7B+
+    model fit nodes whose host memory cannot hold one copy per GPU. Each parameter is then
+    gathered in turn, initialized on rank 0 by the model's own rule and scattered back. The
+    parameters are visited in the same order and consume the same random numbers as
+    `factory(init_weights=True)` does, so both ways give the same initial weights.
+    """
+    if cfg.deepspeed.zero_stage != 3 or not cfg.deepspeed.zero3_init:
+        return factory(init_weights=True)
+    with deepspeed.zero.Init(config_dict_or_path=render_ds_config(cfg, dist_info.world_size)):
+        model = factory(init_weights=False)
+    for name, param in model.named_parameters():
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+            if dist_info.is_main:
+                model.init_parameter(name, param)
+    return model
+
+
 class TrainEngine:
     """DeepSpeed's engine behind the handful of calls the trainer makes."""
 

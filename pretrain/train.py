@@ -29,7 +29,7 @@ from pretrain.config import (
     split_cli_args, to_object, total_steps,
 )
 from pretrain.engine import (
-    DistInfo, TrainEngine, any_rank, barrier, finalize_distributed, init_distributed, save_ds_config,
+    DistInfo, TrainEngine, any_rank, barrier, build_model, finalize_distributed, init_distributed, save_ds_config,
 )
 from pretrain.loader import BatchLoader
 from pretrain.metrics import MetricsLogger, NullLogger
@@ -99,7 +99,7 @@ def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict) -> tuple[Tra
     source, val_sets = build_data(cfg, tokenizer)
 
     torch.manual_seed(cfg.train.seed)  # same init on every rank
-    model = Llama(cfg.model)
+    model = build_model(lambda init_weights: Llama(cfg.model, init_weights=init_weights), cfg, dist)
     engine = TrainEngine(model, cfg, dist)
     checkpointer = Checkpointer(Path(cfg.checkpoint.dir), cfg.checkpoint.keep_last, dist.rank, barrier,
                                 dist.world_size, cfg.deepspeed.zero_stage, any_rank)

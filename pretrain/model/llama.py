@@ -81,7 +81,10 @@ class Decoder(nn.Module):
 class Llama(nn.Module):
     """Decoder-only Llama (RMSNorm, RoPE, SwiGLU, GQA) with ayumi's stability options."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, init_weights: bool = True):
+        """`init_weights=False` leaves the init to the caller: under ZeRO-3's partitioned
+        construction the parameters are gone from this process by the time __init__ ends, and
+        pretrain.engine.build_model gathers each one to apply `init_parameter`."""
         super().__init__()
         validate_config(cfg)
         self.cfg = cfg
@@ -90,20 +93,25 @@ class Llama(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.activation_checkpointing = False
-        self.init_weights()
+        if init_weights:
+            self.init_weights()
 
     @torch.no_grad()
     def init_weights(self) -> None:
         """Llama init: N(0, std) for matrices, std/sqrt(2L) for residual outputs, norms = 1."""
-        std = self.cfg.init_std
-        residual_std = std / math.sqrt(2 * self.cfg.num_layers)
         for name, p in self.named_parameters():  # fixed order: deterministic under torch.manual_seed
-            if p.ndim == 1:
-                p.fill_(1.0)  # only norm scales are 1-D
-            elif name.endswith(("o_proj.weight", "down_proj.weight")):
-                p.normal_(0.0, residual_std)  # keeps the residual stream's variance flat in depth
-            else:
-                p.normal_(0.0, std)
+            self.init_parameter(name, p)
+
+    @torch.no_grad()
+    def init_parameter(self, name: str, p: Tensor) -> None:
+        """Initialize one (whole) parameter in place, by its name."""
+        if p.ndim == 1:
+            p.fill_(1.0)  # only norm scales are 1-D
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            residual_std = self.cfg.init_std / math.sqrt(2 * self.cfg.num_layers)
+            p.normal_(0.0, residual_std)  # keeps the residual stream's variance flat in depth
+        else:
+            p.normal_(0.0, self.cfg.init_std)
 
     def set_activation_checkpointing(self, enabled: bool) -> None:
         """Recompute each block in backward instead of storing its activations."""
@@ -151,7 +159,8 @@ class Llama(nn.Module):
 
 def no_weight_decay(name: str, param: Tensor) -> bool:
     """True for parameters excluded from weight decay: 1-D ones (norm scales) and biases."""
-    return param.ndim < 2 or name.endswith(".bias")
+    shape = getattr(param, "ds_shape", param.shape)  # a ZeRO-3 partitioned parameter is 1-D here: its full shape
+    return len(shape) < 2 or name.endswith(".bias")
 
 
 # Wrappers that prefix parameter names: DeepSpeed's engine, torch.compile, non-reentrant checkpoint wrappers.

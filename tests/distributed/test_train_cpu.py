@@ -10,6 +10,7 @@ import math
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -133,6 +134,23 @@ def test_zero3_resume_on_another_number_of_ranks_is_exact(corpus, tmp_path):
     expected, got = train_losses(full / "cpu_tiny"), train_losses(split / "cpu_tiny")
     assert sorted(got) == list(range(1, 33))
     assert [got[s] for s in range(17, 33)] == pytest.approx([expected[s] for s in range(17, 33)], rel=1e-6)
+
+
+def test_zero3_builds_the_model_partitioned_with_the_same_init(tmp_path):
+    """deepspeed.zero3_init: no rank ever holds a whole parameter, yet the initial weights (and
+    the weight-decay groups) are those of the model built whole from the same seed."""
+    script = str(REPO / "tests" / "distributed" / "zero3_init_check.py")
+    cmd = [str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), script, str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    decay, no_decay = results[0]["groups"]
+    assert decay > 0 and no_decay > 0
+    for rank, result in enumerate(results):
+        assert result == dict(rank=rank, partitioned=True, same_init=True, same_decay_split=True,
+                              groups=[decay, no_decay])
 
 
 def test_zero1_resume_on_fewer_ranks(corpus, tmp_path):
