@@ -254,7 +254,6 @@ def domain_fingerprint(domain: DomainConfig, files: list[dict], tokenizer_sha256
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode("utf-8")).hexdigest()
 
 
-
 @dataclasses.dataclass(frozen=True)
 class JsonlBatch:
     """Stream meta of raw jsonl blocks sent to a worker together: the file of each block."""
@@ -370,6 +369,7 @@ def _progress(cfg: DataPrepareConfig, name: str):
     from tqdm import tqdm
 
     return tqdm(desc=name, unit="B", unit_scale=True, mininterval=1.0, dynamic_ncols=True)
+
 
 class Deduper:
     """Drops documents whose content key was seen before in this domain (in stream order).
