@@ -191,12 +191,13 @@ class Checkpointer:
         return saved_stage >= 1 and saved_world != self.world_size
 
     def _load_universal(self, engine, tag_dir: Path) -> None:
-        from pretrain.engine import convert_to_universal
-
         universal = self.root / UNIVERSAL_DIR / tag_dir.name
         failure = None
         if self.rank == 0 and not universal.is_dir():  # a complete one is reused (it only appears by rename)
             try:
+                _check_room_for_universal(tag_dir, universal)
+                from pretrain.engine import convert_to_universal  # the DeepSpeed room
+
                 convert_to_universal(tag_dir, universal)
             except Exception as err:  # every rank must hear of it, or they would wait forever below
                 failure = err
@@ -206,6 +207,23 @@ class Checkpointer:
         self._barrier()
         if self.rank == 0:  # a one-off: this run saves regular checkpoints for its own size
             shutil.rmtree(universal.parent, ignore_errors=True)  # with the `latest_universal` file DeepSpeed adds
+
+
+def _check_room_for_universal(tag_dir: Path, universal: Path) -> None:
+    """Refuse to start a conversion the disk cannot hold: the converter writes every parameter's
+    fp32 weights and Adam moments twice over (extracted shards, then the merged copy), about
+    twice the checkpoint folder at its peak."""
+    from curriculum.plan import directory_bytes, existing_parent
+
+    needed = 2 * directory_bytes(tag_dir)
+    where = existing_parent(universal)
+    free = shutil.disk_usage(where).free
+    if free < needed:
+        raise CheckpointError(
+            f"converting {tag_dir} for another number of ranks needs ~{needed / 2**30:.1f} GiB free under {where}, "
+            f"only {free / 2**30:.1f} GiB is. Fix: free disk space there, or resume on the number of ranks that "
+            f"saved it (ayumi.json: world_size)."
+        )
 
 
 def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:

@@ -89,3 +89,17 @@ def test_stage0_loads_directly_on_another_number_of_ranks(tmp_path):
     one_rank = Checkpointer(tmp_path / "checkpoints", keep_last=2, rank=0, barrier=lambda: None, world_size=1, zero_stage=0)
     shared, meta = one_rank.load(engine, saved.name)
     assert engine.loads == [(saved.name, False)] and shared == {"train": 1} and "resharded_from" not in meta
+
+
+def test_a_conversion_the_disk_cannot_hold_is_refused_before_it_starts(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    saved = make(tmp_path).save(FakeEngine(), 10, {}, {"world_size": 2, "zero_stage": 2})
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 8, 8))
+    engine = LoadingEngine()
+    one_rank = Checkpointer(tmp_path / "checkpoints", keep_last=2, rank=0, barrier=lambda: None, world_size=1, zero_stage=2)
+    with pytest.raises(CheckpointError, match=r"cannot load .* on 1 ranks: converting .* needs ~.* GiB free .*resume on the number"):
+        one_rank.load(engine, saved.name)
+    assert engine.loads == [] and not (tmp_path / "checkpoints" / "universal").exists()
