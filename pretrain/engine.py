@@ -485,10 +485,14 @@ def convert_to_universal(tag_dir: Path, out_dir: Path) -> None:
     partial = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # Each extract worker holds one rank's optimizer shard in memory: a few, not one per core.
+    extract_workers = max(1, min(4, (os.cpu_count() or 1) // 4))
     command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag_dir),
-               "--output_folder", str(partial), "--inject_missing_state", "--num_extract_workers", "1",
+               "--output_folder", str(partial), "--inject_missing_state", "--num_extract_workers", str(extract_workers),
                "--num_merge_workers", "1"]
-    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # The converter works on the CPU; keep it off the GPUs this job's ranks already fill.
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     if done.returncode != 0:
         shutil.rmtree(partial, ignore_errors=True)
         raise RuntimeError(f"converting {tag_dir} to a universal checkpoint failed (exit {done.returncode}):\n"
