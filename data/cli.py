@@ -12,23 +12,18 @@ import argparse
 import contextlib
 import logging
 import sys
-from pathlib import Path
 
 from omegaconf import OmegaConf
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 USAGE = __doc__.split("\n\n")[1]
 
 
 def compose(overrides: list[str]):
     """The composed `data_prepare` config (a DictConfig) for these overrides."""
-    from hydra import compose as hydra_compose, initialize_config_dir
-
     from data.config import register_configs
+    from tokenizer.conf import compose as compose_conf
 
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return hydra_compose("data_prepare", overrides=overrides)
+    return compose_conf("data_prepare", overrides, register_configs)
 
 
 def resolved_yaml(cfg) -> str:
@@ -79,6 +74,7 @@ def prepare_main(argv: list[str]) -> int:
     from data.prepare import PrepareError, prepare
     from data.shards import ShardFormatError
     from tokenizer import TokenizerNotFoundError
+    from tokenizer.conf import ConfigCompositionError
     from tokenizer.sources import CorpusError
 
     show_cfg, overrides = _split_cfg_flag(argv)
@@ -89,8 +85,8 @@ def prepare_main(argv: list[str]) -> int:
             return 0
         with _console_logging():
             manifest = prepare(prepare_config(cfg))
-    except (HydraException, OmegaConfBaseException, ConfigError, CorpusError, PrepareError, ManifestError,
-            ShardFormatError, TokenizerNotFoundError) as err:
+    except (ConfigCompositionError, HydraException, OmegaConfBaseException, ConfigError, CorpusError, PrepareError,
+            ManifestError, ShardFormatError, TokenizerNotFoundError) as err:
         print(f"ayumi data prepare: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -12,15 +12,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
-from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
 from curriculum.config import CurriculumConfig
 from pretrain.model.config import ModelConfig
 from pretrain.stability.config import StabilityConfig, StabilityConfigError, check_stability_config
-from pretrain.paths import CONF_DIR
+from tokenizer.conf import CONF_DIR, ConfigCompositionError, compose
 
 
 class ConfigError(ValueError):
@@ -230,24 +228,10 @@ def register_configs() -> None:
 
 def compose_config(overrides: list[str] | tuple[str, ...] = (), config_name: str = "config") -> DictConfig:
     """Compose conf/<config_name>.yaml with Hydra overrides (no output dir, no cwd change)."""
-    register_configs()
-    GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            return compose(config_name=config_name, overrides=list(overrides))
-    except Exception as err:  # Hydra/OmegaConf put the key and value in the chained causes
-        raise ConfigError(_describe_config_error(err)) from err
-
-
-def _describe_config_error(err: BaseException) -> str:
-    """One message from Hydra's exception chain (the outer one often lacks the key's name)."""
-    parts = []
-    while err is not None:
-        text = str(err).strip()
-        if text and text not in parts and "$VALUE" not in text:
-            parts.append(text)
-        err = err.__cause__ or err.__context__
-    return "invalid configuration: " + "\n  ".join(parts)
+        return compose(config_name, overrides, register_configs, conf_dir=CONF_DIR)
+    except ConfigCompositionError as err:
+        raise ConfigError(str(err)) from err
 
 
 def to_object(cfg: DictConfig) -> AyumiConfig:

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from pretrain.paths import REPO_ROOT
+from tokenizer.conf import REPO_ROOT
 
 EXPERIMENT = "demo"
 TOKENIZER_PRESET = "demo_8k"

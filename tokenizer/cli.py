@@ -18,22 +18,12 @@ from pathlib import Path
 USAGE = __doc__
 
 
-def conf_dir() -> Path:
-    return Path(__file__).resolve().parents[1] / "conf"
-
-
 def compose(overrides: list[str]):
-    """The resolved TokenizerBuildConfig (a dataclass instance) for these overrides."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
+    """The composed `tokenizer_build` config (a DictConfig) for these overrides."""
+    from tokenizer.conf import compose as compose_conf
     from tokenizer.config import register_configs
 
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
-        return hydra_compose("tokenizer_build", overrides=overrides)
+    return compose_conf("tokenizer_build", overrides, register_configs)
 
 
 def to_object(cfg):
@@ -233,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     from omegaconf.errors import OmegaConfBaseException
 
     from tokenizer.build import BuildError
+    from tokenizer.conf import ConfigCompositionError
     from tokenizer.config import TokenizerConfigError
     from tokenizer.merge import MergeError
     from tokenizer.sample import SampleError
@@ -249,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             FileNotFoundError) as err:
         print(f"ayumi tokenizer {argv[0]}: {err}", file=sys.stderr)
         return 1
-    except (HydraException, OmegaConfBaseException) as err:
+    except (ConfigCompositionError, HydraException, OmegaConfBaseException) as err:
         print(f"ayumi tokenizer {argv[0]}: config error: {err}", file=sys.stderr)
         return 1
 

@@ -60,3 +60,20 @@ def test_cfg_job_and_worker_processes_through_the_real_command(tmp_path, tokeniz
     assert done.returncode == 0, done.stderr
     assert "docs/s" in done.stderr  # the progress bar
     assert (tmp_path / "root" / MANIFEST_NAME).is_file()
+
+
+def test_a_bad_override_says_why_and_a_site_conf_dir_is_honoured(tmp_path):
+    # One composition path for every command: the reason behind Hydra's outer message is shown,
+    # and AYUMI_CONF_DIR is read by `ayumi data` as by training.
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    bad = subprocess.run([sys.executable, "-m", "pretrain.cli", "data", "prepare", "workers=abc", "tokenizer_dir=x"],
+                         cwd=REPO, capture_output=True, text=True)
+    assert bad.returncode == 1 and "workers" in bad.stderr and "could not be converted to Integer" in bad.stderr
+    missing = subprocess.run([sys.executable, "-m", "pretrain.cli", "data", "prepare", "tokenizer_dir=x"], cwd=REPO,
+                             capture_output=True, text=True, env={**os.environ, "AYUMI_CONF_DIR": str(tmp_path / "none")})
+    assert missing.returncode == 1 and str(tmp_path / "none") in missing.stderr

@@ -5,7 +5,7 @@ from pretrain.config import (
     AyumiConfig, ConfigError, TrainConfig, check_config, compose_config, data_parallel_grad_accum,
     split_cli_args, to_object, total_steps,
 )
-from pretrain.paths import CONF_DIR
+from tokenizer.conf import CONF_DIR
 
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 
