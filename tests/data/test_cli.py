@@ -66,10 +66,6 @@ def test_a_bad_override_says_why_and_a_site_conf_dir_is_honoured(tmp_path):
     # One composition path for every command: the reason behind Hydra's outer message is shown,
     # and AYUMI_CONF_DIR is read by `ayumi data` as by training.
     import os
-    import subprocess
-    import sys
-
-    from tests.helpers import REPO
 
     bad = subprocess.run([sys.executable, "-m", "pretrain.cli", "data", "prepare", "workers=abc", "tokenizer_dir=x"],
                          cwd=REPO, capture_output=True, text=True)
