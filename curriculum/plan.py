@@ -315,6 +315,7 @@ def plan_from_config(cfg: Any, num_parameters: int, tokens_per_s: float | None =
 
 # -- printing ----------------------------------------------------------------------------------------
 def human_count(n: float) -> str:
+    """1234567 -> '1.23M' (tokens, tokens/s, samples); also the console's and the report's format."""
     for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(n) >= size:
             return f"{n / size:.2f}{unit}"

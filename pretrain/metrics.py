@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 from typing import Any, TextIO
 
+from curriculum.plan import human_count as format_count  # noqa: F401  (one number format everywhere)
 from pretrain.config import AyumiConfig
 
 METRICS_FILE = "metrics.jsonl"
@@ -24,14 +25,6 @@ WANDB_ID_FILE = "wandb_run_id"
 ALERT_EVENTS = {"spike": "WARN", "rollback": "WARN", "recovered": "INFO", "loss_scale_reset": "WARN",
                 "loss_scale_alarm": "WARN", "stop": "ERROR", "stability_stop": "ERROR"}
 EVENT_COLUMNS = ["step", "tokens", "event", "message"]
-
-
-def format_count(value: float) -> str:
-    """1234567 -> '1.23M' (tokens, tokens/s)."""
-    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(value) >= size:
-            return f"{value / size:.2f}{unit}"
-    return f"{value:.0f}"
 
 
 def format_duration(seconds: float) -> str:
