@@ -52,6 +52,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from tokenizer.files import replace_dir
+
 DOMAINS = ("ja_raw", "ja_clean", "en", "math", "code")
 MANIFEST_NAME = "corpus_manifest.json"
 FORMAT_VERSION = 1  # bump when the recipe changes so cached corpora are rebuilt
@@ -919,7 +921,7 @@ def _write_corpus(out_dir: Path, state: BuildState, seconds_so_far: float) -> di
             "licenses": sorted(state.licenses),
         }
         (partial / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
-        _replace_dir(partial, out_dir)
+        replace_dir(partial, out_dir)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
@@ -933,17 +935,6 @@ def _write_domain(folder: Path, domain: str, state: BuildState) -> dict:
             handle.write(json.dumps(doc, ensure_ascii=False) + "\n")
     return {"file": f"{domain}.jsonl", "docs": len(docs), "chars": sum(len(doc["text"]) for doc in docs),
             "source": state.sources.get(domain, ""), "license": DOMAIN_SOURCES[domain][1]}
-
-
-def _replace_dir(new: Path, target: Path) -> None:
-    """Swap `new` into `target`'s place; the old corpus is removed only after the rename."""
-    old = None
-    if target.exists():
-        old = target.with_name(f".{target.name}.old.{os.getpid()}")
-        target.rename(old)
-    new.rename(target)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _report(manifest: dict, out_dir: Path, progress: Progress) -> None:

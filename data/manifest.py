@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from data.shards import TokenizerMismatchError
+from tokenizer.files import write_text_atomic
 
 MANIFEST_NAME = "manifest.json"
 DOMAIN_RECORD_NAME = "domain.json"
@@ -36,14 +37,7 @@ class ManifestError(ValueError):
 
 def write_json_atomic(path: Path, payload: Any) -> None:
     """Write JSON under a temporary name, fsync, then rename: readers see the old file or the whole new one."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")  # per process: concurrent writers never share it
-    with open(tmp, "w", encoding="utf-8") as handle:
-        json.dump(payload, handle, indent=2, sort_keys=False, ensure_ascii=False)
-        handle.write("\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(payload, indent=2, sort_keys=False, ensure_ascii=False) + "\n")
 
 
 def read_json(path: Path) -> Any:

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from pretrain.model.config import ModelConfig
+from tokenizer.files import write_text_atomic
 
 LATEST = "latest"
 META = "ayumi.json"
@@ -49,16 +50,6 @@ def step_of(tag: str) -> int:
 
 def rank_state_name(rank: int) -> str:
     return f"ayumi_rank{rank:05d}.pt"
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write via a temporary file and rename: readers see the old or the new file, never half."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
@@ -139,8 +130,8 @@ class Checkpointer:
         self._barrier()  # every rank's files are on disk before the folder is declared complete
         if self.rank == 0:
             meta = {**meta, "step": step, "tag": tag, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
-            atomic_write_text(tag_dir / META, json.dumps(meta, indent=2, default=str) + "\n")
-            atomic_write_text(self.root / LATEST, tag + "\n")
+            write_text_atomic(tag_dir / META, json.dumps(meta, indent=2, default=str) + "\n")
+            write_text_atomic(self.root / LATEST, tag + "\n")
             self._prune()
         self._barrier()
         return tag_dir

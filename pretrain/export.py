@@ -18,6 +18,7 @@ from torch import Tensor
 
 from pretrain.model.config import ModelConfig
 from pretrain.model.flops import count_parameters, parameter_shapes
+from tokenizer.files import replace_dir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 """Files copied from the tokenizer's HF export folder when one is given."""
@@ -80,7 +81,7 @@ def export_hf(state_dict: dict[str, Tensor], cfg: ModelConfig, out_dir: Path, *,
     tmp = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         _write_folder(tmp, hf_config, tensors, tokenizer_files, bos_id, eos_id, pad_id)
-        _move_into_place(tmp, out_dir)
+        replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -146,26 +147,6 @@ def _write_folder(tmp: Path, hf_config, tensors: dict[str, Tensor], tokenizer_fi
     for path in tmp.iterdir():  # on disk before the rename makes the folder visible
         with open(path, "rb") as f:
             os.fsync(f.fileno())
-
-
-def _move_into_place(tmp: Path, out_dir: Path) -> None:
-    """Rename tmp to out_dir; an old out_dir (checked empty or overwritable) is set aside first."""
-    old = None
-    if out_dir.exists():
-        old = out_dir.with_name(f"{out_dir.name}.old-{tmp.name.rsplit('-', 1)[-1]}")
-        out_dir.rename(old)
-    os.rename(tmp, out_dir)
-    _fsync_dir(out_dir.parent)
-    if old is not None:
-        shutil.rmtree(old)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def main(argv: list[str]) -> int:

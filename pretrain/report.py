@@ -37,6 +37,7 @@ from typing import Any, Callable
 import numpy as np
 
 from pretrain.metrics import EVENTS_FILE, METRICS_FILE, format_count, format_duration
+from tokenizer.files import replace_dir
 
 REPORT_DIR = "report"
 CONFIG_FILE = "config.yaml"
@@ -864,11 +865,7 @@ def write_atomically(out_dir: Path, write: Callable[[Path], None]) -> None:
     try:
         write(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; a report is meant to be shared
-        old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-        if out_dir.exists():
-            out_dir.rename(old)  # two renames: POSIX cannot replace a non-empty directory in one
-        tmp.rename(out_dir)
-        shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

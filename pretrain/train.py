@@ -23,7 +23,7 @@ from curriculum.plan import PlanRefused, plan_from_config, raise_if_refused
 from data.packed import PackedSamples, ShuffledDomains, domains_under
 from data.manifest import MANIFEST_NAME, check_manifest_tokenizer, load_manifest
 from data.shards import check_tokenizer, find_shards
-from pretrain.checkpoint import Checkpointer, atomic_write_text, latest_tag
+from pretrain.checkpoint import Checkpointer, latest_tag
 from pretrain.config import (
     AyumiConfig, ConfigError, check_config, compose_config, config_as_yaml, data_parallel_grad_accum,
     split_cli_args, to_object, total_steps,
@@ -36,6 +36,7 @@ from pretrain.metrics import MetricsLogger, NullLogger
 from pretrain.model.flops import count_parameters
 from pretrain.model.llama import Llama
 from pretrain.trainer import Trainer, TrainResult
+from tokenizer.files import write_text_atomic
 
 
 # DeepSpeed's ZeRO calls a torch collective that torch now deprecates, once per step and rank.
@@ -109,7 +110,7 @@ def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict) -> tuple[Tra
     resume_step = _resume_step(cfg, checkpointer)
     if dist.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(run_dir / "config.yaml", config_as_yaml(OmegaConf.create(resolved)))
+        write_text_atomic(run_dir / "config.yaml", config_as_yaml(OmegaConf.create(resolved)))
         save_ds_config(engine.ds_config, run_dir / "deepspeed_config.json")
         logger: NullLogger = MetricsLogger(cfg, run_dir, resolved, resume_step)
     else:

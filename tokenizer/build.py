@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from tokenizer.config import TokenizerConfig, check_tokenizer_config, domain_patterns
+from tokenizer.files import replace_dir
 from tokenizer.info import MODEL_FILE, META_FILE, tokenizer_sha256
 from tokenizer.sample import DomainSample, mixed_subset, sample_domain, spm_memory_estimate
 
@@ -206,10 +207,4 @@ def _finish(tmp: Path, output_dir: Path, keep_work: bool) -> None:
         shutil.rmtree(keep, ignore_errors=True)
         shutil.move(str(work), str(keep))
     shutil.rmtree(work, ignore_errors=True)
-    old = None
-    if output_dir.exists():
-        old = output_dir.parent / f".{output_dir.name}.old-{os.getpid()}"
-        output_dir.rename(old)
-    tmp.rename(output_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    replace_dir(tmp, output_dir)

@@ -134,3 +134,16 @@ def test_read_stats_merge_caps_examples():
     a.merge(b)
     assert a.skipped["malformed_json"] == 8 and len(a.examples["malformed_json"]) == 5
     assert a.to_dict()["skipped"] == {"malformed_json": 8}
+
+
+def test_replace_dir_swaps_whole_folders_and_leaves_nothing_behind(tmp_path):
+    from tokenizer.files import replace_dir, write_text_atomic
+
+    target = tmp_path / "out"
+    for version in ("v1", "v2"):
+        new = tmp_path / f".out.tmp-{version}"
+        new.mkdir()
+        write_text_atomic(new / "file.txt", version)
+        replace_dir(new, target)
+        assert (target / "file.txt").read_text() == version and not new.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"], "no temporary or set-aside folder is left"
