@@ -363,21 +363,12 @@ def worker(args: argparse.Namespace) -> int:
     trainer.refresh_checkpoint_steps()
 
     def ayumi_step() -> None:
-        # The body of Trainer.run's loop (keep in step with it). Evaluation and checkpoints
-        # (interval, final, recovery ring) are off, so those branches cost a comparison each; a
-        # stability rollback or stop would end the comparison, so the bench refuses to go on.
-        metrics, _stop, action = trainer.train_step()
-        step = trainer.state.step
-        if step % cfg.train.log_interval == 0 or step == trainer.total_steps or action.kind != "none":
-            logger.log(step, metrics)
-        if action.kind in ("rollback", "stop"):
-            raise RuntimeError(f"stability action {action.kind} at step {step} during the benchmark: {action}")
-        if trainer.should_evaluate(step):
-            trainer.evaluate()
-        if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0 and step < trainer.total_steps:
-            trainer.save("interval")
-        elif trainer.ring_due(step):
-            trainer.save_recovery_checkpoint()
+        # Exactly one turn of Trainer.run's loop. Evaluation and checkpoints (interval, final,
+        # recovery ring) are off, so those branches cost a comparison each; a stability rollback
+        # or stop would end the comparison, so the bench refuses to go on.
+        outcome = trainer.step_once()
+        if outcome.rolled_back or outcome.stability_stop or outcome.signal_stop:
+            raise RuntimeError(f"the run loop rolled back or stopped at step {trainer.state.step} during the benchmark: {outcome}")
 
     # -- baseline: a bare DeepSpeed loop --------------------------------------------------------
     torch.manual_seed(cfg.train.seed)  # the same init as ayumi's model

@@ -73,6 +73,20 @@ class TrainResult:
     val_losses: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass
+class StepOutcome:
+    """What one turn of the run loop did, for the loop to decide whether to go on."""
+
+    loss: float | None
+    """The step's train/loss (None if the step logged none)."""
+    rolled_back: bool = False
+    """The stability machinery rolled the run back; the loop carries on from the restored step."""
+    stability_stop: str | None = None
+    """The stability machinery stopped the run (state saved); why."""
+    signal_stop: bool = False
+    """SIGTERM/SIGINT asked to stop (state saved)."""
+
+
 class StopSignal:
     """Records SIGTERM/SIGINT; the trainer finishes the step, saves, and exits 0."""
 
@@ -229,34 +243,14 @@ class Trainer:
             self.logger.info(f"run {self.cfg.name} is already complete ({start_step} steps); nothing to do")
         try:
             while self.state.step < self.total_steps and not (max_steps and self.state.step >= max_steps):
-                metrics, stop_requested, action = self.train_step()
-                last_loss = metrics.get("train/loss", last_loss)
-                step = self.state.step
-                always = step == self.total_steps or action.kind != "none"
-                if always or step % self.cfg.train.log_interval == 0:
-                    console = always or step % max(1, self.cfg.logging.console_interval) == 0
-                    self.logger.log(step, metrics, console=console)
-                if action.kind == "rollback":
-                    self.roll_back(action)
-                    continue
-                if action.kind == "stop":
-                    stability_stop = action.message
-                    self.logger.info(f"STOPPING: {action.message}")
-                    self.save("stability stop")
+                outcome = self.step_once()
+                last_loss = outcome.loss if outcome.loss is not None else last_loss
+                if outcome.stability_stop is not None:
+                    stability_stop = outcome.stability_stop
                     break
-                if self.should_evaluate(step):
-                    self.evaluate()
-                if stop_requested:
-                    self.logger.event("signal_stop", step, self.state.tokens,
-                                      "stop requested by signal: saving and exiting cleanly")
-                    self.save("signal")
+                if outcome.signal_stop:
                     stopped = True
                     break
-                if self.cfg.checkpoint.interval and step % self.cfg.checkpoint.interval == 0 \
-                        and step < self.total_steps:
-                    self.save("interval")
-                elif self.ring_due(step):
-                    self.save_recovery_checkpoint()
             else:
                 if self.cfg.checkpoint.save_final and self.state.step > start_step:
                     self.save("final")
@@ -266,6 +260,38 @@ class Trainer:
             self.loader.close()
         return TrainResult(self.state.step, self.state.tokens, stopped, last_loss,
                            stopped_by_stability=stability_stop, val_losses=val)
+
+    def step_once(self) -> StepOutcome:
+        """One turn of the run loop: train a step, log it, then do what it calls for (a rollback,
+        a stop, an evaluation, a checkpoint). bench/step_overhead.py times exactly this."""
+        metrics, stop_requested, action = self.train_step()
+        outcome = StepOutcome(loss=metrics.get("train/loss"))
+        step = self.state.step
+        always = step == self.total_steps or action.kind != "none"
+        if always or step % self.cfg.train.log_interval == 0:
+            console = always or step % max(1, self.cfg.logging.console_interval) == 0
+            self.logger.log(step, metrics, console=console)
+        if action.kind == "rollback":
+            self.roll_back(action)
+            outcome.rolled_back = True
+            return outcome
+        if action.kind == "stop":
+            self.logger.info(f"STOPPING: {action.message}")
+            self.save("stability stop")
+            outcome.stability_stop = action.message
+            return outcome
+        if self.should_evaluate(step):
+            self.evaluate()
+        if stop_requested:
+            self.logger.event("signal_stop", step, self.state.tokens, "stop requested by signal: saving and exiting cleanly")
+            self.save("signal")
+            outcome.signal_stop = True
+            return outcome
+        if self.cfg.checkpoint.interval and step % self.cfg.checkpoint.interval == 0 and step < self.total_steps:
+            self.save("interval")
+        elif self.ring_due(step):
+            self.save_recovery_checkpoint()
+        return outcome
 
     def ring_due(self, step: int) -> bool:
         stab = self.cfg.stability
