@@ -47,7 +47,7 @@ def test_prepare_errors_are_one_clear_line(tmp_path, tokenizer_dir, capsys):
 
 
 def test_cfg_job_and_worker_processes_through_the_real_command(tmp_path, tokenizer_dir, en_texts):
-    """The console command in a fresh process, with 2 spawned workers, as a user runs it."""
+    """The console command in a fresh process, with 2 worker processes, as a user runs it."""
     write_jsonl(tmp_path / "en" / "a.jsonl", en_texts[:80])
     write_jsonl(tmp_path / "ja" / "a.jsonl", JA_PARAGRAPHS)
     args = [sys.executable, "-m", "pretrain.cli", "data", "prepare", f"tokenizer_dir={tokenizer_dir}",
@@ -73,3 +73,39 @@ def test_a_bad_override_says_why_and_a_site_conf_dir_is_honoured(tmp_path):
     missing = subprocess.run([sys.executable, "-m", "pretrain.cli", "data", "prepare", "tokenizer_dir=x"], cwd=REPO,
                              capture_output=True, text=True, env={**os.environ, "AYUMI_CONF_DIR": str(tmp_path / "none")})
     assert missing.returncode == 1 and str(tmp_path / "none") in missing.stderr
+
+
+def test_ctrl_c_with_worker_processes_stops_cleanly(tmp_path, tokenizer_dir, en_texts):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) mid-run: exit 130 with
+    the message, no manifest, nothing half-written, and no worker left behind."""
+    import os
+    import signal
+    import time
+
+    # ~50 MB of distinct documents: seconds of work, so the signal lands mid-stream.
+    texts = [f"{i} {text}" for i in range(200) for text in en_texts]
+    write_jsonl(tmp_path / "en" / "a.jsonl", texts)
+    root = tmp_path / "root"
+    args = [sys.executable, "-m", "pretrain.cli", "data", "prepare", f"tokenizer_dir={tokenizer_dir}", f"data.root={root}",
+            "workers=2", "progress=false", "chunk_mb=0.25", f"data.domains.en.inputs=['{tmp_path}/en/*.jsonl']",
+            "~data.domains.ja"]
+    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    for line in proc.stderr:  # the domain's writer opens when its first chunk comes back from a worker
+        if "en: 1 input files" in line:
+            break
+    time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "interrupted" in err, err
+    assert not (root / MANIFEST_NAME).exists() and not (root / "en").exists()
+    assert not list(root.rglob("*.tmp")) and not (root / ".partial" / "en").exists()
+    deadline = time.time() + 5
+    while time.time() < deadline:  # the group is empty once every worker has gone
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("worker processes outlived the interrupted run")
