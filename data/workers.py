@@ -106,7 +106,7 @@ class ChunkResult(NamedTuple):
     """jsonl blocks: the line number of each document (for drop locations)."""
     docs_per_block: list | None = None
     """jsonl blocks: how many of the documents came from each block."""
-    skips: list = []
+    skips: tuple | list = ()
     """jsonl blocks: (block index, line number, tokenizer.sources.Skip) per record that is not a document."""
 
 
