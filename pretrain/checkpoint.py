@@ -100,7 +100,7 @@ class Checkpointer:
     """Saves and loads ayumi checkpoints for one run (all ranks call every method).
 
     `world_size` and `zero_stage` describe this run: a ZeRO 1-3 checkpoint saved by another
-    number of ranks is loaded through DeepSpeed's universal form (converted once by rank 0 under
+    number of ranks is loaded through DeepSpeed's universal form (converted by rank 0 under
     `<root>/universal/`, removed after loading). `any_rank(flag)` is True on every rank when the
     flag is on any one (pretrain.engine.any_rank); it carries a failed conversion to all ranks.
     """
@@ -184,7 +184,9 @@ class Checkpointer:
     def _load_universal(self, engine, tag_dir: Path) -> None:
         universal = self.root / UNIVERSAL_DIR / tag_dir.name
         failure = None
-        if self.rank == 0 and not universal.is_dir():  # a complete one is reused (it only appears by rename)
+        if self.rank == 0:
+            # Never reused: one left by a crash may come from another run's folder of the same name.
+            shutil.rmtree(universal, ignore_errors=True)
             try:
                 _check_room_for_universal(tag_dir, universal)
                 from pretrain.engine import convert_to_universal  # the DeepSpeed room
