@@ -10,7 +10,11 @@ How the workers start (`start_method`, default `auto`):
 
 - `fork` when the parent has no other Python thread: a worker is ready in milliseconds with the
   parent's imports, where a spawned one costs ~0.3 s of CPU (interpreter, numpy, sentencepiece).
-  Native thread pools (OpenBLAS, OpenMP) do not stop this: the worker never calls into them.
+  Native thread pools (OpenBLAS, OpenMP, HF tokenizers' rayon) do not stop this: the worker
+  calls none of them, and sentencepiece's batch encode starts and joins its threads per call
+  (checked: it works in a forked child after the parent trained and encoded with threads).
+  SentencePiece *training* in a forked child after threaded training in the parent does hang:
+  never fork a process that trains tokenizers.
 - `forkserver` otherwise (a progress bar, W&B or a loader thread is already running): forking a
   process that holds threads can deadlock the child on a lock a vanished thread held. The fork
   server is a fresh process that imports this module once; workers are forked from it.
