@@ -58,6 +58,24 @@ def train_losses(run_dir: Path) -> dict[int, float]:
     return {rec["step"]: rec["train/loss"] for rec in read_jsonl(run_dir / "metrics.jsonl") if "train/loss" in rec}
 
 
+def run_whole_and_resumed(corpus: Path, tmp_path: Path, common: list[str], stop_at: int, first_ranks: int = 2,
+                          then_ranks: int = 2):
+    """The same job twice: in one go on 2 ranks (tmp_path/full), and stopped after `stop_at` steps
+    on `first_ranks` then resumed on `then_ranks` (tmp_path/split). 1 rank runs as a plain process.
+    Returns (the whole run's losses, the resumed run's losses, the resuming process)."""
+    def launch(run_root: Path, nproc: int, *extra: str):
+        proc = run_training(tiny_overrides(corpus, run_root, *common, *extra), nproc=nproc,
+                            launcher="python" if nproc == 1 else "torchrun")
+        assert proc.returncode == 0, proc.stdout[-6000:]
+        return proc
+
+    launch(tmp_path / "full", 2)
+    launch(tmp_path / "split", first_ranks, f"train.max_steps={stop_at}")
+    resumed = launch(tmp_path / "split", then_ranks)
+    assert "resumed from" in resumed.stdout
+    return train_losses(tmp_path / "full" / "cpu_tiny"), train_losses(tmp_path / "split" / "cpu_tiny"), resumed
+
+
 def tiny_overrides(data_root: Path, run_root: Path, *extra: str) -> list[str]:
     """The cpu_tiny experiment on a test corpus, W&B off unless a test turns it on."""
     return ["experiment=cpu_tiny", f"data.root={data_root}", f"run_root={run_root}", "logging=none", *extra]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import read_jsonl, run_training, tiny_overrides, train_losses, write_tiny_corpus
+from tests.helpers import read_jsonl, run_training, run_whole_and_resumed, tiny_overrides, write_tiny_corpus
 
 pytestmark = pytest.mark.slow
 
@@ -51,13 +51,6 @@ def test_stage_switch_with_per_domain_metrics_and_wandb(corpus, tmp_path):
 def test_resume_on_fewer_ranks_continues_the_same_stream(corpus, tmp_path):
     """2 ranks to step 60, then 1 rank to the end == 2 ranks all the way (ZeRO-0 loads at any size)."""
     common = ["curriculum=tiny", "deepspeed=zero0", "checkpoint.interval=0"]
-    full = tmp_path / "full"
-    check_ok(run_training(tiny_overrides(corpus, full, *common)))
-    split = tmp_path / "split"
-    check_ok(run_training(tiny_overrides(corpus, split, *common, "train.max_steps=60")))
-    proc = run_training(tiny_overrides(corpus, split, *common), nproc=1, launcher="python")
-    check_ok(proc)
-    assert "resumed from" in proc.stdout
-    expected, got = train_losses(full / "cpu_tiny"), train_losses(split / "cpu_tiny")
+    expected, got, _ = run_whole_and_resumed(corpus, tmp_path, common, stop_at=60, first_ranks=2, then_ranks=1)
     assert sorted(got) == list(range(1, 129))
     assert [got[s] for s in range(61, 129)] == pytest.approx([expected[s] for s in range(61, 129)], rel=1e-5)

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import (
-    REPO, cpu_env, free_port, read_jsonl, run_training, tiny_overrides, train_losses, write_tiny_corpus,
+    REPO, cpu_env, free_port, read_jsonl, run_training, run_whole_and_resumed, tiny_overrides, train_losses,
+    write_tiny_corpus,
 )
 
 pytestmark = pytest.mark.slow
@@ -97,15 +98,10 @@ def test_fp16_dynamic_loss_scale(corpus, tmp_path, stage):
 def test_resume_reproduces_the_uninterrupted_run(corpus, tmp_path):
     """2N steps in one go == N steps, stop, resume N more: identical per-step losses (ZeRO-2)."""
     common = ["deepspeed=zero2", "train.tokens=16384", "checkpoint.interval=0"]
-    full = tmp_path / "full"
-    check_ok(run_training(tiny_overrides(corpus, full, *common)))
-    split = tmp_path / "split"
-    check_ok(run_training(tiny_overrides(corpus, split, *common, "train.max_steps=16")))
+    expected, got, proc = run_whole_and_resumed(corpus, tmp_path, common, stop_at=16)
+    full, split = tmp_path / "full", tmp_path / "split"
     assert json.loads((split / "cpu_tiny/checkpoints/step_0000016/ayumi.json").read_text())["step"] == 16
-    proc = run_training(tiny_overrides(corpus, split, *common))
-    check_ok(proc)
-    assert "resumed from" in proc.stdout and "step_0000016" in proc.stdout
-    expected, got = train_losses(full / "cpu_tiny"), train_losses(split / "cpu_tiny")
+    assert "step_0000016" in proc.stdout
     assert sorted(got) == list(range(1, 33))
     assert [got[s] for s in range(17, 33)] == [expected[s] for s in range(17, 33)]
     val_full = [r for r in read_jsonl(full / "cpu_tiny/metrics.jsonl") if "val/loss" in r][-1]
@@ -121,17 +117,12 @@ def test_zero3_resume_on_another_number_of_ranks_is_exact(corpus, tmp_path):
     the conversion loses (weights, Adam moments or step, a group's weight decay) shows.
     """
     common = ["deepspeed=zero3", "train.tokens=16384", "checkpoint.interval=0"]
-    full = tmp_path / "full"
-    check_ok(run_training(tiny_overrides(corpus, full, *common)))
-    split = tmp_path / "split"
-    check_ok(run_training(tiny_overrides(corpus, split, *common, "train.max_steps=16"), nproc=1, launcher="python"))
-    proc = run_training(tiny_overrides(corpus, split, *common))
-    check_ok(proc)
+    expected, got, proc = run_whole_and_resumed(corpus, tmp_path, common, stop_at=16, first_ranks=1, then_ranks=2)
     assert "re-sharded from 1 ranks to 2 through DeepSpeed's universal checkpoint" in proc.stdout
+    split = tmp_path / "split"
     checkpoints = split / "cpu_tiny" / "checkpoints"
     assert not (checkpoints / "universal").exists(), "the converted copy is removed once loaded"
     assert json.loads((checkpoints / "step_0000032" / "ayumi.json").read_text())["world_size"] == 2
-    expected, got = train_losses(full / "cpu_tiny"), train_losses(split / "cpu_tiny")
     assert sorted(got) == list(range(1, 33))
     assert [got[s] for s in range(17, 33)] == pytest.approx([expected[s] for s in range(17, 33)], rel=1e-6)
 
@@ -158,14 +149,8 @@ def test_zero1_resume_on_fewer_ranks(corpus, tmp_path):
     match the 2-rank run exactly (same weights, moments and data); later ones only drift as a
     1-rank run does from a 2-rank one (a different reduction order in bf16)."""
     common = ["deepspeed=zero1", "train.tokens=16384", "checkpoint.interval=0"]
-    full = tmp_path / "full"
-    check_ok(run_training(tiny_overrides(corpus, full, *common)))
-    split = tmp_path / "split"
-    check_ok(run_training(tiny_overrides(corpus, split, *common, "train.max_steps=16")))
-    proc = run_training(tiny_overrides(corpus, split, *common), nproc=1, launcher="python")
-    check_ok(proc)
+    expected, got, proc = run_whole_and_resumed(corpus, tmp_path, common, stop_at=16, first_ranks=2, then_ranks=1)
     assert "re-sharded from 2 ranks to 1" in proc.stdout
-    expected, got = train_losses(full / "cpu_tiny"), train_losses(split / "cpu_tiny")
     assert [got[17], got[18]] == pytest.approx([expected[17], expected[18]], rel=1e-6)
     assert [got[s] for s in range(19, 33)] == pytest.approx([expected[s] for s in range(19, 33)], rel=2e-2)
 
