@@ -44,7 +44,7 @@ import numpy as np
 
 from data.clean import DropCounts
 from data.config import DataPrepareConfig, DomainConfig, check_prepare_config
-from data.keyset import KeySet
+from data.keyset import KeySet, split_keys
 from data.manifest import (
     DOMAIN_RECORD_NAME, KEY_BYTES, KEYS_NAME, MANIFEST_NAME, build_manifest, read_domain_record,
     shards_intact, write_json_atomic,
@@ -52,6 +52,7 @@ from data.manifest import (
 from data.shards import ShardWriter, dtype_for_vocab
 from data.sources import ReadStats, domain_files, file_fingerprints
 from data.workers import ChunkPool, ChunkResult, encode_chunk, encode_jsonl_blocks
+from tokenizer.files import replace_dir
 from tokenizer.sources import READ_ERRORS, Recorder, detect_format, iter_file, read_jsonl_blocks
 
 log = logging.getLogger("ayumi.data")
@@ -199,22 +200,24 @@ class SplitRouter:
         if self.threshold >= 2**64:
             to_val = np.ones(len(lengths), dtype=bool)
         else:
-            to_val = keys.view(">u8")[:, 0] < np.uint64(self.threshold)  # first 8 bytes, big-endian
+            to_val = split_keys(keys)[0] < np.uint64(self.threshold)  # the key's first 8 bytes, big-endian
         for target, mask in ((self.train, keep & ~to_val), (self.val, keep & to_val)):
             if mask.any():
                 target.add_docs(*_select(mask, keys, lengths, tokens))
 
     def _add_counted(self, key: bytes, tokens: np.ndarray) -> None:
         self._arrival += 1
+        negated = -int.from_bytes(key, "big")
+        if len(self._heap) == self.val_count and negated <= self._heap[0][0]:  # not among the N smallest
+            self.train.add(key, tokens)
+            return
         # A copy: a view would keep its whole chunk's token array alive while the document waits here.
-        entry = (-int.from_bytes(key, "big"), self._arrival, key, tokens.copy())
+        entry = (negated, self._arrival, key, tokens.copy())
         if len(self._heap) < self.val_count:
             heapq.heappush(self._heap, entry)
-        elif entry[0] > self._heap[0][0]:  # smaller key than the largest candidate: it replaces it
+        else:  # smaller key than the largest candidate: it replaces it
             _, _, out_key, out_tokens = heapq.heapreplace(self._heap, entry)
             self.train.add(out_key, out_tokens)
-        else:
-            self.train.add(key, entry[3])
 
     def finish(self) -> None:
         """Write the `val_count` candidates to val, in the order they arrived."""
@@ -421,7 +424,8 @@ class DomainWriter:
         cap = max(1, int(job.domain.shard_max_mb * 2**20))
         self.train = ShardSequence(self.partial / "train", cap, tokenizer.vocab_size, tokenizer.sha256)
         self.val = ShardSequence(self.partial / "val", cap, tokenizer.vocab_size, tokenizer.sha256)
-        self.router, self.deduper, self.drops = SplitRouter(self.train, self.val, job.domain), Deduper(job.domain.clean.dedup), DropCounts()
+        self.router = SplitRouter(self.train, self.val, job.domain)
+        self.deduper, self.drops = Deduper(job.domain.clean.dedup), DropCounts()
         self.docs, self.text_bytes, self.started = 0, 0, time.monotonic()
         self.file_docs: dict[Path, int] = {}  # documents so far of jsonl files read in blocks (empty_file check)
         self.strict = cfg.strict
@@ -469,8 +473,7 @@ class DomainWriter:
         _check_not_empty(job.name, job.domain, record)
         _log_domain(job.name, job.domain, record)
         write_json_atomic(self.partial / DOMAIN_RECORD_NAME, record)
-        shutil.rmtree(self.out, ignore_errors=True)
-        self.partial.rename(self.out)
+        replace_dir(self.partial, self.out)
         return record
 
     def abort(self) -> None:

@@ -32,6 +32,7 @@ SKIP_REASONS = (
 MAX_EXAMPLES = 5  # locations kept per skip reason: enough to find the problem, bounded in memory
 # What reading a broken file raises: gzip/zstd/arrow corruption, permissions, a file gone mid-read.
 READ_ERRORS = (OSError, EOFError, ValueError)
+JSONL_BLOCK_BYTES = 1 << 20  # jsonl is read in blocks of whole lines this large (streaming, few system calls)
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 TEXT_SUFFIXES = (".txt", ".text")
@@ -308,13 +309,13 @@ def _decoded_lines(path: Path, recorder: Recorder) -> Iterator[tuple[int, str | 
 
 
 def _iter_jsonl(path: Path, recorder: Recorder, text_field: str) -> Iterator[Document]:
-    with _open_binary(path) as raw:
-        for number, line in enumerate(raw, start=1):
-            parsed = parse_jsonl_line(line, text_field)
-            if isinstance(parsed, str):
-                yield Document(parsed, f"{path}:{number}")
-            elif parsed is not None:
-                recorder.record(parsed.reason, f"{path}:{number}", parsed.problem, parsed.fix)
+    # The same blocks and parser as data preparation's workers: one way to read jsonl.
+    for first_line, block in read_jsonl_blocks(path, JSONL_BLOCK_BYTES):
+        texts, numbers, skips = parse_jsonl_block(block, first_line, text_field)
+        for number, skip in skips:
+            recorder.record(skip.reason, f"{path}:{number}", skip.problem, skip.fix)
+        for text, number in zip(texts, numbers):
+            yield Document(text, f"{path}:{number}")
 
 
 @dataclass(frozen=True)
