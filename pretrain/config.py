@@ -57,8 +57,9 @@ class DeepSpeedConfig:
 
     zero_stage: int = 0
     """ZeRO stage 0 (plain data parallel), 1 (optimizer states), 2 (+gradients) or 3 (+parameters)."""
-    precision: str = "bf16"
-    """bf16 | fp16 (dynamic loss scaling) | fp32."""
+    precision: str = "auto"
+    """auto | bf16 | fp16 (dynamic loss scaling) | fp32. auto: bf16 on GPUs that have it (else fp16), and
+    on CPUs with a fast bf16 matmul (else fp32); see pretrain/precision.py. A resumed auto run keeps its precision."""
     offload_optimizer: bool = False
     """ZeRO 1-3: keep optimizer states (and the step) on the CPU (ZeRO-Offload)."""
     offload_param: bool = False
@@ -310,8 +311,8 @@ def check_config(cfg: AyumiConfig) -> None:
         )
     if cfg.deepspeed.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"deepspeed.zero_stage must be 0, 1, 2 or 3, got {cfg.deepspeed.zero_stage}")
-    if cfg.deepspeed.precision not in ("bf16", "fp16", "fp32"):
-        raise ConfigError(f"deepspeed.precision must be bf16, fp16 or fp32, got {cfg.deepspeed.precision!r}")
+    if cfg.deepspeed.precision not in ("auto", "bf16", "fp16", "fp32"):
+        raise ConfigError(f"deepspeed.precision must be auto, bf16, fp16 or fp32, got {cfg.deepspeed.precision!r}")
     if cfg.deepspeed.offload_param and cfg.deepspeed.zero_stage != 3:
         raise ConfigError("deepspeed.offload_param needs deepspeed.zero_stage=3")
     if cfg.deepspeed.offload_optimizer and cfg.deepspeed.zero_stage == 0:

@@ -81,10 +81,20 @@ def check_torch() -> list[Check]:
     checks.append(Check("torch", "NCCL", OK, ".".join(map(str, _nccl_version(torch)))))
     for index in range(torch.cuda.device_count()):
         checks.append(_gpu_check(torch, index))
-    bf16 = torch.cuda.is_bf16_supported()
-    checks.append(Check("torch", "bf16", OK if bf16 else WARN, "supported" if bf16 else "not supported on this GPU",
-                        "" if bf16 else "use deepspeed.precision=fp16 (dynamic loss scaling) on pre-Ampere GPUs"))
     return checks
+
+
+def check_precision(requested: str) -> Check:
+    """What `deepspeed.precision` resolves to on this machine, and why (pretrain/precision.py)."""
+    import torch
+
+    from pretrain.precision import resolve_precision
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    choice = resolve_precision(requested, device)
+    if choice.warning:
+        return Check("torch", "precision", WARN, f"{choice.precision} ({choice.reason})", choice.warning)
+    return Check("torch", "precision", OK, f"{choice.precision} (deepspeed.precision={requested}: {choice.reason})")
 
 
 def _nccl_version(torch) -> tuple:
@@ -300,18 +310,19 @@ def default_roots() -> tuple[Path, Path]:
 
 
 def run_checks(overrides: list[str]) -> list[Check]:
-    checks = check_python() + check_host() + check_torch() + check_deepspeed(deepspeed_facts()) + check_libraries()
+    checks = check_python() + check_host() + check_torch()
     data_root, run_root = default_roots()
-    configured_mode = None
+    configured_mode, precision, plan_checks = None, "auto", []
     if overrides:
         plan_checks, cfg = check_plan(overrides)
         if cfg is not None:
             data_root, run_root = Path(cfg.data.root), Path(cfg.run_root)
             configured_mode = cfg.logging.wandb.mode if cfg.logging.wandb.enabled else "disabled"
-        checks += check_roots(data_root, run_root) + plan_checks
-    else:
-        checks += check_roots(data_root, run_root)
-    return checks + check_wandb(configured_mode)
+            precision = cfg.deepspeed.precision
+    if not any(check.name == "torch" and check.status == FAIL for check in checks):
+        checks.append(check_precision(precision))
+    checks += check_deepspeed(deepspeed_facts()) + check_libraries()
+    return checks + check_roots(data_root, run_root) + plan_checks + check_wandb(configured_mode)
 
 
 def next_steps(checks: list[Check], overrides: list[str]) -> list[str]:

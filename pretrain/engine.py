@@ -103,8 +103,15 @@ def finalize_distributed() -> None:
 
 
 def render_ds_config(cfg: AyumiConfig, world_size: int) -> dict[str, Any]:
-    """DeepSpeed's JSON config, rendered from ayumi's config (the only place it is written)."""
+    """DeepSpeed's JSON config, rendered from ayumi's config (the only place it is written).
+
+    `deepspeed.precision` must already be concrete: `auto` is resolved per hardware and agreed by
+    all ranks first (pretrain.train.settle_precision).
+    """
     ds = cfg.deepspeed
+    if ds.precision not in ("bf16", "fp16", "fp32"):
+        raise ValueError(f"deepspeed.precision={ds.precision!r} must be resolved to bf16, fp16 or fp32 before "
+                         "DeepSpeed is configured (pretrain.train.settle_precision)")
     grad_accum = data_parallel_grad_accum(cfg.train, world_size)
     config: dict[str, Any] = {
         "train_batch_size": cfg.train.global_batch_size,

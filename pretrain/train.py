@@ -23,18 +23,20 @@ from curriculum.plan import PlanRefused, plan_from_config, raise_if_refused
 from data.packed import PackedSamples, ShuffledDomains, domains_under
 from data.manifest import MANIFEST_NAME, check_manifest_tokenizer, load_manifest
 from data.shards import check_tokenizer, find_shards
-from pretrain.checkpoint import Checkpointer, latest_tag
+from pretrain.checkpoint import Checkpointer, latest_tag, resolve_checkpoint
 from pretrain.config import (
     AyumiConfig, ConfigError, check_config, compose_config, config_as_yaml, data_parallel_grad_accum,
     split_cli_args, to_object, total_steps,
 )
 from pretrain.engine import (
-    DistInfo, TrainEngine, any_rank, barrier, build_model, finalize_distributed, init_distributed, save_ds_config,
+    DistInfo, TrainEngine, all_reduce_tensor, any_rank, barrier, build_model, finalize_distributed, init_distributed,
+    save_ds_config,
 )
 from pretrain.loader import BatchLoader
 from pretrain.metrics import MetricsLogger, NullLogger
 from pretrain.model.flops import count_parameters
 from pretrain.model.llama import Llama
+from pretrain.precision import CAPABILITY_ORDER, PrecisionChoice, agreed, kept_from_checkpoint, resolve_precision
 from pretrain.trainer import Trainer, TrainResult
 from tokenizer.files import write_text_atomic
 
@@ -96,6 +98,7 @@ def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict) -> tuple[Tra
     """Everything the loop needs, in data-flow order: data, model, engine, checkpoints, metrics."""
     grad_accum = data_parallel_grad_accum(cfg.train, dist.world_size)
     run_dir = Path(cfg.run_dir)
+    precision = settle_precision(cfg, dist)
     tokenizer = load_tokenizer_identity(cfg.data.tokenizer_dir)
     source, val_sets = build_data(cfg, tokenizer)
 
@@ -119,10 +122,40 @@ def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict) -> tuple[Tra
     loader = BatchLoader(source, cfg.train.micro_batch_size, grad_accum, dist.rank, dist.world_size, dist.device,
                          prefetch=cfg.data.prefetch_batches)
     run_meta = {"name": cfg.name, "model": asdict(cfg.model), "world_size": dist.world_size,
-                "zero_stage": cfg.deepspeed.zero_stage, "precision": cfg.deepspeed.precision, **tokenizer}
+                "zero_stage": cfg.deepspeed.zero_stage, "precision": cfg.deepspeed.precision,
+                "precision_reason": precision.reason, **tokenizer}
     trainer = Trainer(cfg, dist, engine, loader, val_sets, logger, checkpointer, total_steps(cfg.train), run_meta)
     trainer.resume_if_possible()
     return trainer, logger
+
+
+def settle_precision(cfg: AyumiConfig, dist: DistInfo) -> PrecisionChoice:
+    """Resolve deepspeed.precision (auto) for this hardware, the same on every rank, and write it into cfg.
+
+    Every rank resolves for its own device, then all take the least capable answer (a job must
+    train in one precision); a resumed `auto` run keeps the precision its checkpoint was saved in.
+    Rank 0 prints the choice and its reason, and a warning when an explicit choice will be slow.
+    """
+    choice = resolve_precision(cfg.deepspeed.precision, dist.device)
+    lowest = -all_reduce_tensor(torch.tensor([-float(CAPABILITY_ORDER[choice.precision])]), op="max").item()
+    choice = kept_from_checkpoint(agreed(choice, int(lowest)), _checkpoint_meta(cfg).get("precision"))
+    cfg.deepspeed.precision = choice.precision
+    if dist.is_main:
+        print(choice.describe(), flush=True)
+        if choice.warning:
+            print(f"WARNING: {choice.warning}", file=sys.stderr, flush=True)
+    return choice
+
+
+def _checkpoint_meta(cfg: AyumiConfig) -> dict:
+    """ayumi.json of the checkpoint this run will start from ({} for a fresh run)."""
+    if cfg.checkpoint.load_from:
+        root, tag = resolve_checkpoint(cfg.checkpoint.load_from)
+    elif cfg.checkpoint.resume and (tag := latest_tag(Path(cfg.checkpoint.dir))) is not None:
+        root = Path(cfg.checkpoint.dir)
+    else:
+        return {}
+    return json.loads((root / tag / "ayumi.json").read_text())
 
 
 def _resume_step(cfg: AyumiConfig, checkpointer: Checkpointer) -> int | None:

@@ -44,7 +44,7 @@ def test_every_zero_stage_trains_in_bf16(corpus, tmp_path):
     first_norms = {}
     for stage in (0, 1, 2, 3):
         runs = tmp_path / f"zero{stage}"
-        proc = run_training(tiny_overrides(corpus, runs, f"deepspeed=zero{stage}", "train.tokens=12288",
+        proc = run_training(tiny_overrides(corpus, runs, f"deepspeed=zero{stage}", "deepspeed.precision=bf16", "train.tokens=12288",
                                            "stability.precision_check_every=1"))
         check_ok(proc)
         records = metrics(runs / "cpu_tiny")
