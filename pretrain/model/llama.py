@@ -11,16 +11,15 @@ import re
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from pretrain.model.config import ModelConfig
+from pretrain.model.config import ModelConfig, model_problems
 from pretrain.model.layers import Block, RMSNorm, RotaryEmbedding
 
 IGNORE_INDEX = -100
 """Label value that contributes no loss (padding, document masks)."""
-
-ATTENTION_KERNELS = ("sdpa", "eager")
 
 
 class ModelConfigError(ValueError):
@@ -28,27 +27,14 @@ class ModelConfigError(ValueError):
 
 
 def validate_config(cfg: ModelConfig) -> None:
-    """Raise ModelConfigError naming the field, its value and the fix when shapes don't fit."""
-    positive = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                "max_seq_len")
-    for field in positive:
-        if getattr(cfg, field) <= 0:
-            raise ModelConfigError(f"model.{field}={getattr(cfg, field)} must be > 0")
-    if cfg.hidden_size % cfg.num_heads:
-        raise ModelConfigError(f"model.hidden_size={cfg.hidden_size} must divide by model.num_heads={cfg.num_heads}")
-    if (cfg.hidden_size // cfg.num_heads) % 2:
-        head_dim = cfg.hidden_size // cfg.num_heads
-        raise ModelConfigError(f"head_dim = model.hidden_size / model.num_heads = {head_dim} must be even for RoPE")
-    if cfg.num_heads % cfg.num_kv_heads:
-        raise ModelConfigError(f"model.num_heads={cfg.num_heads} must divide by model.num_kv_heads={cfg.num_kv_heads}")
-    if cfg.attention not in ATTENTION_KERNELS:
-        raise ModelConfigError(f"model.attention={cfg.attention!r}: choose one of {ATTENTION_KERNELS}")
-    if not 0.0 < cfg.embedding_grad_alpha <= 1.0:
-        raise ModelConfigError(f"model.embedding_grad_alpha={cfg.embedding_grad_alpha} must be in (0, 1]; 1.0 = off")
-    for field, ok in (("z_loss", cfg.z_loss >= 0), ("init_std", cfg.init_std > 0), ("norm_eps", cfg.norm_eps > 0),
-                      ("rope_theta", cfg.rope_theta > 0)):
-        if not ok:
-            raise ModelConfigError(f"model.{field}={getattr(cfg, field)} is out of range (z_loss >= 0, others > 0)")
+    """Raise ModelConfigError naming each field, its value and the fix when shapes don't fit.
+
+    The rules live in pretrain/model/config.py (model_problems), so the training config can check
+    them before torch is imported; here they guard models built directly.
+    """
+    problems = model_problems(cfg)
+    if problems:
+        raise ModelConfigError("\n".join(problems))
 
 
 @dataclass
@@ -139,19 +125,25 @@ class Llama(nn.Module):
         return out
 
     def compute_loss(self, logits: Tensor, labels: Tensor) -> LlamaOutput:
-        """Token cross-entropy (+ z-loss) in fp32 from a single logsumexp."""
+        """Token cross-entropy (+ z-loss) in fp32, per token from torch's fused cross-entropy.
+
+        `F.cross_entropy` (one log-softmax pass, backward = softmax - one-hot) is ~10% of a CPU
+        step faster than a separate logsumexp and gather, and keeps one fewer full-size tensor for
+        backward. The z-loss needs log Z, which is the token's CE plus its target logit.
+        """
         logits32 = logits.float()  # the one full-size fp32 copy; freed once backward used it
-        lse = torch.logsumexp(logits32, dim=-1)  # [B, T]
         mask = labels != IGNORE_INDEX
-        target = labels.masked_fill(~mask, 0).unsqueeze(-1)
-        token_ce = (lse - logits32.gather(-1, target).squeeze(-1)) * mask
-        del logits32
+        token_ce = F.cross_entropy(logits32.flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX,
+                                   reduction="none").view_as(labels)  # 0 where ignored
         tokens = mask.sum()
         ce = token_ce.sum() / tokens.clamp(min=1)  # all-ignored batch: loss 0, not NaN
         loss = ce
         if self.cfg.z_loss > 0:
             # PaLM z-loss: pulls log Z toward 0 so the softmax normaliser cannot drift.
+            target = labels.masked_fill(~mask, 0).unsqueeze(-1)
+            lse = token_ce + logits32.gather(-1, target).squeeze(-1)
             loss = ce + self.cfg.z_loss * (lse.square() * mask).sum() / tokens.clamp(min=1)
+        del logits32
         sample_tokens = mask.sum(dim=1)
         sample_loss = token_ce.sum(dim=1).detach() / sample_tokens.clamp(min=1)
         return LlamaOutput(loss=loss, ce_loss=ce.detach(), sample_loss=sample_loss, sample_tokens=sample_tokens)

@@ -158,6 +158,31 @@ def test_z_loss_adds_the_formula():
     assert b.loss > a.loss
 
 
+def test_fused_loss_equals_the_plain_formula_with_ignored_tokens_and_z_loss():
+    """Loss, per-sample losses and every gradient equal log Z - target logit written out by hand (fp32)."""
+    from pretrain.model.llama import IGNORE_INDEX
+
+    model = build(z_loss=1e-3)
+    ids, labels = batch(model.cfg)
+    labels[0, :5] = IGNORE_INDEX  # a padded stretch
+    labels[1, -1] = IGNORE_INDEX
+    out = model(ids, labels, return_logits=True)
+    out.loss.backward()
+    fused = grads(model)
+    model.zero_grad()
+    logits = model(ids, labels, return_logits=True).logits
+    mask = labels != IGNORE_INDEX
+    lse = torch.logsumexp(logits, dim=-1)
+    target = logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    token_ce = (lse - target) * mask
+    plain = token_ce.sum() / mask.sum() + 1e-3 * (lse.square() * mask).sum() / mask.sum()
+    plain.backward()
+    torch.testing.assert_close(out.loss, plain, rtol=1e-6, atol=0)
+    torch.testing.assert_close(out.sample_loss, token_ce.sum(1).detach() / mask.sum(1), rtol=1e-6, atol=0)
+    for name, grad in grads(model).items():
+        torch.testing.assert_close(fused[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_embedding_grad_alpha_keeps_forward_and_scales_embedding_gradient():
     ref, shrunk = build(), build(embedding_grad_alpha=0.1)
     ids, labels = batch(ref.cfg)
