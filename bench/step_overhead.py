@@ -23,7 +23,7 @@ tokens/s and MFU (`pretrain.model.flops.flops_per_token`, peak from `pretrain.tr
 There a sample is a block of K steps timed with one synchronize at its end, divided by K (per-step
 synchronising would hide the host-device syncs ayumi's step may add).
 
-    python bench/step_overhead.py [--zero-stage 1] [--precision bf16] [--rounds 30] [--block 2]
+    python bench/step_overhead.py [--zero-stage 1] [--precision auto|bf16|fp32] [--rounds 30] [--block 2]
     python bench/step_overhead.py --metrics off      # diagnosis: `logging=none`, console off (metrics.jsonl stays)
     python bench/step_overhead.py --profile [cpu]    # + cProfile of rank 0's ayumi and bare steps
     python bench/step_overhead.py --gpu [--presets 125m,1b]
@@ -65,7 +65,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=2, help="CPU ranks (default 2)")
     p.add_argument("--zero-stage", type=int, default=1, choices=[0, 1, 2, 3])
-    p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="auto (default): bf16 where this CPU computes it natively, else fp32 (pretrain/precision.py)")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=8)
@@ -289,6 +290,8 @@ def compose_bench_config(args: argparse.Namespace, run_root: Path, data_root: Pa
         f"train.seq_len={args.seq}", f"train.micro_batch_size={args.micro_batch}", f"train.grad_accum={args.grad_accum}",
         f"train.global_batch_size={args.micro_batch * args.grad_accum * int(os.environ['WORLD_SIZE'])}",
         "train.tokens=1000000000",  # sets the LR schedule's length only: the bench runs a fixed number of steps
+        # ... so the plan's repetition of the small bench corpus over those 1B tokens never happens: no limit.
+        "curriculum.default_max_repetition=inf",
         "train.eval_interval=0", "data.validation=false",  # evaluation off (in both)
         "checkpoint.interval=0", "checkpoint.save_final=false", "checkpoint.resume=false",  # checkpointing off
         "checkpoint.save_on_signal=false", "optim.warmup_steps=10",
