@@ -429,8 +429,8 @@ class DomainWriter:
         self.docs, self.text_bytes, self.started = 0, 0, time.monotonic()
         self.file_docs: dict[Path, int] = {}  # documents so far of jsonl files read in blocks (empty_file check)
         self.strict = cfg.strict
-        self.bar = _progress(cfg, job.name)
         log.info("%s: %d input files", job.name, len(job.files))
+        self.bar = _progress(cfg, job.name)  # after the log line: a bar left open would share its line
 
     def route(self, meta: list[str] | JsonlBatch | FileEnd, result: ChunkResult | None) -> None:
         """Take one stream item of this domain: a chunk's result, or the end of a jsonl file."""

@@ -8,6 +8,7 @@ the trainer needs (a step, the grad norm, the loss scale, saving and loading) is
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import socket
@@ -27,6 +28,20 @@ import torch.distributed as dist  # noqa: E402
 
 from pretrain.config import AyumiConfig, ConfigError, data_parallel_grad_accum  # noqa: E402
 from pretrain.optim import param_groups  # noqa: E402
+
+
+class _KnownOptimizerWarning(logging.Filter):
+    """Drops DeepSpeed's "untested optimizer" warning, which every ZeRO run would print.
+
+    ayumi hands ZeRO torch's AdamW (SkippableAdamW: the one place an update can be withheld) and
+    sets `zero_allow_untested_optimizer` on purpose; the warning tells a user nothing to act on.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "untested optimizer" not in record.getMessage()
+
+
+deepspeed.utils.logger.addFilter(_KnownOptimizerWarning())
 
 
 @dataclass(frozen=True)

@@ -149,7 +149,8 @@ class Trainer:
                 logger.info("note: with ZeRO-Offload's CPU Adam ayumi cannot withhold single updates; "
                             "spikes still roll back, and DeepSpeed skips overflow steps itself")
         if self.stability.injector.active:
-            logger.info(f"FAULT INJECTION ON (stability.inject): {cfg.stability.inject} — a fire drill, not a real run")
+            logger.info(f"FAULT INJECTION ON (stability.inject, a fire drill, not a real run): "
+                        f"{self.stability.injector.describe()}")
         self.checkpoint_steps: list[int] = []
         self.evaluations = 0
 

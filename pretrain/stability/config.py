@@ -11,6 +11,9 @@ optimizer step that runs on the weights of checkpoint k (k updates already appli
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
+
+from pretrain.ranges import Range, above, at_least, between, range_problems
 
 ACTIONS = ("recover", "skip", "stop", "log_only")
 COOLDOWN_SHAPES = ("linear", "constant")
@@ -53,6 +56,14 @@ class DetectorConfig:
     stage_switch_grace_steps: int = 50
     """After the trainer reports a curriculum stage switch, the loss is not judged for this many steps."""
 
+    RANGES: ClassVar[dict[str, Range]] = {
+        "window": at_least(3), "center_window": at_least(1), "warmup_steps": at_least(0), "min_history": at_least(0),
+        "loss_z": above(0), "loss_min_rise": at_least(0), "grad_z": above(0), "grad_min_ratio": at_least(1),
+        "large_loss_rise": at_least(0, "0 = off"), "large_grad_ratio": at_least(0, "0 = off"),
+        "sustained_count": at_least(1), "sustained_window": at_least(1), "stage_switch_grace_steps": at_least(0),
+    }
+    """Allowed values, checked before training starts (pretrain/ranges.py)."""
+
 
 @dataclass
 class RecoveryConfig:
@@ -87,6 +98,15 @@ class RecoveryConfig:
     ring_keep: int = 3
     """Recovery checkpoints kept (the rollback target >= rollback_steps back is always kept in addition)."""
 
+    RANGES: ClassVar[dict[str, Range]] = {
+        "rollback_steps": at_least(0), "skip_batches": at_least(0),
+        "lr_cooldown_factor": between(0, 1, low_open=True, note="1.0 = no cool-down"), "lr_cooldown_steps": at_least(0),
+        "adam_eps": above(0), "adam_beta1": between(0, 1, high_open=True), "max_recoveries": at_least(0),
+        "recovery_window_steps": at_least(1), "max_skips_per_episode": at_least(1),
+        "ring_interval": at_least(0, "0 = no recovery checkpoints"), "ring_keep": at_least(1),
+    }
+    """Allowed values, checked before training starts (pretrain/ranges.py)."""
+
 
 @dataclass
 class WatchdogConfig:
@@ -105,6 +125,12 @@ class WatchdogConfig:
     reset_window_steps: int = 1000
     """Window (in steps) over which resets are counted."""
 
+    RANGES: ClassVar[dict[str, Range]] = {
+        "floor_margin_power": at_least(0), "max_consecutive_skips": at_least(1), "max_resets": at_least(0),
+        "reset_window_steps": at_least(1),
+    }
+    """Allowed values, checked before training starts (pretrain/ranges.py)."""
+
 
 @dataclass
 class ClipConfig:
@@ -120,6 +146,12 @@ class ClipConfig:
     """Recent accepted steps whose grad norms the percentile is taken over."""
     warn_share: float = 0.5
     """Warn when more than this share of the window's steps were clipped (the playbook: lower the LR instead)."""
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "percentile": between(0, 100, low_open=True, high_open=True), "warmup_steps": at_least(0),
+        "window": at_least(1), "warn_share": between(0, 1),
+    }
+    """Allowed values, checked before training starts (pretrain/ranges.py)."""
 
 
 @dataclass
@@ -137,10 +169,20 @@ class TelemetryConfig:
     percentile_window: int = 1000
     """Recent steps over which p50/p90/p99 of the unclipped grad norm are logged."""
 
+    RANGES: ClassVar[dict[str, Range]] = {
+        "group_norm_interval": at_least(0, "0 = never"), "histogram_interval": at_least(0, "0 = never"),
+        "histogram_bins": at_least(1), "percentile_window": at_least(1),
+    }
+    """Allowed values, checked before training starts (pretrain/ranges.py)."""
+
 
 @dataclass
 class InjectConfig:
-    """Fault injection for demos and tests (`stability/inject`): every list empty = off."""
+    """Fault injection for demos and tests (`stability/inject`): every list empty = off.
+
+    Steps here are 0-based step indices: index 600 is the step the console and events.jsonl call
+    601 (the start-up line "FAULT INJECTION ON" lists them as the console counts).
+    """
 
     lr_multiply: dict[int, float] = field(default_factory=dict)
     """FAULT: step -> factor multiplying that step's LR (e.g. {300: 50.0, 301: 50.0})."""
@@ -181,9 +223,14 @@ class StabilityConfig:
     precision_check_every: int = 0
     """Every N evaluations also evaluate in fp32 (a full fp32 weight copy per rank) and log val/<domain>/fp32_gap; 0 = off."""
 
+    RANGES: ClassVar[dict[str, Range]] = {"precision_check_every": at_least(0, "0 = off")}
+    """Allowed values, checked before training starts (pretrain/ranges.py)."""
+
 
 def check_stability_config(cfg: StabilityConfig, min_loss_scale: float = 1.0) -> None:
     """Cross-field checks; raises StabilityConfigError naming the field, the value and the fix."""
+    ranges = range_problems(cfg, "stability.")  # every value out of range at once, before the cross-checks
+    _check(not ranges, "\n".join(ranges))
     _check(cfg.action in ACTIONS, f"stability.action={cfg.action!r}: choose one of {', '.join(ACTIONS)}")
     det, rec, dog, clip = cfg.detector, cfg.recovery, cfg.watchdog, cfg.clip
     _check(det.window >= 3, f"stability.detector.window={det.window}: needs at least 3 steps")

@@ -35,6 +35,21 @@ class FaultInjector:
         self._overflow = frozenset(int(s) for s in cfg.fp16_overflow_steps)
         self.highest_step = -1  # the furthest step run so far; lower steps are replays
 
+    def describe(self) -> str:
+        """The configured faults, at the step numbers the console and events.jsonl show (index + 1)."""
+        def steps(indices) -> str:
+            return ", ".join(str(i + 1) for i in sorted(indices))
+
+        by_factor: dict[float, list[int]] = {}
+        for step, factor in self._lr.items():
+            by_factor.setdefault(factor, []).append(step)
+        parts = [f"LR x{factor:g} at step(s) {steps(at)}" for factor, at in sorted(by_factor.items())]
+        parts += [f"{what} at step(s) {steps(at)}" for what, at in (("random-token batch", self._random),
+                                                                    ("NaN loss", self._nan),
+                                                                    ("fp16 overflow", self._overflow)) if at]
+        again = "again on every replay" if self.cfg.replay else "once (a replay after a rollback runs clean)"
+        return "; ".join(parts) + f", each firing {again}"
+
     @property
     def active(self) -> bool:
         """True if any fault is configured (the trainer announces it loudly)."""

@@ -54,3 +54,10 @@ def test_random_tokens_are_reproducible_per_step_and_rank():
     assert a.dtype == np.int64 and a.shape == (4, 65) and 0 <= a.min() and a.max() < 512
     assert np.array_equal(a, injector.random_tokens((4, 65), 512, step=250, rank=0))
     assert not np.array_equal(a, injector.random_tokens((4, 65), 512, step=250, rank=1))
+
+
+def test_the_announcement_names_steps_as_the_console_counts_them():
+    """Config keys are 0-based indices; the start-up line speaks the console's 1-based steps."""
+    injector = FaultInjector(InjectConfig(lr_multiply={600: 50.0, 601: 50.0}, nan_loss_steps=[120]))
+    assert injector.describe() == ("LR x50 at step(s) 601, 602; NaN loss at step(s) 121, "
+                                   "each firing once (a replay after a rollback runs clean)")
