@@ -1,7 +1,16 @@
-"""Llama model shape and options as one documented dataclass (`conf/model/*.yaml` are its presets)."""
+"""Llama model shape and options as one documented dataclass (`conf/model/*.yaml` are its presets).
+
+`model_problems` holds the rules a shape must follow (ranges, divisibility); the training config
+checks them before any rank starts, and the model checks them again when it is built.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
+
+from pretrain.ranges import Range, above, at_least, between, range_problems
+
+ATTENTION_KERNELS = ("sdpa", "eager")
 
 
 @dataclass
@@ -40,3 +49,33 @@ class ModelConfig:
     """GLM-130B embedding-gradient shrink: emb = a*emb + (1-a)*emb.detach(); 1.0 = off, 0.1 as in GLM-130B."""
     attention: str = "sdpa"
     """Attention kernel: sdpa (torch scaled_dot_product_attention; flash/efficient kernels on GPU) or eager."""
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        **{size: at_least(1) for size in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                                          "num_heads", "num_kv_heads", "max_seq_len")},
+        "rope_theta": above(0), "norm_eps": above(0), "init_std": above(0), "z_loss": at_least(0, "0 = off"),
+        "embedding_grad_alpha": between(0, 1, low_open=True, note="1.0 = off"),
+    }
+    """Allowed values (pretrain/ranges.py); shapes must also divide, see model_problems."""
+
+
+def model_problems(cfg: ModelConfig, prefix: str = "model.") -> list[str]:
+    """Every problem of a model config, one line each: ranges, then shape_problems."""
+    return range_problems(cfg, prefix) + shape_problems(cfg, prefix)
+
+
+def shape_problems(cfg: ModelConfig, prefix: str = "model.") -> list[str]:
+    """The attention kernel, and the divisibility attention needs: heads split hidden, kv heads split heads, RoPE pairs."""
+    problems = []
+    if cfg.attention not in ATTENTION_KERNELS:
+        problems.append(f"{prefix}attention={cfg.attention!r}: choose one of {', '.join(ATTENTION_KERNELS)}")
+    if cfg.num_heads < 1 or cfg.num_kv_heads < 1 or cfg.hidden_size < 1:
+        return problems  # the divisions below need positive sizes; the range check says what to fix
+    if cfg.hidden_size % cfg.num_heads:
+        problems.append(f"{prefix}hidden_size={cfg.hidden_size} must divide by {prefix}num_heads={cfg.num_heads}")
+    elif (cfg.hidden_size // cfg.num_heads) % 2:
+        problems.append(f"head_dim = {prefix}hidden_size / {prefix}num_heads = {cfg.hidden_size // cfg.num_heads} "
+                        "must be even for RoPE")
+    if cfg.num_heads % cfg.num_kv_heads:
+        problems.append(f"{prefix}num_heads={cfg.num_heads} must divide by {prefix}num_kv_heads={cfg.num_kv_heads}")
+    return problems
