@@ -54,7 +54,8 @@ class CurriculumConfig:
     stages: list[Stage] = field(default_factory=list)
     """The stages in training order; empty means all domains in one shuffled stream."""
     default_max_repetition: float = 4.0
-    """Epochs of any domain allowed by a stage's end unless the stage's max_repetition names it."""
+    """Epochs of any domain allowed by a stage's end unless the stage's max_repetition names it; without
+    stages, the epochs every domain may be read in the shuffled run (raise it only on purpose)."""
 
 
 def enabled(cfg: CurriculumConfig | None) -> bool:

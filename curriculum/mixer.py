@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import bisect
 import json
-import math
 import os
 import zlib
 from dataclasses import dataclass, field
@@ -42,6 +41,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from curriculum.config import CurriculumConfig, CurriculumError, domains_used, max_repetition, validate
+from curriculum.repetition import repetition_problems
 from curriculum.schedule import stage_at_sample, stage_ends, stage_lr, stage_starts, step_in_stage
 from data.manifest import write_json_atomic
 from data.packed import EpochPermutation, PackedSamples
@@ -142,6 +142,21 @@ class MixtureSchedule:
         stage = self.stage_of(position)
         return self.cursor_start[stage] + self._picks_in_stage(stage, position - self.starts[stage])
 
+    def longest_stage_within(self, stage: int, domain: int, cap: int) -> int | None:
+        """The most samples `stage` may span while `domain` has at most `cap` picks by its end.
+
+        None when the stage's length cannot help: the earlier stages alone take more than `cap`, or
+        the stage does not read the domain. Picks within a stage grow with its length (whole periods,
+        then the period's prefix), so the answer is read off the seat table.
+        """
+        room = cap - int(self.cursor_start[stage][domain])
+        per_period = int(self.counts[stage][domain])
+        if room < 0 or per_period == 0:
+            return None
+        full, rest = divmod(room, per_period)
+        within = int(np.searchsorted(self._prefix[stage][:, domain], rest, side="right")) - 1
+        return full * PERIOD + within
+
     def locate(self, sample: int) -> tuple[int, int]:
         """(domain index, cursor in that domain's stream) of global sample `sample`."""
         stage = bisect.bisect_right(self.starts, sample) - 1
@@ -179,28 +194,6 @@ class MixtureSchedule:
             end = self.ends[index] if index + 1 < self.num_stages or run_samples is None else max(run_samples, start)
             out[index] = self._picks_in_stage(index, end - start)
         return out
-
-
-def repetition_problems(cfg: CurriculumConfig, schedule: MixtureSchedule, domain_samples: Mapping[str, int],
-                        run_samples: int | None = None) -> list[str]:
-    """Domains whose cumulative epochs at a stage's end would exceed that stage's max_repetition."""
-    problems = []
-    cumulative = np.cumsum(schedule.stage_picks(run_samples), axis=0)
-    for index, stage in enumerate(cfg.stages):
-        for d, name in enumerate(schedule.domain_names):
-            available = int(domain_samples.get(name, 0))
-            picks = int(cumulative[index, d])
-            if picks == 0:
-                continue
-            limit = max_repetition(cfg, stage, name)
-            epochs = picks / available if available else math.inf
-            if epochs > limit:
-                problems.append(
-                    f"domain {name!r} would be read {epochs:.2f} times by the end of stage {index + 1} "
-                    f"({stage.name!r}): {picks:,} samples wanted, {available:,} available, max_repetition {limit:g}; "
-                    f"lower its weight, prepare more {name} data, or raise curriculum.stages[{index}].max_repetition.{name}"
-                )
-    return problems
 
 
 def domain_seed(seed: int, name: str) -> int:

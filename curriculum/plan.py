@@ -1,9 +1,10 @@
 """`ayumi plan`: stage budgets x prepared data x checkpoint disk, checked before anything runs.
 
 A plan answers, for a run as configured: how many tokens each stage takes from each domain, how
-many times each domain is read by each stage's end (against its max_repetition), how many steps
-the run has and how many tokens each step trains, how many checkpoints it saves and how much disk
-they need against what is free, and (given a throughput) how long it takes. `check_plan` returns
+many times each domain is read by each stage's end (against its max_repetition; a run without a
+curriculum is one stage, every domain read alike, against curriculum.default_max_repetition), how
+many steps the run has and how many tokens each step trains, how many checkpoints it saves and how
+much disk they need against what is free, and (given a throughput) how long it takes. `check_plan` returns
 the reasons to refuse; the CLI exits 1 on any, and the trainer runs the same checks at start.
 
 Checkpoint size (DeepSpeed, mixed precision): per parameter 2 bytes of bf16/fp16 weights + 4 bytes of
@@ -22,8 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from curriculum.config import CurriculumConfig, Stage, config_problems, domains_used, enabled, max_repetition
-from curriculum.mixer import MixtureSchedule, repetition_problems
+from curriculum.config import CurriculumConfig, config_problems, domains_used, enabled, max_repetition
+from curriculum.mixer import MixtureSchedule
+from curriculum.repetition import repetition_problems, shuffled_epochs, shuffled_repetition_problems
 from data.packed import PackedSamples, domains_under
 from data.shards import ShardFormatError, ShardReader, find_shards
 
@@ -104,7 +106,7 @@ class DomainRow:
     epochs: float
     """Cumulative times the domain has been read by the end of this stage."""
     max_epochs: float
-    """The stage's max_repetition for the domain."""
+    """The stage's max_repetition for the domain (without a curriculum: curriculum.default_max_repetition)."""
 
     @property
     def ok(self) -> bool:
@@ -151,15 +153,8 @@ def available_samples(data_root: str | os.PathLike, seq_len: int) -> tuple[dict[
     return tokens, samples
 
 
-def implicit_curriculum(train_tokens: int, domain_samples: Mapping[str, int]) -> CurriculumConfig:
-    """The no-curriculum run as one stage: every domain in proportion to its size (ShuffledDomains).
-
-    Its repetition is reported but not limited: a shuffled stream has no per-domain bound to honour
-    (smoke tests read a tiny corpus dozens of times on purpose).
-    """
-    weights = {name: float(n) for name, n in domain_samples.items() if n > 0}
-    return CurriculumConfig(name="none (all domains shuffled)", stages=[Stage("all", train_tokens, weights)],
-                            default_max_repetition=math.inf)
+SHUFFLED = "none (all domains shuffled)"
+"""The plan's name for a run without a curriculum (data.packed.ShuffledDomains)."""
 
 
 # -- checkpoints -------------------------------------------------------------------------------------
@@ -199,23 +194,22 @@ def make_plan(curriculum: CurriculumConfig | None, run: RunShape, domain_tokens:
     `free_bytes` given replaces the measured free disk (tests).
     """
     explicit = enabled(curriculum)
-    if explicit:
-        cfg = curriculum
-    elif domain_samples:
-        cfg = implicit_curriculum(run.train_tokens, domain_samples)
-    else:
-        cfg = CurriculumConfig(name="none (all domains shuffled)")
-    plan = Plan(curriculum=cfg.name, run=run)
+    # Without stages the config still carries the limit, default_max_repetition (None: the field's default, 4).
+    cfg = curriculum if curriculum is not None else CurriculumConfig()
+    plan = Plan(curriculum=cfg.name if explicit else SHUFFLED, run=run)
     known = None if domain_samples is None else list(domain_samples)
     problems = config_problems(cfg, run.train_tokens if explicit else None, known_domains=known)
     plan.problems += [PlanProblem("budget" if "train.tokens" in p else "config", p) for p in problems]
     if run.max_steps and run.max_steps < run.total_steps:
         plan.warnings.append(f"train.max_steps={run.max_steps} stops the run at step {run.max_steps} of {run.total_steps}, "
                              f"before the planned {run.train_tokens:,} tokens (use it only for smoke tests)")
-    if domain_samples is not None and not cfg.stages:
+    shuffled = {name: n for name, n in (domain_samples or {}).items() if n > 0}
+    if domain_samples is not None and not explicit and not shuffled:
         plan.problems.append(PlanProblem("data", "no domain holds a complete training sample: run `ayumi data prepare`"))
-    if cfg.stages and not plan.problems:
+    if explicit and not plan.problems:
         _fill_stage_rows(plan, cfg, run, domain_tokens, domain_samples)
+    elif shuffled and not plan.problems:
+        _fill_shuffled_rows(plan, cfg.default_max_repetition, run, domain_tokens, shuffled)
     if checkpoint is not None:
         _fill_checkpoints(plan, run, checkpoint, free_bytes)
     if tokens_per_s:
@@ -253,7 +247,22 @@ def _fill_stage_rows(plan: Plan, cfg: CurriculumConfig, run: RunShape, domain_to
                 epochs=int(cumulative[index, d]) / domain_samples[name], max_epochs=max_repetition(cfg, stage, name),
             ))
     plan.problems += [PlanProblem("repetition", p)
-                      for p in repetition_problems(cfg, schedule, domain_samples, run.total_samples)]
+                      for p in repetition_problems(cfg, schedule, domain_samples, run.total_samples, run.global_batch)]
+
+
+def _fill_shuffled_rows(plan: Plan, limit: float, run: RunShape, domain_tokens: Mapping[str, int] | None,
+                        domain_samples: Mapping[str, int]) -> None:
+    """The run without a curriculum: one stage, every domain read alike, each against `limit` epochs."""
+    plan.stages.append(StageRow("all", run.train_tokens, 0, run.total_samples, float(run.total_steps)))
+    total = sum(domain_samples.values())
+    epochs = shuffled_epochs(run.total_samples, domain_samples)
+    for name, count in domain_samples.items():
+        plan.domains.append(DomainRow(
+            stage=0, domain=name, weight=count / total, tokens=round(epochs * count) * run.seq_len,
+            available_tokens=int((domain_tokens or {}).get(name, 0)), epochs=epochs, max_epochs=limit,
+        ))
+    plan.problems += [PlanProblem("repetition", p) for p in shuffled_repetition_problems(
+        limit, domain_samples, run.total_samples, run.global_batch, run.seq_len)]
 
 
 def _fill_checkpoints(plan: Plan, run: RunShape, ckpt: CheckpointShape, free_bytes: int | None) -> None:

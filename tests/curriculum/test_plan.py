@@ -1,4 +1,8 @@
 """`ayumi plan`: the table, the arithmetic, and the refusals (repetition, disk, budgets) with their messages."""
+import copy
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +17,7 @@ from curriculum.plan import (
 from pretrain.config import compose_config, to_object
 from pretrain.model.flops import count_parameters
 from tests.curriculum.helpers import three_stage, write_domains
-from tests.helpers import tiny_overrides, write_tiny_corpus
+from tests.helpers import REPO, tiny_overrides, write_tiny_corpus
 
 SEQ = 16
 GiB = 2**30
@@ -57,10 +61,58 @@ def test_refuses_a_domain_beyond_its_max_repetition(data_root, tmp_path):
     cfg.stages[0].max_repetition = {"b": 0.2}
     problems = check_plan(cfg, run_shape(), tokens, samples, ckpt(tmp_path), free_bytes=GiB)
     assert [p.kind for p in problems] == ["repetition"]
-    assert ("domain 'b' would be read 0.23 times by the end of stage 1 ('first'): 90 samples wanted, 399 available, "
-            "max_repetition 0.2; lower its weight, prepare more b data, or raise curriculum.stages[0].max_repetition.b"
+    assert ("domain 'b' would be read 0.23 times by the end of stage 1 ('first'), more than its limit of 0.2 "
+            "(curriculum.stages.0.max_repetition.b): 90 samples wanted, 399 available. Fix one: prepare more b data "
+            "(`ayumi data prepare`); train fewer tokens of it (curriculum.stages.0.tokens=4240 train.tokens=15435 fits, "
+            "or lower b's weight in stage 1); or raise the limit on purpose (curriculum.stages.0.max_repetition.b=0.23)"
             ) == problems[0].message
     assert "OVER" in format_plan(make_plan(cfg, run_shape(), tokens, samples, ckpt(tmp_path), free_bytes=GiB))
+
+
+def with_budget(cfg, stage, stage_tokens):
+    """A copy of `cfg` whose stage `stage` has `stage_tokens`, and the train.tokens that matches."""
+    out = copy.deepcopy(cfg)
+    out.stages[stage].tokens = stage_tokens
+    return out, sum(s.tokens for s in out.stages)
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_the_fewer_tokens_fix_is_the_largest_budget_that_fits(data_root, tmp_path, stage):
+    """Applying the suggested stage budget makes the plan pass; one token more is refused again.
+
+    Stage 3 is the last: the run ends on a whole step, so its budget is rounded down to steps.
+    """
+    tokens, samples = available_samples(data_root, SEQ)
+    cfg = three_stage(SEQ)
+    cfg.stages[stage].max_repetition = {"b": {0: 0.2, 2: 0.7}[stage]}  # b: 0.23 by stage 1, 0.85 by stage 3
+    message = check_plan(cfg, run_shape(), tokens, samples, ckpt(tmp_path), free_bytes=GiB)[0].message
+    found = re.search(rf"curriculum\.stages\.{stage}\.tokens=(\d+) train\.tokens=(\d+) fits", message)
+    assert found, message
+    fitting, total = int(found[1]), int(found[2])
+    fixed, run_tokens = with_budget(cfg, stage, fitting)
+    assert run_tokens == total and fitting < cfg.stages[stage].tokens
+    assert check_plan(fixed, run_shape(tokens=run_tokens), tokens, samples, ckpt(tmp_path), free_bytes=GiB) == []
+    step = 8 * SEQ if stage == 2 else 1  # the last stage can only grow by a whole step of the run
+    over, run_tokens = with_budget(cfg, stage, fitting + step)
+    refused = check_plan(over, run_shape(tokens=run_tokens), tokens, samples, ckpt(tmp_path), free_bytes=GiB)
+    assert [p.kind for p in refused] == ["repetition"] and "domain 'b'" in refused[0].message
+
+
+def test_a_limit_from_the_default_and_one_only_earlier_stages_can_meet(data_root, tmp_path):
+    tokens, samples = available_samples(data_root, SEQ)
+    cfg = three_stage(SEQ)
+    cfg.default_max_repetition = 0.5  # b: 0.85 by the end of stage 3 (no stage names b)
+    cfg.stages[1].max_repetition = {"b": 0.2}  # stage 2 reads no b, but stage 1 already read 0.23 of it
+    problems = [p.message for p in check_plan(cfg, run_shape(), tokens, samples, ckpt(tmp_path), free_bytes=GiB)]
+    assert len(problems) == 2
+    assert problems[0].startswith("domain 'b' would be read 0.23 times by the end of stage 2 ('second'), more than its "
+                                  "limit of 0.2 (curriculum.stages.1.max_repetition.b)")
+    assert ("train fewer tokens of it (the stages before stage 2 already read it too often: lower its weight or "
+            "their tokens)") in problems[0]
+    assert problems[1].startswith("domain 'b' would be read 0.85 times by the end of stage 3 ('third'), more than its "
+                                  "limit of 0.5 (curriculum.default_max_repetition)")
+    assert problems[1].endswith("or raise the limit on purpose (curriculum.default_max_repetition=0.85, "
+                                "or +curriculum.stages.2.max_repetition.b=0.85 for this stage alone)")
 
 
 def test_refuses_when_checkpoints_would_fill_the_disk(data_root, tmp_path):
@@ -109,9 +161,33 @@ def test_no_curriculum_plan_reads_every_domain_in_proportion(data_root, tmp_path
     plan = make_plan(None, run_shape(tokens=1997 * SEQ), tokens, samples, ckpt(tmp_path), free_bytes=GiB)
     assert plan.problems == [] and len(plan.stages) == 1
     assert all(row.epochs == pytest.approx(2000 / 1997, abs=0.01) for row in plan.domains)
-    # repetition is reported, not limited, without a curriculum (smoke tests loop over tiny corpora)
-    many = make_plan(None, run_shape(tokens=50 * 1997 * SEQ), tokens, samples, ckpt(tmp_path), free_bytes=GiB)
-    assert many.problems == [] and many.domains[0].epochs > 49
+    assert {row.domain: row.weight for row in plan.domains} == pytest.approx({"a": 999 / 1997, "b": 399 / 1997,
+                                                                               "c": 599 / 1997})
+    assert all(row.max_epochs == 4 for row in plan.domains)  # the default limit applies without a curriculum too
+    assert "1.00x     4x  ok" in format_plan(plan)
+
+
+def test_no_curriculum_plan_refuses_reading_the_data_more_than_4_times(data_root, tmp_path):
+    tokens, samples = available_samples(data_root, SEQ)
+    run = run_shape(tokens=50 * 1997 * SEQ)  # 12,482 steps of 8 samples: 99,856 samples of 1,997 available
+    plan = make_plan(CurriculumConfig(), run, tokens, samples, ckpt(tmp_path), free_bytes=GiB)
+    assert [p.kind for p in plan.problems] == ["repetition"] * 3
+    assert [r.domain for r in plan.domains if not r.ok] == ["a", "b", "c"]
+    assert plan.problems[1].message == (
+        "domain 'b' would be read 50.00 times by the end of the run, more than its limit of 4 "
+        "(curriculum.default_max_repetition): 19,951 samples wanted, 399 available. Fix one: prepare more b data "
+        "(`ayumi data prepare`); train fewer tokens (train.tokens=127744 fits: 998 steps); "
+        "or raise the limit on purpose (curriculum.default_max_repetition=51)")
+    text = format_plan(plan)
+    assert "50.00x     4x  OVER" in text and "REFUSED:" in text
+    with pytest.raises(PlanRefused, match=r"\[repetition\] domain 'a' would be read 50\.00 times"):
+        raise_if_refused(plan)
+    # the suggested train.tokens is the largest that fits: one more step is refused again
+    assert check_plan(None, run_shape(tokens=127744), tokens, samples, ckpt(tmp_path), free_bytes=GiB) == []
+    assert len(check_plan(None, run_shape(tokens=127744 + 1), tokens, samples, ckpt(tmp_path), free_bytes=GiB)) == 3
+    # a higher limit, set on purpose, admits the run
+    assert check_plan(CurriculumConfig(default_max_repetition=51), run, tokens, samples, ckpt(tmp_path),
+                      free_bytes=GiB) == []
 
 
 def tiny_config(tmp_path, *extra):
@@ -146,6 +222,38 @@ def test_plan_cli_exit_codes(tmp_path, capsys):
     assert plan_cli.main(args + ["--tokens-per-s", "fast"]) == 2
     assert "--tokens-per-s takes a number" in capsys.readouterr().err
     assert plan_cli.main(["train.no_such_key=1"]) == 2
+
+
+def test_plan_cli_refuses_over_repetition_without_a_curriculum(tmp_path):
+    """`ayumi plan` (the real CLI, a subprocess) on curriculum=none: exit 1 and the message; 0 once raised on purpose."""
+    root = write_tiny_corpus(tmp_path / "tiny")  # ja 167 + en 234 samples of 64 tokens
+    args = [*tiny_overrides(root, tmp_path / "runs"), "curriculum=none", "train.tokens=131072"]  # 2,048 samples
+
+    def plan(*extra):
+        return subprocess.run([sys.executable, "-m", "pretrain.cli", "plan", *args, *extra], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+
+    refused = plan()
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert "ayumi plan: refused (2 problem(s), listed above)" in refused.stderr
+    assert ("[repetition] domain 'ja' would be read 5.11 times by the end of the run, more than its limit of 4 "
+            "(curriculum.default_max_repetition): 853 samples wanted, 167 available. Fix one: prepare more ja data "
+            "(`ayumi data prepare`); train fewer tokens (train.tokens=102400 fits: 200 steps); "
+            "or raise the limit on purpose (curriculum.default_max_repetition=6)") in refused.stdout
+    assert "[repetition] domain 'en' would be read 5.11 times" in refused.stdout
+    assert "5.11x     4x  OVER" in refused.stdout
+    assert plan("train.tokens=102400").returncode == 0
+    raised = plan("curriculum.default_max_repetition=6")
+    assert raised.returncode == 0 and "5.11x     6x  ok" in raised.stdout and "plan ok" in raised.stdout
+
+
+def test_tiny_experiments_raise_the_limit_without_clobbering_a_curriculum(tmp_path):
+    """cpu_tiny repeats tiny data on purpose through its own curriculum file; curriculum=tiny keeps its 8."""
+    assert tiny_config(tmp_path).curriculum.default_max_repetition == 8.0
+    plain = to_object(compose_config(["experiment=cpu_tiny"]))
+    assert plain.curriculum.stages == [] and plain.curriculum.default_max_repetition == 100.0
+    assert to_object(compose_config(["experiment=cpu_tiny", "curriculum=none"])).curriculum.default_max_repetition == 4.0
+    assert to_object(compose_config(["experiment=llama_1b_example"])).curriculum.default_max_repetition == 4.0
 
 
 def test_four_stage_experiment_composes_and_plans(tmp_path, capsys):
