@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import sys
 
+from tokenizer.conf import asks_for_help
+
 USAGE = """usage: ayumi plan [--tokens-per-s N] [--free-bytes N] [--cfg job] [key=value ...]
 
 Prints the stage x domain table (tokens requested and available, epochs vs max_repetition), steps,
@@ -39,8 +41,10 @@ def parse_args(argv: list[str]) -> tuple[list[str], dict[str, float]]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if any(arg in ("-h", "--help") for arg in argv):
-        print(USAGE)
+    if asks_for_help(argv):
+        from pretrain.config import training_config_help  # light: hydra and dataclasses, no torch
+
+        print(f"{USAGE}\n\n{training_config_help()}")
         return 0
     from omegaconf import OmegaConf
 

@@ -15,7 +15,18 @@ import sys
 
 from omegaconf import OmegaConf
 
+from tokenizer.conf import asks_for_help, command_help, composed_from, config_help
+
 USAGE = __doc__.split("\n\n")[1]
+INSPECT_READS = "no config from conf/: DATA_ROOT's manifest.json and shards (and the tokenizer they name, to decode)"
+
+
+def prepare_help() -> str:
+    return command_help(
+        "ayumi data prepare data=NAME tokenizer_dir=DIR [key=value ...] [--cfg job]",
+        "Clean, tokenize and pack each domain's corpus files into .bin/.idx shards with a validation split and\n"
+        "manifest.json (fields: data/config.py: DataPrepareConfig, DomainConfig, CleanConfig).",
+        composed_from("data_prepare", "data"))
 
 
 def compose(overrides: list[str]):
@@ -105,7 +116,8 @@ def inspect_main(argv: list[str]) -> int:
     from data.shards import ShardFormatError
     from tokenizer import TokenizerNotFoundError
 
-    parser = argparse.ArgumentParser(prog="ayumi data inspect", description="per-domain docs/tokens/shards and decoded samples")
+    parser = argparse.ArgumentParser(prog="ayumi data inspect", description="per-domain docs/tokens/shards and decoded samples",
+                                     epilog=config_help(INSPECT_READS, overrides=False))
     parser.add_argument("root", help="DATA_ROOT written by `ayumi data prepare`")
     parser.add_argument("--samples", type=int, default=2, help="documents shown per domain and split (0 = none)")
     parser.add_argument("--chars", type=int, default=160, help="characters shown per sample")
@@ -122,13 +134,14 @@ def inspect_main(argv: list[str]) -> int:
 def main(argv: list[str]) -> int:
     """Entry of `ayumi data ...` (called by pretrain/cli.py)."""
     if not argv or argv[0] in ("-h", "--help", "help"):
-        print("usage:\n" + USAGE)
+        print(f"usage: ayumi data prepare | inspect [ARGS]\n{USAGE}\n\nconfig: prepare reads "
+              f"{composed_from('data_prepare', 'data')}; inspect reads no config from conf/. "
+              "`ayumi data VERB --help` says more.")
         return 0
     command, rest = argv[0], argv[1:]
     if command == "prepare":
-        if rest and rest[0] in ("-h", "--help"):
-            print("usage:\n" + USAGE + "\n\nfields: data/config.py (DataPrepareConfig, DomainConfig, CleanConfig); "
-                  "`ayumi data prepare --cfg job` prints the defaults")
+        if asks_for_help(rest):  # before Hydra, which reads --help as an override
+            print(prepare_help())
             return 0
         return prepare_main(rest)
     if command == "inspect":

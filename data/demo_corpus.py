@@ -970,7 +970,10 @@ def parse_use(values: list[str]) -> dict[str, Path]:
 
 def main_corpus(argv: list[str]) -> int:
     """`ayumi demo corpus [--out DIR] [--force] [--use DOMAIN=FILE ...]`; 0 when complete, 1 otherwise."""
+    from tokenizer.conf import config_help
+
     parser = argparse.ArgumentParser(prog="ayumi demo corpus", description=__doc__,
+                                     epilog=config_help("no config from conf/: only the options above", overrides=False),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: $AYUMI_DATA_ROOT/demo_corpus, "
                                                                "AYUMI_DATA_ROOT defaulting to .cache)")

@@ -25,7 +25,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 def usage() -> str:
     lines = ["usage: ayumi COMMAND [ARGS] [key=value ...]", "", "commands:"]
     lines += [f"  {name:<10} {help_}" for name, (_, _, help_) in COMMANDS.items()]
-    lines += ["", "`ayumi COMMAND --help` for a command's own options; `--cfg job` prints its resolved config."]
+    lines += ["", "`ayumi COMMAND --help` (or -h) for a command's options and the config it reads; `--cfg job` prints",
+              "the resolved config of a command that composes one."]
     return "\n".join(lines)
 
 

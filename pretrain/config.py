@@ -4,21 +4,32 @@
 logging, stability, experiment). Hydra merges every YAML into the dataclasses below, so an
 unknown key or a wrongly typed value fails at composition with the key's full name.
 
-Configs hold values only; cross-checks (batch arithmetic, token budgets) live in named functions
-here that raise `ConfigError` with the field, the value and the fix.
+Configs hold values only; each dataclass lists the allowed range of its numeric fields in
+`RANGES` (pretrain/ranges.py), and `config_problems` (ranges, names, model shapes) and
+`check_config` (cross-field checks) run in the launching process before any rank starts, and
+again in every rank before distributed init. A ConfigError names the field, the value and the fix.
 """
 from __future__ import annotations
 
+import difflib
 import math
+import os
+import re
+import sys
 from dataclasses import dataclass, field
+from typing import ClassVar, TextIO
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from curriculum.config import CurriculumConfig
-from pretrain.model.config import ModelConfig
+from pretrain.model.config import ModelConfig, shape_problems
+from pretrain.ranges import Range, above, at_least, between, range_problems
 from pretrain.stability.config import StabilityConfig, StabilityConfigError, check_stability_config
-from tokenizer.conf import CONF_DIR, ConfigCompositionError, compose
+from tokenizer.conf import (
+    CONF_DIR, ConfigCompositionError, compose, composed_from, conf_label, config_help, group_options,
+)
 
 
 class ConfigError(ValueError):
@@ -49,6 +60,13 @@ class OptimConfig:
     """Decoupled weight decay; norms and biases are never decayed."""
     grad_clip: float = 1.0
     """Clip the global gradient L2 norm to this value; 0 turns clipping off."""
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "lr": above(0), "min_lr": at_least(0), "warmup_steps": at_least(0), "wsd_decay_fraction": between(0, 1),
+        "beta1": between(0, 1, high_open=True), "beta2": between(0, 1, high_open=True), "eps": above(0),
+        "weight_decay": at_least(0), "grad_clip": at_least(0, "0 = no clipping"),
+    }
+    """Allowed values, checked before any rank starts (pretrain/ranges.py)."""
 
 
 @dataclass
@@ -88,6 +106,13 @@ class DeepSpeedConfig:
     stage3_prefetch_bucket_size: int = 50_000_000
     """ZeRO 3: elements of parameters prefetched ahead of use."""
 
+    RANGES: ClassVar[dict[str, Range]] = {
+        "zero_stage": between(0, 3), "initial_scale_power": between(0, 64), "loss_scale_window": at_least(1),
+        "hysteresis": at_least(1), "min_loss_scale": above(0), "reduce_bucket_size": at_least(1),
+        "allgather_bucket_size": at_least(1), "stage3_prefetch_bucket_size": at_least(0),
+    }
+    """Allowed values, checked before any rank starts (pretrain/ranges.py)."""
+
 
 @dataclass
 class DataConfig:
@@ -103,6 +128,9 @@ class DataConfig:
     """Evaluate on each domain's val/ shards when present."""
     prefetch_batches: int = 2
     """Micro-batches assembled ahead in a background thread (0 = assemble inline)."""
+
+    RANGES: ClassVar[dict[str, Range]] = {"prefetch_batches": at_least(0, "0 = assemble inline")}
+    """Allowed values, checked before any rank starts (pretrain/ranges.py)."""
 
 
 @dataclass
@@ -136,6 +164,15 @@ class TrainConfig:
     device: str = "auto"
     """auto (CUDA if available, else CPU) | cpu | cuda."""
 
+    RANGES: ClassVar[dict[str, Range]] = {
+        "tokens": at_least(1), "seq_len": at_least(1), "micro_batch_size": at_least(1),
+        "global_batch_size": at_least(1), "grad_accum": at_least(0, "0 = derived from the global batch"),
+        "seed": at_least(0), "eval_interval": at_least(0, "0 = only at the end"),
+        "eval_dense_interval": at_least(0, "0 = off"), "eval_dense_until": at_least(0), "eval_samples": at_least(1),
+        "log_interval": at_least(1), "max_steps": at_least(0, "0 = no limit"),
+    }
+    """Allowed values, checked before any rank starts (pretrain/ranges.py)."""
+
 
 @dataclass
 class CheckpointConfig:
@@ -144,7 +181,7 @@ class CheckpointConfig:
     interval: int = 100
     """Save every this many steps; 0 = only on signals and at the end."""
     keep_last: int = 3
-    """Keep this many newest checkpoints (older ones are deleted after a new one is complete)."""
+    """Keep this many newest checkpoints (older ones are deleted after a new one is complete); 0 = keep every one."""
     dir: str = "${run_dir}/checkpoints"
     """Checkpoint root: step_XXXXXXX/ folders and the `latest` pointer."""
     resume: bool = True
@@ -155,6 +192,12 @@ class CheckpointConfig:
     """On SIGTERM/SIGINT finish the current step, save, and exit 0 (SLURM preemption)."""
     save_final: bool = True
     """Save when training ends."""
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "interval": at_least(0, "0 = only on signals and at the end"),
+        "keep_last": at_least(0, "0 = keep every checkpoint"),
+    }
+    """Allowed values, checked before any rank starts (pretrain/ranges.py)."""
 
 
 @dataclass
@@ -185,6 +228,9 @@ class LoggingConfig:
     """Print progress lines on rank 0."""
     console_interval: int = 1
     """Print a progress line every this many steps (metrics.jsonl and W&B still get every log step)."""
+
+    RANGES: ClassVar[dict[str, Range]] = {"console_interval": at_least(1)}
+    """Allowed values, checked before any rank starts (pretrain/ranges.py)."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """W&B settings."""
 
@@ -194,7 +240,8 @@ class AyumiConfig:
     """The whole training configuration (`conf/config.yaml`)."""
 
     name: str = "debug"
-    """Run name; the run dir is run_root/name, so the same name resumes the same run."""
+    """Run name; the run dir is run_root/name, so the same name resumes the same run. One folder name:
+    not empty, no path separator, not `.` or `..` (see name_problems)."""
     run_root: str = "${oc.env:AYUMI_RUN_ROOT,runs}"
     """Where run directories are created."""
     run_dir: str = "${run_root}/${name}"
@@ -228,11 +275,53 @@ def register_configs() -> None:
 
 
 def compose_config(overrides: list[str] | tuple[str, ...] = (), config_name: str = "config") -> DictConfig:
-    """Compose conf/<config_name>.yaml with Hydra overrides (no output dir, no cwd change)."""
+    """Compose conf/<config_name>.yaml with Hydra overrides (no output dir, no cwd change).
+
+    A mistake is a ConfigError of one line when it is a usual one (composition_problem), else
+    Hydra's whole explanation.
+    """
     try:
         return compose(config_name, overrides, register_configs, conf_dir=CONF_DIR)
     except ConfigCompositionError as err:
-        raise ConfigError(str(err)) from err
+        raise ConfigError(composition_problem(err.__cause__, overrides) or str(err)) from err
+
+
+def composition_problem(err: BaseException | None, overrides: list[str] | tuple[str, ...]) -> str | None:
+    """One line for the usual composition mistakes: an unknown key, a wrongly typed value, an unknown
+    group option, each named as typed (or with the config file that set it); None for others."""
+    top = str(err)
+    missing = re.search(r"Could not find '([^'/]+)/([^']+)'", top)
+    if missing:
+        group, option = missing.groups()
+        return (f"{group}={option}: no such option in {conf_label(CONF_DIR)}{group}/; choose one of "
+                f"{', '.join(group_options(group, CONF_DIR))}")
+    cause = next((e for e in _chain(err) if getattr(e, "full_key", None)), None)
+    if cause is None:
+        return None
+    key = str(cause.full_key)
+    typed = next((o.lstrip("+") for o in overrides if (o.lstrip("+").split("=", 1)[0] + ".").startswith(key + ".")), None)
+    in_file = re.match(r"In '([^']+)'", top)
+    given = typed or (f"{key} (set in {conf_label(CONF_DIR)}{in_file.group(1)}.yaml)" if in_file else key)
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
+        section, _, leaf = key.rpartition(".")
+        names = _schema_keys(section)
+        close = difflib.get_close_matches(leaf, names, n=1)
+        hint = f"did you mean {section + '.' if section else ''}{close[0]}?" if close else f"known keys: {', '.join(names)}"
+        return f"{given}: {section or 'the config'} has no key {leaf!r}; {hint}"
+    first_line = str(getattr(cause, "msg", cause)).splitlines()[0]
+    return f"{given}: {first_line}"
+
+
+def _chain(err: BaseException | None):
+    while err is not None:
+        yield err
+        err = err.__cause__ or err.__context__
+
+
+def _schema_keys(section: str) -> list[str]:
+    """The field names of a config section (dotted path; '' = the top level)."""
+    node = OmegaConf.select(OmegaConf.structured(AyumiConfig), section) if section else OmegaConf.structured(AyumiConfig)
+    return [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
 
 
 def to_object(cfg: DictConfig) -> AyumiConfig:
@@ -302,8 +391,47 @@ def total_steps(train: TrainConfig) -> int:
     return math.ceil(train.tokens / tokens_per_step(train))
 
 
+EXIT_CONFIG_ERROR = 2
+"""Exit status of `ayumi train` and pretrain.train for a configuration error (nothing was started)."""
+
+CHECKED_BY_LAUNCHER_ENV = "AYUMI_CONFIG_CHECKED"
+"""Set by `ayumi train` for the ranks it starts: it has checked the config and said what runs."""
+
+
+def name_problems(name: str) -> list[str]:
+    """The run name must be one folder name: the run dir is run_root/name, shared by every rank.
+
+    Empty, `.` or `..` would make the run dir the run root itself (or its parent), and a path
+    separator would put it in a sub-folder or outside run_root.
+    """
+    if not name.strip():
+        return [f"name={name!r} is empty: the run would write straight into run_root; give the run a name, "
+                "e.g. name=my_run"]
+    if name in (".", "..") or any(sep in name for sep in {"/", "\\", os.sep}):
+        safe = name.replace("\\", "_").replace("/", "_").strip("._") or "my_run"
+        return [f"name={name} must be one folder name (no / or \\, not . or ..): the run dir is run_root/name; "
+                f"e.g. name={safe}"]
+    return []
+
+
+def config_problems(cfg: AyumiConfig) -> list[str]:
+    """Every problem found without hardware, one line each: `key=value must be ...` or the fix.
+
+    The run name, every field's range (each section's RANGES, pretrain/ranges.py) and the model's
+    shape rules. check_config reports them all at once before its cross-field checks.
+    """
+    return name_problems(cfg.name) + range_problems(cfg) + shape_problems(cfg.model)
+
+
 def check_config(cfg: AyumiConfig) -> None:
-    """Cross-field checks that need no hardware; the trainer adds the world-size ones."""
+    """Every check that needs no hardware; the trainer adds the world-size ones.
+
+    Raises ConfigError listing all of config_problems (one line each), else the first failed
+    cross-field check.
+    """
+    problems = config_problems(cfg)
+    if problems:
+        raise ConfigError("\n".join(problems))
     if cfg.train.seq_len > cfg.model.max_seq_len:
         raise ConfigError(
             f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}; "
@@ -328,6 +456,55 @@ def check_config(cfg: AyumiConfig) -> None:
     if cfg.logging.wandb.mode not in ("offline", "online", "disabled"):
         raise ConfigError(f"logging.wandb.mode must be offline, online or disabled, got {cfg.logging.wandb.mode!r}")
     total_steps(cfg.train)
+
+
+def checked_config(composed: DictConfig) -> AyumiConfig:
+    """The composed config as dataclasses, every check that needs no hardware passed (check_config).
+
+    What the launcher and every rank run before anything starts; a failed interpolation (e.g. an
+    unset ${oc.env:...} without default) is a ConfigError here too, not a traceback.
+    """
+    from omegaconf.errors import OmegaConfBaseException
+
+    from tokenizer.conf import describe_error
+
+    try:
+        cfg = to_object(composed)
+    except OmegaConfBaseException as err:
+        raise ConfigError(describe_error(err)) from None
+    check_config(cfg)
+    return cfg
+
+
+def print_config_error(prog: str, err: ConfigError, file: TextIO | None = None) -> None:
+    """Print a ConfigError as one `prog: ...` line per problem (stderr by default)."""
+    for line in str(err).splitlines():
+        print(f"{prog}: {line}", file=file or sys.stderr)
+
+
+TRAINING_GROUPS = ("model", "optim", "deepspeed", "logging", "stability", "curriculum")
+"""The config groups of the training config besides experiment (folders of conf/)."""
+
+
+def training_config_help(cfg_job: bool = True) -> str:
+    """The `config:` paragraph of every command that reads the training config (train, plan, doctor)."""
+    groups = ", ".join(f"{group}=" for group in TRAINING_GROUPS)
+    return config_help(f"{composed_from('config', 'experiment', CONF_DIR)}, with the groups {groups} "
+                       f"(each a folder of {conf_label(CONF_DIR)})", cfg_job=cfg_job)
+
+
+def experiment_given(overrides: list[str] | tuple[str, ...]) -> bool:
+    """Whether the overrides pick a named run (experiment=NAME, also with + or ++)."""
+    return any(override.split("=", 1)[0].lstrip("+~") == "experiment" for override in overrides)
+
+
+def default_run_notice(prog: str, overrides: list[str] | tuple[str, ...], cfg: AyumiConfig) -> str | None:
+    """The line said at start when no experiment= was given (it silently trained the debug model before)."""
+    if experiment_given(overrides):
+        return None
+    return (f"{prog}: no experiment= given: running the defaults of {conf_label(CONF_DIR)}config.yaml "
+            f"(model={cfg.model.name}, name={cfg.name}); pick a run with experiment=NAME "
+            f"({', '.join(group_options('experiment', CONF_DIR))})")
 
 
 def config_as_yaml(cfg: DictConfig | AyumiConfig) -> str:

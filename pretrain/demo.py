@@ -141,7 +141,11 @@ def summary(run_dir: Path, tokenizer_dir: Path, shards: Path, corpus_dir: Path, 
 
 
 def main_demo(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="ayumi demo", description=__doc__,
+    from tokenizer.conf import config_help
+
+    reads = (f"conf/experiment/{EXPERIMENT}.yaml (training), conf/tokenizer/{TOKENIZER_PRESET}.yaml and "
+             f"conf/data/{DATA_PRESET}.yaml, with paths under $AYUMI_DATA_ROOT (.cache) and $AYUMI_RUN_ROOT (runs)")
+    parser = argparse.ArgumentParser(prog="ayumi demo", description=__doc__, epilog=config_help(reads, overrides=False),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.parse_args(argv)
     started = time.perf_counter()

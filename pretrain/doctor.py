@@ -352,7 +352,10 @@ def format_table(checks: list[Check], steps: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ayumi doctor", description=__doc__,
+    from pretrain.config import training_config_help
+
+    parser = argparse.ArgumentParser(prog="ayumi doctor", description=__doc__, usage="ayumi doctor [--json] [key=value ...]",
+                                     epilog=training_config_help(cfg_job=False),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print the checks as JSON")
     args, overrides = parser.parse_known_args(argv)

@@ -151,9 +151,15 @@ def _write_folder(tmp: Path, hf_config, tensors: dict[str, Tensor], tokenizer_fi
 
 def main(argv: list[str]) -> int:
     """`ayumi export hf CHECKPOINT OUT_DIR [--overwrite] [--dtype fp32|bf16|fp16] [--tokenizer-dir DIR]`."""
-    parser = argparse.ArgumentParser(prog="ayumi export", description="Export a training checkpoint.")
+    from tokenizer.conf import config_help
+
+    reads = config_help("no config from conf/: the checkpoint's ayumi.json (the run's model config and tokenizer)",
+                        overrides=False)
+    parser = argparse.ArgumentParser(prog="ayumi export", description="Export a training checkpoint.", epilog=reads)
     sub = parser.add_subparsers(dest="format", required=True)
-    hf = sub.add_parser("hf", help="a transformers LlamaForCausalLM folder (config, safetensors, tokenizer)")
+    hf = sub.add_parser("hf", help="a transformers LlamaForCausalLM folder (config, safetensors, tokenizer)",
+                        description="A transformers LlamaForCausalLM folder (config, safetensors, tokenizer).",
+                        epilog=reads)
     hf.add_argument("checkpoint", type=Path, help="a checkpoint folder of a training run")
     hf.add_argument("out_dir", type=Path, help="folder to create")
     hf.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")

@@ -5,7 +5,10 @@
   DS_ACCELERATOR=cpu and gloo. torchrun starts faster than the deepspeed launcher on CPU and
   gives bitwise-equal losses (shared/DEEPSPEED_CPU.md); `--launcher deepspeed` picks the latter.
 
-Multi-node and SLURM launches are the scripts under launch/.
+The whole config is composed and checked here first (types, ranges, names, the batch over the
+ranks about to start), without importing torch or DeepSpeed: a mistake exits with status 2 and
+one line per problem before any process starts, and `--dry-run` prints the command only for a
+valid config. Multi-node and SLURM launches are the scripts under launch/.
 """
 from __future__ import annotations
 
@@ -56,9 +59,17 @@ def launch_env(gpus: int) -> dict[str, str]:
     return env
 
 
+PROG = "ayumi train"
+
+
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(prog="ayumi train", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    """(launcher options, everything else: Hydra overrides and --cfg job for pretrain.train)."""
+    from pretrain.config import training_config_help
+
+    parser = argparse.ArgumentParser(
+        prog=PROG, description=__doc__, epilog=training_config_help(),
+        usage=f"{PROG} [--nproc N] [--launcher L] [--master-port P] [--dry-run] [key=value ...] [--cfg job]",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=0, help="processes (default: every GPU, or 2 on CPU)")
     parser.add_argument("--launcher", choices=["auto", "deepspeed", "torchrun", "python"], default="auto")
     parser.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: launcher's)")
@@ -66,19 +77,49 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return parser.parse_known_args(argv)
 
 
-def main(argv: list[str]) -> int:
-    args, overrides = parse_args(argv)
-    if "--cfg" in overrides:  # print the resolved config without starting processes
-        from pretrain.train import main as train_main
+def checked(overrides: list[str]):
+    """(the checked AyumiConfig, or None after printing the resolved config for --cfg job).
 
-        return train_main(overrides)
-    gpus = gpu_count()
-    nproc = args.nproc or (gpus if gpus else 2)
+    Raises ConfigError for anything wrong that needs no hardware; imports no torch or DeepSpeed.
+    """
+    from omegaconf import OmegaConf
+
+    from pretrain.config import checked_config, compose_config, split_cli_args
+
+    hydra_overrides, print_cfg = split_cli_args(overrides)
+    composed = compose_config(hydra_overrides)
+    if print_cfg:
+        print(OmegaConf.to_yaml(composed, resolve=True), end="")
+        return None
+    return checked_config(composed)
+
+
+def main(argv: list[str]) -> int:
+    from pretrain.config import (
+        CHECKED_BY_LAUNCHER_ENV, EXIT_CONFIG_ERROR, ConfigError, data_parallel_grad_accum, default_run_notice,
+        print_config_error,
+    )
+
+    args, overrides = parse_args(argv)
+    try:
+        cfg = checked(overrides)
+        if cfg is None:  # --cfg job: printed, nothing started
+            return 0
+        gpus = gpu_count()
+        nproc = args.nproc or (gpus if gpus else 2)
+        data_parallel_grad_accum(cfg.train, nproc)  # the global batch must divide over the ranks about to start
+    except ConfigError as err:
+        print_config_error(PROG, err)
+        return EXIT_CONFIG_ERROR
+    notice = default_run_notice(PROG, overrides, cfg)
+    if notice:
+        print(notice, file=sys.stderr, flush=True)
     launcher = args.launcher if args.launcher != "auto" else ("deepspeed" if gpus else "torchrun")
     if nproc == 1 and args.launcher == "auto":
         launcher = "python"
     cmd = launcher_command(launcher, nproc, overrides, args.master_port)
     env = launch_env(gpus)
+    env[CHECKED_BY_LAUNCHER_ENV] = "1"  # the ranks need not say again what runs
     print("+ " + " ".join(shlex.quote(part) for part in cmd), flush=True)
     if args.dry_run:
         return 0

@@ -900,7 +900,11 @@ def make_report(run_dir: Path, out_dir: Path | None = None, smooth: int | None =
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="ayumi report", description=__doc__.split("\n\n")[0])
+    from tokenizer.conf import config_help
+
+    parser = argparse.ArgumentParser(prog="ayumi report", description=__doc__.split("\n\n")[0], epilog=config_help(
+        "no config from conf/: RUN_DIR's metrics.jsonl, events.jsonl and config.yaml (the run's resolved config)",
+        overrides=False))
     parser.add_argument("run_dir", type=Path, help="the run dir (holds metrics.jsonl, events.jsonl)")
     parser.add_argument("--out", type=Path, default=None, help="output dir (default RUN_DIR/report)")
     parser.add_argument("--smooth", type=int, default=None,

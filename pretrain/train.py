@@ -3,7 +3,9 @@
 Also runs under `torchrun -m pretrain.train ...` and as a plain 1-process `python -m
 pretrain.train ...`. The config is composed with Hydra's Compose API (no output dir, no cwd
 change, and the deepspeed launcher's `--local_rank=N` is dropped), so every rank resolves the
-same run dir: RUN_ROOT/NAME.
+same run dir: RUN_ROOT/NAME. The whole config is checked before distributed init (a bad value
+exits with status 2, one line per problem, on rank 0), and `--help` is answered before torch and
+DeepSpeed are even imported.
 """
 from __future__ import annotations
 
@@ -14,6 +16,31 @@ import warnings
 from dataclasses import asdict
 from pathlib import Path
 
+from tokenizer.conf import asks_for_help
+
+PROG = "pretrain.train"
+USAGE = "python -m pretrain.train [key=value ...] [--cfg job]"
+ABOUT = """\
+Train: one process per GPU (or 2 on CPU), each running this module under a launcher:
+  deepspeed --num_gpus N --module pretrain.train experiment=NAME ...
+  torchrun --nproc_per_node N -m pretrain.train experiment=NAME ...
+  python -m pretrain.train experiment=NAME ...     (one process, no launcher)
+`ayumi train` picks the launcher for this machine. The config is checked before distributed init:
+a mistake exits with status 2 and one line per problem, before anything starts."""
+
+
+def train_help() -> str:
+    from pretrain.config import training_config_help
+
+    return f"usage: {USAGE}\n\n{ABOUT}\n\n{training_config_help()}"
+
+
+if __name__ == "__main__" and asks_for_help(sys.argv[1:]):
+    # Answered before the imports below: torch and DeepSpeed take seconds, and help starts nothing.
+    print(train_help())
+    sys.exit(0)
+
+# The imports below come after the --help answer on purpose (E402).
 import torch
 from omegaconf import OmegaConf
 
@@ -25,8 +52,8 @@ from data.manifest import MANIFEST_NAME, check_manifest_tokenizer, load_manifest
 from data.shards import check_tokenizer, find_shards
 from pretrain.checkpoint import Checkpointer, latest_tag, resolve_checkpoint
 from pretrain.config import (
-    AyumiConfig, ConfigError, check_config, compose_config, config_as_yaml, data_parallel_grad_accum,
-    split_cli_args, to_object, total_steps,
+    CHECKED_BY_LAUNCHER_ENV, EXIT_CONFIG_ERROR, AyumiConfig, ConfigError, check_config, checked_config, compose_config,
+    config_as_yaml, data_parallel_grad_accum, default_run_notice, print_config_error, split_cli_args, total_steps,
 )
 from pretrain.engine import (
     DistInfo, TrainEngine, all_reduce_tensor, any_rank, barrier, build_model, finalize_distributed, init_distributed,
@@ -182,12 +209,25 @@ def run(cfg: AyumiConfig, resolved: dict) -> TrainResult:
 
 
 def main(argv: list[str] | None = None) -> int:
-    overrides, print_cfg = split_cli_args(list(sys.argv[1:] if argv is None else argv))
-    composed = compose_config(overrides)
-    if print_cfg:
-        print(OmegaConf.to_yaml(composed, resolve=True), end="")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if asks_for_help(argv):
+        print(train_help())
         return 0
-    cfg = to_object(composed)
+    first = int(os.environ.get("RANK", 0)) == 0  # every rank checks; one says it
+    try:
+        overrides, print_cfg = split_cli_args(argv)
+        composed = compose_config(overrides)
+        if print_cfg:
+            print(OmegaConf.to_yaml(composed, resolve=True), end="")
+            return 0
+        cfg = checked_config(composed)  # before init_distributed: a mistake costs no rank start
+    except ConfigError as err:
+        if first:
+            print_config_error(PROG, err)
+        return EXIT_CONFIG_ERROR
+    notice = default_run_notice(PROG, overrides, cfg)
+    if notice and first and not os.environ.get(CHECKED_BY_LAUNCHER_ENV):
+        print(notice, file=sys.stderr, flush=True)
     cfg.run_dir = str(Path(cfg.run_dir).resolve())
     cfg.checkpoint.dir = str(Path(cfg.checkpoint.dir).resolve())
     cfg.data.root = str(Path(cfg.data.root).resolve())

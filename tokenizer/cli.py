@@ -6,6 +6,7 @@
   export MODEL_FILE OUT_DIR                  exact HF files for a SentencePiece model
 
 build/sweep take Hydra overrides over conf/tokenizer_build.yaml; `--cfg job` prints the resolved config.
+Every verb answers -h/--help with its usage and the config it reads, and starts nothing.
 """
 from __future__ import annotations
 
@@ -15,7 +16,26 @@ import json
 import sys
 from pathlib import Path
 
-USAGE = __doc__
+from tokenizer.conf import asks_for_help, command_help, composed_from, config_help
+
+USAGE = "usage: ayumi tokenizer build | eval | sweep | export [ARGS]\n\n" + __doc__.split("\n", 2)[2]
+
+VERB_HELP = {
+    "build": ("ayumi tokenizer build [key=value ...] [--cfg job]",
+              "Sample each domain's corpus, train one SentencePiece model per domain, merge them into one model\n"
+              "of exactly tokenizer.total_vocab pieces, export the Hugging Face files and evaluate per domain."),
+    "sweep": ("ayumi tokenizer sweep [key=a,b,c ...] [--cfg job]",
+              "Build every combination of the comma-separated values (one shared sample) and print one\n"
+              "comparison table (chars/token per domain, against a joint baseline); `--cfg job` lists the candidates."),
+}
+"""Help of the verbs that take Hydra overrides (eval and export have argparse parsers)."""
+
+NO_CONFIG = "no config from conf/: only the files named on the command line"
+
+
+def verb_help(verb: str) -> str:
+    usage, about = VERB_HELP[verb]
+    return command_help(usage, about, composed_from("tokenizer_build", "tokenizer"))
 
 
 def compose(overrides: list[str]):
@@ -179,7 +199,8 @@ def cmd_eval(argv: list[str]) -> int:
     from tokenizer import evaluate as ev
     from tokenizer.info import load_tokenizer_info
 
-    parser = argparse.ArgumentParser(prog="ayumi tokenizer eval", description="chars/token etc. per domain")
+    parser = argparse.ArgumentParser(prog="ayumi tokenizer eval", description="chars/token etc. per domain",
+                                     epilog=config_help(NO_CONFIG, overrides=False))
     parser.add_argument("tokenizer_dir", help="a folder written by `ayumi tokenizer build` (or any .model / tokenizer.json)")
     parser.add_argument("--texts", nargs="+", required=True, metavar="DOMAIN=PATH", help="held-out text per domain")
     parser.add_argument("--compare", nargs="*", metavar="NAME=PATH", help="other tokenizers (.model or HF folder)")
@@ -206,7 +227,8 @@ def cmd_eval(argv: list[str]) -> int:
 def cmd_export(argv: list[str]) -> int:
     from tokenizer.export_hf import export_hf
 
-    parser = argparse.ArgumentParser(prog="ayumi tokenizer export", description="exact HF files for a SentencePiece model")
+    parser = argparse.ArgumentParser(prog="ayumi tokenizer export", description="exact HF files for a SentencePiece model",
+                                     epilog=config_help(NO_CONFIG, overrides=False))
     parser.add_argument("model", type=Path)
     parser.add_argument("out_dir", type=Path)
     args = parser.parse_args(argv)
@@ -234,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help", "help") or argv[0] not in COMMANDS:
         print(USAGE, file=sys.stderr if argv and argv[0] not in ("-h", "--help", "help") else sys.stdout)
         return 0 if not argv or argv[0] in ("-h", "--help", "help") else 2
+    if argv[0] in VERB_HELP and asks_for_help(argv[1:]):  # before Hydra, which reads --help as an override
+        print(verb_help(argv[0]))
+        return 0
     try:
         return COMMANDS[argv[0]](argv[1:])
     except (TokenizerConfigError, CorpusError, SampleError, VocabTooLargeError, MergeError, BuildError,

@@ -3,10 +3,12 @@
 It sits in the lowest package because imports follow the data flow (tokenizer → data →
 curriculum → pretrain): `ayumi tokenizer`, `ayumi data` and training all compose through here,
 so they find the same tree (AYUMI_CONF_DIR included) and report a bad override the same way.
+The help helpers below make every command answer -h/--help alike: its usage and the config it reads.
 """
 from __future__ import annotations
 
 import os
+import textwrap
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -50,3 +52,55 @@ def describe_error(err: BaseException) -> str:
             parts.append(text)
         err = err.__cause__ or err.__context__
     return "invalid configuration: " + "\n  ".join(parts)
+
+
+# -- help: every `ayumi` command answers -h/--help alike, and says which config it reads ----------
+
+HELP_FLAGS = ("-h", "--help")
+
+
+def asks_for_help(argv: Iterable[str]) -> bool:
+    """-h or --help anywhere among the arguments.
+
+    Commands check this before Hydra sees the arguments (it reads `--help` as a malformed
+    override), so a command asked for help prints it and starts nothing.
+    """
+    return any(arg in HELP_FLAGS for arg in argv)
+
+
+def group_options(group: str, conf_dir: Path | None = None) -> list[str]:
+    """The options of a config group: the YAML names under conf/<group>/, sorted."""
+    return sorted(path.stem for path in (Path(conf_dir or CONF_DIR) / group).glob("*.yaml"))
+
+
+def conf_label(conf_dir: Path | None = None) -> str:
+    """How help texts name the config root: `conf/` in the checkout, else its full path (AYUMI_CONF_DIR)."""
+    root = Path(conf_dir or CONF_DIR)
+    return "conf/" if root == REPO_ROOT / "conf" else f"{root}/"
+
+
+def composed_from(config_name: str, group: str, conf_dir: Path | None = None) -> str:
+    """'conf/NAME.yaml + GROUP=NAME from conf/GROUP/ (a, b, c)': what a Hydra command composes."""
+    conf = conf_label(conf_dir)
+    options = ", ".join(group_options(group, conf_dir))
+    return f"{conf}{config_name}.yaml + {group}=NAME from {conf}{group}/ ({options})"
+
+
+def config_help(reads: str, overrides: bool = True, cfg_job: bool = True) -> str:
+    """The `config:` paragraph that ends every command's help, so each says alike what it reads.
+
+    reads: what the command takes its settings from, e.g. composed_from(...), or for a command
+    that composes nothing, "no config from conf/: RUN_DIR/metrics.jsonl ..." with overrides=False.
+    cfg_job: whether the command takes `--cfg job`.
+    """
+    if not overrides:
+        text = f"config: reads {reads}; takes no key=value overrides."
+    else:
+        text = f"config: reads {reads}; overrides key=value (e.g. a.b=3, list=[x,y])"
+        text += "; `--cfg job` prints the resolved config and exits." if cfg_job else "."
+    return textwrap.fill(text, width=100, subsequent_indent="  ", break_on_hyphens=False)
+
+
+def command_help(usage: str, about: str, reads: str, overrides: bool = True) -> str:
+    """The whole help of a command without an argparse parser: usage line, what it does, config."""
+    return f"usage: {usage}\n\n{about.strip()}\n\n{config_help(reads, overrides)}"

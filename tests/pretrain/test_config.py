@@ -1,10 +1,11 @@
-"""Hydra composition: every shipped experiment composes, bad keys/types/batches fail with names."""
+"""Hydra composition: every shipped experiment composes, bad keys/types/batches/ranges/names fail with names."""
 import pytest
 
 from pretrain.config import (
-    AyumiConfig, ConfigError, TrainConfig, check_config, compose_config, data_parallel_grad_accum,
-    split_cli_args, to_object, total_steps,
+    AyumiConfig, ConfigError, TrainConfig, check_config, compose_config, config_problems, data_parallel_grad_accum,
+    default_run_notice, split_cli_args, to_object, total_steps,
 )
+from pretrain.ranges import unknown_rule_keys
 from tokenizer.conf import CONF_DIR
 
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
@@ -87,3 +88,121 @@ def test_cli_args_drop_the_launchers_local_rank():
     assert split_cli_args(["--local_rank", "0", "a=1"]) == (["a=1"], False)
     with pytest.raises(ConfigError, match="--bogus"):
         split_cli_args(["--bogus"])
+
+
+# -- every mistake caught before anything starts: ranges, names, shapes, one line each ----------------
+
+def problems_of(*overrides: str) -> list[str]:
+    return config_problems(to_object(compose_config(["experiment=cpu_tiny", *overrides])))
+
+
+@pytest.mark.parametrize("override,message", [
+    ("optim.lr=-0.001", "optim.lr=-0.001 must be > 0"),
+    ("optim.min_lr=-1e-5", "optim.min_lr=-1e-05 must be >= 0"),
+    ("optim.warmup_steps=-10", "optim.warmup_steps=-10 must be >= 0"),
+    ("optim.beta2=1.0", "optim.beta2=1.0 must be in [0, 1)"),
+    ("optim.eps=0", "optim.eps=0.0 must be > 0"),
+    ("train.seq_len=-64", "train.seq_len=-64 must be >= 1"),
+    ("train.micro_batch_size=0", "train.micro_batch_size=0 must be >= 1"),
+    ("train.eval_interval=-1", "train.eval_interval=-1 must be >= 0 (0 = only at the end)"),
+    ("train.log_interval=0", "train.log_interval=0 must be >= 1"),
+    ("checkpoint.interval=-100", "checkpoint.interval=-100 must be >= 0 (0 = only on signals and at the end)"),
+    ("checkpoint.keep_last=-1", "checkpoint.keep_last=-1 must be >= 0 (0 = keep every checkpoint)"),
+    ("model.hidden_size=0", "model.hidden_size=0 must be >= 1"),
+    ("model.num_kv_heads=3", "model.num_heads=4 must divide by model.num_kv_heads=3"),
+    ("model.num_heads=6", "model.hidden_size=64 must divide by model.num_heads=6"),
+    ("model.hidden_size=20", "head_dim = model.hidden_size / model.num_heads = 5 must be even for RoPE"),
+    ("deepspeed.loss_scale_window=0", "deepspeed.loss_scale_window=0 must be >= 1"),
+    ("stability.clip.percentile=100", "stability.clip.percentile=100.0 must be in (0, 100)"),
+    ("name=", "name='' is empty: the run would write straight into run_root; give the run a name, e.g. name=my_run"),
+    ("name=../elsewhere", "name=../elsewhere must be one folder name (no / or \\, not . or ..): the run dir is "
+                          "run_root/name; e.g. name=elsewhere"),
+    ("name=..", "name=.. must be one folder name (no / or \\, not . or ..): the run dir is run_root/name; "
+                "e.g. name=my_run"),
+])
+def test_each_mistake_is_one_line_naming_key_value_and_range(override, message):
+    assert problems_of(override) == [message]
+    with pytest.raises(ConfigError) as raised:
+        check_config(to_object(compose_config(["experiment=cpu_tiny", override])))
+    assert str(raised.value) == message
+
+
+def test_all_mistakes_are_reported_at_once():
+    assert problems_of("optim.lr=-1", "train.seq_len=0", "checkpoint.keep_last=-2", "name=a/b") == [
+        "name=a/b must be one folder name (no / or \\, not . or ..): the run dir is run_root/name; e.g. name=a_b",
+        "optim.lr=-1.0 must be > 0",
+        "train.seq_len=0 must be >= 1",
+        "checkpoint.keep_last=-2 must be >= 0 (0 = keep every checkpoint)",
+    ]
+
+
+def test_boundary_values_that_mean_something_are_accepted():
+    assert problems_of("checkpoint.keep_last=0", "checkpoint.interval=0", "train.eval_interval=0", "optim.grad_clip=0",
+                       "optim.warmup_steps=0", "optim.min_lr=0", "optim.beta1=0", "train.grad_accum=0") == []
+
+
+def test_every_range_rule_names_a_field_and_the_defaults_pass():
+    from dataclasses import fields, is_dataclass
+
+    def classes(cls):
+        yield cls
+        for f in fields(cls):
+            if is_dataclass(f.default_factory if callable(f.default_factory) else None):
+                yield from classes(f.default_factory)
+
+    checked = [cls for cls in classes(AyumiConfig) if getattr(cls, "RANGES", None)]
+    assert {"OptimConfig", "TrainConfig", "CheckpointConfig", "ModelConfig", "DetectorConfig"} <= {c.__name__ for c in checked}
+    assert all(unknown_rule_keys(cls) == [] for cls in checked)
+    assert config_problems(AyumiConfig()) == []
+
+
+def test_model_rules_are_shared_with_the_model():
+    """The Llama refuses the same shapes with the same words (pretrain/model/config.py holds the rules)."""
+    from pretrain.model.config import ModelConfig, model_problems
+
+    assert model_problems(ModelConfig(num_heads=3, num_layers=0)) == [
+        "model.num_layers=0 must be >= 1",
+        "model.hidden_size=64 must divide by model.num_heads=3",
+        "model.num_heads=3 must divide by model.num_kv_heads=2",
+    ]
+
+
+@pytest.mark.parametrize("override,message", [
+    ("optim.lrr=1", "optim.lrr=1: optim has no key 'lrr'; did you mean optim.lr?"),
+    ("trian.seq_len=64", "trian.seq_len=64: the config has no key 'trian'; did you mean train?"),
+    ("optim.lr=abc", "optim.lr=abc: Value 'abc' of type 'str' could not be converted to Float"),
+    ("model=tiny", "model=tiny: no such option in conf/model/; choose one of 125m, 1b, 7b, debug"),
+])
+def test_composition_mistakes_are_one_line(override, message):
+    with pytest.raises(ConfigError) as raised:
+        compose_config([override])
+    assert str(raised.value) == message
+
+
+def test_running_without_an_experiment_says_what_runs():
+    cfg = to_object(compose_config([]))
+    notice = default_run_notice("ayumi train", [], cfg)
+    assert notice == ("ayumi train: no experiment= given: running the defaults of conf/config.yaml (model=debug, "
+                      f"name=debug); pick a run with experiment=NAME ({', '.join(EXPERIMENTS)})")
+    assert default_run_notice("ayumi train", ["experiment=cpu_tiny"], cfg) is None
+    assert default_run_notice("ayumi train", ["+experiment=cpu_tiny"], cfg) is None
+    assert "name=mine" in default_run_notice("ayumi train", ["name=mine"], to_object(compose_config(["name=mine"])))
+
+
+def test_training_entry_refuses_before_distributed_init(monkeypatch, capsys):
+    """`deepspeed --module pretrain.train` / torchrun users get the same check, on rank 0 only, before init."""
+    import pretrain.train as train
+
+    def no_init(*args, **kwargs):
+        raise AssertionError("init_distributed was reached with a bad config")
+
+    monkeypatch.setattr(train, "init_distributed", no_init)
+    monkeypatch.setenv("RANK", "0")
+    assert train.main(["experiment=cpu_tiny", "optim.lr=-0.001", "checkpoint.keep_last=-1"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "pretrain.train: optim.lr=-0.001 must be > 0",
+        "pretrain.train: checkpoint.keep_last=-1 must be >= 0 (0 = keep every checkpoint)",
+    ]
+    monkeypatch.setenv("RANK", "1")  # the other ranks exit the same way, silently
+    assert train.main(["experiment=cpu_tiny", "optim.lr=-0.001"]) == 2
+    assert capsys.readouterr().err == ""
