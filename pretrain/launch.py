@@ -6,13 +6,15 @@
   gives bitwise-equal losses (shared/DEEPSPEED_CPU.md); `--launcher deepspeed` picks the latter.
 
 The whole config is composed and checked here first (types, ranges, names, the batch over the
-ranks about to start), without importing torch or DeepSpeed: a mistake exits with status 2 and
-one line per problem before any process starts, and `--dry-run` prints the command only for a
-valid config. Multi-node and SLURM launches are the scripts under launch/.
+ranks about to start, and the plan: data present, stage budgets, repetition, checkpoint disk),
+without importing torch or DeepSpeed: a mistake exits with status 2 and one line per problem
+before any process starts, and `--dry-run` prints the command only for a valid config (it skips
+the plan: the data may live on the cluster). Multi-node and SLURM launches are the scripts under launch/.
 """
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import shlex
 import shutil
@@ -21,12 +23,37 @@ import sys
 
 
 def gpu_count() -> int:
+    """CUDA devices torch would see; answered without importing torch (~4 s) where no NVIDIA
+    device or driver exists, so `ayumi train` on a CPU machine checks and launches at once."""
+    if not _nvidia_present():
+        return 0
     try:
         import torch
 
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
     except Exception:  # torch missing or broken CUDA: treat as CPU
         return 0
+
+
+def _nvidia_present() -> bool:
+    return shutil.which("nvidia-smi") is not None or bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def preflight_plan(cfg) -> None:
+    """The plan's checks (data present, budgets, repetition, checkpoint disk) before any rank starts.
+
+    The ranks run the same checks (pretrain.train.build_data); here they cost no process start and
+    a refusal is printed once, not once per rank under the launcher's own error report. Raises
+    ConfigError listing the problems. Imports no torch.
+    """
+    from curriculum.plan import PlanRefused, plan_from_config, raise_if_refused
+    from pretrain.config import ConfigError
+    from pretrain.model.flops import count_parameters
+
+    try:
+        raise_if_refused(plan_from_config(cfg, count_parameters(cfg.model)))
+    except PlanRefused as err:
+        raise ConfigError(str(err)) from None
 
 
 def launcher_command(launcher: str, nproc: int, overrides: list[str], master_port: int | None = None) -> list[str]:
@@ -108,6 +135,8 @@ def main(argv: list[str]) -> int:
         gpus = gpu_count()
         nproc = args.nproc or (gpus if gpus else 2)
         data_parallel_grad_accum(cfg.train, nproc)  # the global batch must divide over the ranks about to start
+        if not args.dry_run:  # a dry run shows the command; its data may live elsewhere
+            preflight_plan(cfg)
     except ConfigError as err:
         print_config_error(PROG, err)
         return EXIT_CONFIG_ERROR

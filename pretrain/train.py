@@ -48,9 +48,9 @@ from curriculum.config import enabled as curriculum_enabled
 from curriculum.mixer import Mixer
 from curriculum.plan import PlanRefused, plan_from_config, raise_if_refused
 from data.packed import PackedSamples, ShuffledDomains, domains_under
-from data.manifest import MANIFEST_NAME, check_manifest_tokenizer, load_manifest
-from data.shards import check_tokenizer, find_shards
-from pretrain.checkpoint import Checkpointer, latest_tag, resolve_checkpoint
+from data.manifest import MANIFEST_NAME, ManifestError, check_manifest_tokenizer, load_manifest
+from data.shards import ShardFormatError, TokenizerMismatchError, check_tokenizer, find_shards
+from pretrain.checkpoint import CheckpointError, Checkpointer, latest_tag, resolve_checkpoint
 from pretrain.config import (
     CHECKED_BY_LAUNCHER_ENV, EXIT_CONFIG_ERROR, AyumiConfig, ConfigError, check_config, checked_config, compose_config,
     config_as_yaml, data_parallel_grad_accum, default_run_notice, print_config_error, split_cli_args, total_steps,
@@ -66,10 +66,15 @@ from pretrain.model.llama import Llama
 from pretrain.precision import CAPABILITY_ORDER, PrecisionChoice, agreed, kept_from_checkpoint, resolve_precision
 from pretrain.trainer import Trainer, TrainResult
 from tokenizer.files import write_text_atomic
+from tokenizer.info import TokenizerNotFoundError
 
 
 # DeepSpeed's ZeRO calls a torch collective that torch now deprecates, once per step and rank.
 warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
+
+INPUT_ERRORS = (ConfigError, ShardFormatError, TokenizerMismatchError, ManifestError, TokenizerNotFoundError,
+                CheckpointError)
+"""Mistakes in what the run was given (config, shards, tokenizer, checkpoint): a clear line and status 2."""
 
 EXIT_STABILITY_STOP = 3
 """Exit status when the stability machinery stopped the run (state saved; see events.jsonl)."""
@@ -232,7 +237,14 @@ def main(argv: list[str] | None = None) -> int:
     cfg.checkpoint.dir = str(Path(cfg.checkpoint.dir).resolve())
     cfg.data.root = str(Path(cfg.data.root).resolve())
     resolved = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
-    result = run(cfg, resolved)
+    try:
+        result = run(cfg, resolved)
+    except INPUT_ERRORS as err:
+        # Every rank reads the same data, tokenizer and checkpoint, so every rank fails alike: one
+        # says why, without a traceback per rank (the message names the file and the fix).
+        if first:
+            print_config_error(PROG, err)
+        return EXIT_CONFIG_ERROR
     if os.environ.get("AYUMI_RESULT_FILE") and int(os.environ.get("RANK", 0)) == 0:
         Path(os.environ["AYUMI_RESULT_FILE"]).write_text(json.dumps(asdict(result)))
     # A stability stop saved its state but needs a person: a distinct status keeps schedulers

@@ -79,3 +79,18 @@ def shape_problems(cfg: ModelConfig, prefix: str = "model.") -> list[str]:
     if cfg.num_heads % cfg.num_kv_heads:
         problems.append(f"{prefix}num_heads={cfg.num_heads} must divide by {prefix}num_kv_heads={cfg.num_kv_heads}")
     return problems
+
+
+class ModelConfigError(ValueError):
+    """A ModelConfig whose fields contradict each other."""
+
+
+def validate_config(cfg: ModelConfig) -> None:
+    """Raise ModelConfigError naming each field, its value and the fix when shapes don't fit.
+
+    Here, beside the rules, so that counting parameters (pretrain/model/flops.py) and checking a
+    config need no torch; the model calls it too, guarding models built directly.
+    """
+    problems = model_problems(cfg)
+    if problems:
+        raise ModelConfigError("\n".join(problems))

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import math
 
-from pretrain.model.config import ModelConfig
-from pretrain.model.llama import validate_config
+from pretrain.model.config import ModelConfig, validate_config
 
 
 def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -15,26 +15,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from pretrain.model.config import ModelConfig, model_problems
+from pretrain.model.config import ModelConfig, ModelConfigError, validate_config  # noqa: F401 (re-exported)
 from pretrain.model.layers import Block, RMSNorm, RotaryEmbedding
 
 IGNORE_INDEX = -100
 """Label value that contributes no loss (padding, document masks)."""
-
-
-class ModelConfigError(ValueError):
-    """A ModelConfig whose fields contradict each other."""
-
-
-def validate_config(cfg: ModelConfig) -> None:
-    """Raise ModelConfigError naming each field, its value and the fix when shapes don't fit.
-
-    The rules live in pretrain/model/config.py (model_problems), so the training config can check
-    them before torch is imported; here they guard models built directly.
-    """
-    problems = model_problems(cfg)
-    if problems:
-        raise ModelConfigError("\n".join(problems))
 
 
 @dataclass

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.helpers import REPO
+from tests.helpers import REPO, tiny_overrides, write_tiny_corpus
 from tokenizer.conf import group_options
 
 
@@ -77,3 +77,22 @@ def test_no_experiment_says_which_run_it_is(tmp_path):
         "ayumi train: no experiment= given: running the defaults of conf/config.yaml (model=debug, name=debug); "
         f"pick a run with experiment=NAME ({', '.join(group_options('experiment'))})"]
     assert "pretrain.train" in proc.stdout
+
+
+def test_the_plan_is_checked_before_any_rank_starts(tmp_path):
+    """A run that would read its data 5 times (limit 4), or has no data at all, is refused by the
+    launching process: the plan's message once (not once per rank), no launcher, no torch import."""
+    corpus = write_tiny_corpus(tmp_path / "corpus")
+    over = ayumi_train(tmp_path, *tiny_overrides(corpus, tmp_path / "runs", "curriculum=none", "train.tokens=131072"),
+                       importtime=True)
+    assert over.returncode == 2, over.stdout + over.stderr
+    lines = messages(over.stderr)
+    assert lines[0] == "ayumi train: the run plan is impossible:"
+    assert sum("[repetition] domain 'ja' would be read 5.11 times" in line for line in lines) == 1
+    assert over.stdout == "" and not (tmp_path / "runs").exists()
+    assert not {"torch", "deepspeed"} & imported(over.stderr)
+
+    missing = ayumi_train(tmp_path, *tiny_overrides(tmp_path / "nowhere", tmp_path / "runs"))
+    assert missing.returncode == 2 and missing.stdout == ""
+    assert f"data root {tmp_path / 'nowhere'} does not exist: run `ayumi data prepare` or set data.root" in missing.stderr
+    assert "Traceback" not in missing.stderr

@@ -24,7 +24,8 @@ def corpus(tmp_path_factory) -> Path:
 def test_trainer_refuses_an_over_repeated_run_without_a_curriculum_before_step_1(corpus, tmp_path):
     proc = run_training(tiny_overrides(corpus, tmp_path, *OVER_4), nproc=1, launcher="python", timeout=120)
     assert proc.returncode == 2, proc.stdout[-4000:]
-    assert "ayumi: the run plan is impossible:\n  [repetition] domain 'en' would be read 5.11 times" in proc.stdout
+    assert ("pretrain.train: the run plan is impossible:\n"
+            "pretrain.train:   [repetition] domain 'en' would be read 5.11 times") in proc.stdout
     assert ("[repetition] domain 'ja' would be read 5.11 times by the end of the run, more than its limit of 4 "
             "(curriculum.default_max_repetition): 853 samples wanted, 167 available. Fix one: prepare more ja data "
             "(`ayumi data prepare`); train fewer tokens (train.tokens=102400 fits: 200 steps); "
