@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     from omegaconf import OmegaConf
 
     from curriculum.plan import format_plan, plan_from_config
-    from pretrain.config import ConfigError, compose_config, split_cli_args, to_object
+    from pretrain.config import ConfigError, checked_config, compose_config, print_config_error, split_cli_args
     from pretrain.model.flops import count_parameters
 
     try:
@@ -62,7 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     if print_cfg:
         print(OmegaConf.to_yaml(composed, resolve=True), end="")
         return 0
-    cfg = to_object(composed)
+    try:
+        cfg = checked_config(composed)  # the same checks as `ayumi train`: ranges, names, model shapes
+    except ConfigError as err:
+        print_config_error("ayumi plan", err)
+        return 2
     free = options.get("free_bytes")
     plan = plan_from_config(cfg, count_parameters(cfg.model), tokens_per_s=options.get("tokens_per_s"),
                             free_bytes=int(free) if free is not None else None)

@@ -27,6 +27,7 @@ import deepspeed  # noqa: E402  (after DS_ACCELERATOR)
 import torch.distributed as dist  # noqa: E402
 
 from pretrain.config import AyumiConfig, ConfigError, data_parallel_grad_accum  # noqa: E402
+from pretrain.host_memory import keep_freed_memory_for_reuse  # noqa: E402
 from pretrain.optim import param_groups  # noqa: E402
 
 
@@ -99,6 +100,7 @@ def init_distributed(device_preference: str = "auto") -> DistInfo:
         backend = "gloo"
         # 2 ranks on 2 cores: one intra-op thread each avoids oversubscription.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+        keep_freed_memory_for_reuse()  # no page faults on the step's big tensors (pretrain/host_memory.py)
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend=backend, verbose=False)
     return DistInfo(
