@@ -7,10 +7,13 @@ many steps the run has and how many tokens each step trains, how many checkpoint
 much disk they need against what is free, and (given a throughput) how long it takes. `check_plan` returns
 the reasons to refuse; the CLI exits 1 on any, and the trainer runs the same checks at start.
 
-Checkpoint size (DeepSpeed, mixed precision): per parameter 2 bytes of bf16/fp16 weights + 4 bytes of
-fp32 master weights + 8 bytes of fp32 Adam moments = 14 bytes (fp32 training: 4 + 8 = 12). Peak disk
-is (keep_last + 1) checkpoints, because a new one is complete before the oldest is deleted; the
-checkpoints already in the directory (a resumed run) count as part of that peak.
+Checkpoint size, bytes per parameter as DeepSpeed 0.19 writes them (measured on every stage): 8 of
+fp32 Adam moments, plus the weights: stage 0 saves the module (2 in bf16/fp16 with a 4-byte fp32
+master copy, 4 in fp32): 14 / 12; stages 1-2 save the module and the fp32 partition even in fp32:
+14 / 16; stage 3 saves only the fp32 partition: 12. `auto` precision counts the larger. Peak disk
+is (keep_last + 1) checkpoints, because a new one is complete before the oldest is deleted, plus
+the stability machinery's recovery ring (ring_keep newest + the rollback target + the one being
+written); the checkpoints already in the directory (a resumed run) count as part of that peak.
 
 Nothing here imports `pretrain`: callers pass the parameter count and the run's numbers.
 """
@@ -29,7 +32,11 @@ from curriculum.repetition import repetition_problems, shuffled_epochs, shuffled
 from data.packed import PackedSamples, domains_under
 from data.shards import ShardFormatError, ShardReader, find_shards
 
-BYTES_PER_PARAM = {"bf16": 2 + 4 + 8, "fp16": 2 + 4 + 8, "fp32": 4 + 8}
+BYTES_PER_PARAM = {  # (ZeRO stage, precision) -> checkpoint bytes per parameter (module doc)
+    **{(0, p): 2 + 4 + 8 for p in ("bf16", "fp16")}, (0, "fp32"): 4 + 8,
+    **{(stage, p): 2 + 4 + 8 for stage in (1, 2) for p in ("bf16", "fp16")}, (1, "fp32"): 4 + 4 + 8, (2, "fp32"): 4 + 4 + 8,
+    **{(3, p): 4 + 8 for p in ("bf16", "fp16", "fp32")},
+}
 
 
 class PlanRefused(RuntimeError):
@@ -80,7 +87,9 @@ class CheckpointShape:
     num_parameters: int
     """Trainable parameters (pretrain.model.flops.count_parameters)."""
     precision: str = "bf16"
-    """deepspeed.precision: bf16 | fp16 | fp32."""
+    """deepspeed.precision: auto | bf16 | fp16 | fp32 (auto counts the larger)."""
+    zero_stage: int = 1
+    """deepspeed.zero_stage: what DeepSpeed saves depends on it (module doc)."""
     interval: int = 0
     """checkpoint.interval (0 = only at the end and on signals)."""
     keep_last: int = 3
@@ -89,6 +98,10 @@ class CheckpointShape:
     """checkpoint.save_final."""
     dir: str = "."
     """checkpoint.dir."""
+    ring_interval: int = 0
+    """stability.recovery.ring_interval (0 or stability off: no recovery ring)."""
+    ring_keep: int = 0
+    """stability.recovery.ring_keep."""
 
 
 @dataclass
@@ -132,6 +145,8 @@ class Plan:
     stages: list[StageRow] = field(default_factory=list)
     domains: list[DomainRow] = field(default_factory=list)
     checkpoints: int = 0
+    ring_checkpoints: int = 0
+    """Recovery-ring checkpoints on disk at the peak (stability.recovery)."""
     checkpoint_bytes: int = 0
     disk_needed: int = 0
     disk_free: int | None = None
@@ -164,9 +179,25 @@ def checkpoint_count(total_steps: int, interval: int, save_final: bool) -> int:
     return periodic + (1 if save_final else 0)
 
 
-def checkpoint_size(num_parameters: int, precision: str) -> int:
-    """Bytes of one checkpoint (module doc: 14 bytes/parameter in mixed precision, 12 in fp32)."""
-    return num_parameters * BYTES_PER_PARAM.get(precision, BYTES_PER_PARAM["bf16"])
+def checkpoint_size(num_parameters: int, precision: str, zero_stage: int = 1) -> int:
+    """Bytes of one checkpoint (module doc); `auto` (resolved only on the machine that trains) counts the larger."""
+    options = ("bf16", "fp32") if precision == "auto" else (precision,)
+    return num_parameters * max(BYTES_PER_PARAM[(zero_stage, option)] for option in options)
+
+
+def ring_checkpoints_at_peak(total_steps: int, ckpt: CheckpointShape) -> int:
+    """Recovery-ring checkpoints on disk at once at most: the ring_keep newest, the rollback target
+    kept beside them, and the new one written before older ones go (pretrain.stability.policy)."""
+    if ckpt.ring_interval <= 0:
+        return 0
+    return min(ckpt.ring_keep + 2, total_steps // ckpt.ring_interval)
+
+
+def checkpoints_at_peak(total_steps: int, ckpt: CheckpointShape) -> tuple[int, int]:
+    """(regular, recovery-ring) checkpoints on disk at the peak of a full run."""
+    saves = checkpoint_count(total_steps, ckpt.interval, ckpt.save_final)
+    regular = saves if ckpt.keep_last <= 0 else min(saves, ckpt.keep_last + 1)
+    return regular, ring_checkpoints_at_peak(total_steps, ckpt)
 
 
 def existing_parent(path: str | os.PathLike) -> Path:
@@ -267,8 +298,9 @@ def _fill_shuffled_rows(plan: Plan, limit: float, run: RunShape, domain_tokens: 
 
 def _fill_checkpoints(plan: Plan, run: RunShape, ckpt: CheckpointShape, free_bytes: int | None) -> None:
     plan.checkpoints = checkpoint_count(run.total_steps, ckpt.interval, ckpt.save_final)
-    plan.checkpoint_bytes = checkpoint_size(ckpt.num_parameters, ckpt.precision)
-    on_disk = plan.checkpoints if ckpt.keep_last <= 0 else min(plan.checkpoints, ckpt.keep_last + 1)
+    plan.checkpoint_bytes = checkpoint_size(ckpt.num_parameters, ckpt.precision, ckpt.zero_stage)
+    regular, plan.ring_checkpoints = checkpoints_at_peak(run.total_steps, ckpt)
+    on_disk = regular + plan.ring_checkpoints
     plan.existing_checkpoint_bytes = directory_bytes(ckpt.dir)
     plan.disk_needed = max(0, on_disk * plan.checkpoint_bytes - plan.existing_checkpoint_bytes)
     where = existing_parent(ckpt.dir)
@@ -278,8 +310,11 @@ def _fill_checkpoints(plan: Plan, run: RunShape, ckpt: CheckpointShape, free_byt
         plan.problems.append(PlanProblem(
             "disk",
             f"checkpoints need {human_bytes(plan.disk_needed)} more on {where} ({on_disk} x {human_bytes(plan.checkpoint_bytes)}"
-            f" at peak with checkpoint.keep_last={ckpt.keep_last}) but only {human_bytes(plan.disk_free)} is free; "
-            "free space, lower checkpoint.keep_last, or point checkpoint.dir at a larger disk",
+            f" at peak with checkpoint.keep_last={ckpt.keep_last}"
+            + (f" and {plan.ring_checkpoints} recovery-ring checkpoints" if plan.ring_checkpoints else "")
+            + f") but only {human_bytes(plan.disk_free)} is free; free space, lower checkpoint.keep_last"
+            + (" or stability.recovery.ring_keep" if plan.ring_checkpoints else "")
+            + ", or point checkpoint.dir at a larger disk",
         ))
 
 
@@ -294,19 +329,27 @@ def raise_if_refused(plan: Plan) -> None:
         raise PlanRefused("the run plan is impossible:\n  " + "\n  ".join(f"[{p.kind}] {p.message}" for p in plan.problems))
 
 
+def checkpoint_shape(cfg: Any, num_parameters: int) -> CheckpointShape:
+    """What a composed training config's checkpoints cost (read by attribute; no pretrain import)."""
+    ckpt, stability = cfg.checkpoint, getattr(cfg, "stability", None)
+    ring = stability is not None and stability.enabled and stability.recovery.ring_interval > 0
+    return CheckpointShape(num_parameters, cfg.deepspeed.precision, cfg.deepspeed.zero_stage, ckpt.interval,
+                           ckpt.keep_last, ckpt.save_final, ckpt.dir,
+                           stability.recovery.ring_interval if ring else 0, stability.recovery.ring_keep if ring else 0)
+
+
 def plan_from_config(cfg: Any, num_parameters: int, tokens_per_s: float | None = None,
                      free_bytes: int | None = None, domains: Mapping[str, PackedSamples] | None = None) -> Plan:
     """The plan of a composed training config (an `AyumiConfig`, read by attribute; no pretrain import).
 
-    Reads `curriculum` (absent or without stages: no curriculum), `train`, `checkpoint`, `data.root`
-    and `deepspeed.precision`. The trainer passes the train `domains` it has already opened; without
+    Reads `curriculum` (absent or without stages: no curriculum), `train`, `checkpoint`, `data.root`,
+    `deepspeed.precision` and `.zero_stage`, and `stability.recovery` (the ring). The trainer passes the train `domains` it has already opened; without
     them the shards under data.root are counted. A missing data root is a `data` problem, not an exception.
     """
     curriculum = getattr(cfg, "curriculum", None)
-    train, ckpt = cfg.train, cfg.checkpoint
+    train = cfg.train
     run = RunShape(train.tokens, train.seq_len, train.global_batch_size, getattr(train, "max_steps", 0))
-    shape = CheckpointShape(num_parameters, cfg.deepspeed.precision, ckpt.interval, ckpt.keep_last,
-                            ckpt.save_final, ckpt.dir)
+    shape = checkpoint_shape(cfg, num_parameters)
     if domains is not None:
         tokens = {name: samples.num_tokens for name, samples in domains.items()}
         counts = {name: len(samples) for name, samples in domains.items()}
@@ -366,7 +409,8 @@ def format_plan(plan: Plan) -> str:
                              f"{'ok' if row.ok else 'OVER'}")
         lines.append("")
     if plan.checkpoint_bytes:
-        lines.append(f"checkpoints: {plan.checkpoints} saves x {human_bytes(plan.checkpoint_bytes)} each; "
+        ring = f" (+ up to {plan.ring_checkpoints} in the recovery ring)" if plan.ring_checkpoints else ""
+        lines.append(f"checkpoints: {plan.checkpoints} saves{ring} x {human_bytes(plan.checkpoint_bytes)} each; "
                      f"{human_bytes(plan.disk_needed)} more needed at peak, {human_bytes(plan.disk_free or 0)} free "
                      f"at {plan.checkpoint_dir}" + (f" ({human_bytes(plan.existing_checkpoint_bytes)} already there)"
                                                     if plan.existing_checkpoint_bytes else ""))

@@ -30,7 +30,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from curriculum.plan import checkpoint_count, checkpoint_size, existing_parent
+from curriculum.plan import checkpoint_shape, checkpoint_size, checkpoints_at_peak, existing_parent
 
 OK, INFO, WARN, FAIL = "ok", "info", "warn", "FAIL"
 GIB = 1024**3
@@ -248,25 +248,22 @@ def check_plan(overrides: list[str]) -> tuple[list[Check], object | None]:
         message = " / ".join(line.strip() for line in str(err).splitlines() if line.strip())
         return [Check("plan", "config", FAIL, message[:400], "fix the overrides (`ayumi train --cfg job ...` "
                       "prints the resolved config)")], None
-    # The same arithmetic as `ayumi plan` (curriculum/plan.py): bytes per parameter by precision,
-    # keep_last <= 0 keeping every checkpoint of the run.
-    one = checkpoint_size(parameters, cfg.deepspeed.precision)
-    kept = cfg.checkpoint.keep_last if cfg.checkpoint.keep_last > 0 else checkpoint_count(
-        total_steps(cfg.train), cfg.checkpoint.interval, cfg.checkpoint.save_final)
-    needed = one * kept
+    # The same arithmetic as `ayumi plan` (curriculum/plan.py): bytes per parameter by ZeRO stage and
+    # precision, keep_last <= 0 keeping every checkpoint, the stability machinery's recovery ring.
+    shape = checkpoint_shape(cfg, parameters)
+    one = checkpoint_size(parameters, shape.precision, shape.zero_stage)
+    regular, ring = checkpoints_at_peak(total_steps(cfg.train), shape)
+    peak = one * (regular + ring)  # while a new checkpoint is written, the oldest kept one still exists
     ckpt_dir = Path(cfg.checkpoint.dir)
     free = disk_free(ckpt_dir)
-    # While a new checkpoint is written the oldest kept one still exists: keep_last + 1 at the peak.
-    peak = needed + one
     status, fix = OK, ""
-    if needed > free:
-        status, fix = FAIL, (f"the checkpoints need {needed / GIB:.1f} GiB but {ckpt_dir} has {free / GIB:.1f} GiB free: "
-                             "lower checkpoint.keep_last or set AYUMI_RUN_ROOT / run_root= to a larger disk")
-    elif peak > free:
-        status, fix = WARN, (f"while a new checkpoint is written {peak / GIB:.1f} GiB are needed, "
-                             f"{free / GIB:.1f} GiB are free: lower checkpoint.keep_last or free space")
-    detail = (f"{cfg.name}: {parameters / 1e6:,.1f} M parameters, {one / GIB:.2f} GiB per checkpoint x {kept} kept "
-              f"= {needed / GIB:.2f} GiB in {ckpt_dir} ({free / GIB:.1f} GiB free)")
+    if peak > free:
+        status, fix = FAIL, (f"the checkpoints need {peak / GIB:.1f} GiB at their peak but {ckpt_dir} has "
+                             f"{free / GIB:.1f} GiB free: lower checkpoint.keep_last (or stability.recovery.ring_keep) "
+                             "or set AYUMI_RUN_ROOT / run_root= to a larger disk")
+    ring_note = f" + {ring} in the recovery ring" if ring else ""
+    detail = (f"{cfg.name}: {parameters / 1e6:,.1f} M parameters, {one / GIB:.2f} GiB per checkpoint x "
+              f"{regular}{ring_note} at peak = {peak / GIB:.2f} GiB in {ckpt_dir} ({free / GIB:.1f} GiB free)")
     return [Check("plan", "checkpoints", status, detail, fix)], cfg
 
 

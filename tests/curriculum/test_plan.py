@@ -55,6 +55,20 @@ def test_a_feasible_plan_and_its_table(data_root, tmp_path):
         assert fragment in text, fragment
 
 
+def test_the_recovery_ring_counts_toward_the_disk_peak(data_root, tmp_path):
+    """125 steps, a ring checkpoint every 10 (ring_keep 3): at most 3 + the rollback target + the one
+    being written sit beside the keep_last + 1 regular ones; a disk that holds only those is refused."""
+    tokens, samples = available_samples(data_root, SEQ)
+    shape = ckpt(tmp_path, ring_interval=10, ring_keep=3)
+    plan = make_plan(three_stage(SEQ), run_shape(), tokens, samples, shape, free_bytes=GiB)
+    assert plan.ring_checkpoints == 5 and plan.disk_needed == (3 + 5) * 14_000_000
+    assert "5 saves (+ up to 5 in the recovery ring) x 13.4 MiB each" in format_plan(plan)
+    tight = make_plan(three_stage(SEQ), run_shape(), tokens, samples, shape, free_bytes=3 * 14_000_000)
+    assert [p.kind for p in tight.problems] == ["disk"]
+    assert "and 5 recovery-ring checkpoints" in tight.problems[0].message
+    assert "stability.recovery.ring_keep" in tight.problems[0].message
+
+
 def test_refuses_a_domain_beyond_its_max_repetition(data_root, tmp_path):
     tokens, samples = available_samples(data_root, SEQ)
     cfg = three_stage(SEQ)
@@ -153,7 +167,10 @@ def test_arithmetic():
     assert checkpoint_count(total_steps=125, interval=25, save_final=True) == 5
     assert checkpoint_count(total_steps=126, interval=25, save_final=False) == 5
     assert checkpoint_count(total_steps=125, interval=0, save_final=True) == 1
-    assert checkpoint_size(1000, "bf16") == 14_000 and checkpoint_size(1000, "fp32") == 12_000
+    # Bytes per parameter as DeepSpeed 0.19 writes them, measured per stage (curriculum/plan.py's doc).
+    assert [checkpoint_size(1000, "bf16", stage) for stage in (0, 1, 2, 3)] == [14_000, 14_000, 14_000, 12_000]
+    assert [checkpoint_size(1000, "fp32", stage) for stage in (0, 1, 2, 3)] == [12_000, 16_000, 16_000, 12_000]
+    assert checkpoint_size(1000, "auto", 1) == 16_000 and checkpoint_size(1000, "auto", 0) == 14_000
 
 
 def test_no_curriculum_plan_reads_every_domain_in_proportion(data_root, tmp_path):
