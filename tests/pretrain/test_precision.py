@@ -35,8 +35,11 @@ print(json.dumps({"auto": [auto.precision, auto.reason], "bf16": [explicit.preci
 
 def resolve_in_child(tmp_path, **env) -> dict:
     """resolve_precision in a fresh process (the ISA variables act at start-up), cache under tmp_path."""
+    child_env = cpu_env(XDG_CACHE_HOME=str(tmp_path / "cache"), **env)
+    for name in set(precision.ISA_ENV_VARS) - set(env):  # the host as it is, even when the suite runs simulated
+        child_env.pop(name, None)
     done = subprocess.run([sys.executable, "-c", RESOLVE], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env=cpu_env(XDG_CACHE_HOME=str(tmp_path / "cache"), **env))
+                          env=child_env)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -62,7 +65,7 @@ def test_the_measurement_is_cached_per_isa_environment(tmp_path):
     assert next(iter(cache.values()))["slowdown"] > 5  # the reference bf16 path is tens of times slower
     again = resolve_in_child(tmp_path, **AVX2_ONLY)
     assert again["auto"] == first["auto"] and len(json.loads(open(first["cache"]).read())) == 1
-    host = resolve_in_child(tmp_path)  # the unsimulated host: its own entry
+    host = resolve_in_child(tmp_path)  # the host without the simulation: its own entry
     assert len(json.loads(open(host["cache"]).read())) == 2
 
 
