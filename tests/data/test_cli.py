@@ -82,8 +82,10 @@ def test_ctrl_c_with_worker_processes_stops_cleanly(tmp_path, tokenizer_dir, en_
     import signal
     import time
 
-    # ~50 MB of distinct documents: seconds of work, so the signal lands mid-stream.
-    texts = [f"{i} {text}" for i in range(200) for text in en_texts]
+    # ~100 MB of distinct documents: ~7 s of work on 2 cores, so the signal lands mid-stream even when
+    # a busy machine delays this test's reading of the log line (with ~50 MB a loaded run once finished
+    # first). The interrupted run stops at once, so the size costs only the file's writing.
+    texts = [f"{i} {text}" for i in range(400) for text in en_texts]
     write_jsonl(tmp_path / "en" / "a.jsonl", texts)
     root = tmp_path / "root"
     args = [sys.executable, "-m", "pretrain.cli", "data", "prepare", f"tokenizer_dir={tokenizer_dir}", f"data.root={root}",
