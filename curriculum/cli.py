@@ -46,27 +46,18 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"{USAGE}\n\n{training_config_help()}")
         return 0
-    from omegaconf import OmegaConf
-
     from curriculum.plan import format_plan, plan_from_config
-    from pretrain.config import ConfigError, checked_config, compose_config, print_config_error, split_cli_args
+    from pretrain.config import config_from_args, print_config_error
     from pretrain.model.flops import count_parameters
 
     try:
         rest, options = parse_args(argv)
-        overrides, print_cfg = split_cli_args(rest)
-        composed = compose_config(overrides)
-    except (ValueError, ConfigError) as err:
-        print(f"ayumi plan: {err}", file=sys.stderr)
-        return 2
-    if print_cfg:
-        print(OmegaConf.to_yaml(composed, resolve=True), end="")
-        return 0
-    try:
-        cfg = checked_config(composed)  # the same checks as `ayumi train`: ranges, names, model shapes
-    except ConfigError as err:
+        cfg = config_from_args(rest)  # the same checks as `ayumi train`: ranges, names, model shapes
+    except ValueError as err:  # a bad option, or a ConfigError (a ValueError too)
         print_config_error("ayumi plan", err)
         return 2
+    if cfg is None:  # --cfg job printed the resolved config
+        return 0
     free = options.get("free_bytes")
     plan = plan_from_config(cfg, count_parameters(cfg.model), tokens_per_s=options.get("tokens_per_s"),
                             free_bytes=int(free) if free is not None else None)

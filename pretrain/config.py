@@ -32,6 +32,10 @@ from tokenizer.conf import (
 )
 
 
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+"""What deepspeed.precision accepts; every value but `auto` is used as given (pretrain/precision.py)."""
+
+
 class ConfigError(ValueError):
     """A configuration value is inconsistent; the message names the field(s) and the fix."""
 
@@ -228,11 +232,11 @@ class LoggingConfig:
     """Print progress lines on rank 0."""
     console_interval: int = 1
     """Print a progress line every this many steps (metrics.jsonl and W&B still get every log step)."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """W&B settings."""
 
     RANGES: ClassVar[dict[str, Range]] = {"console_interval": at_least(1)}
     """Allowed values, checked before any rank starts (pretrain/ranges.py)."""
-    wandb: WandbConfig = field(default_factory=WandbConfig)
-    """W&B settings."""
 
 
 @dataclass
@@ -437,10 +441,9 @@ def check_config(cfg: AyumiConfig) -> None:
             f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}; "
             "raise model.max_seq_len or lower train.seq_len"
         )
-    if cfg.deepspeed.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"deepspeed.zero_stage must be 0, 1, 2 or 3, got {cfg.deepspeed.zero_stage}")
-    if cfg.deepspeed.precision not in ("auto", "bf16", "fp16", "fp32"):
-        raise ConfigError(f"deepspeed.precision must be auto, bf16, fp16 or fp32, got {cfg.deepspeed.precision!r}")
+    if cfg.deepspeed.precision not in PRECISIONS:
+        raise ConfigError(f"deepspeed.precision must be {', '.join(PRECISIONS[:-1])} or {PRECISIONS[-1]}, "
+                          f"got {cfg.deepspeed.precision!r}")
     if cfg.deepspeed.offload_param and cfg.deepspeed.zero_stage != 3:
         raise ConfigError("deepspeed.offload_param needs deepspeed.zero_stage=3")
     if cfg.deepspeed.offload_optimizer and cfg.deepspeed.zero_stage == 0:
@@ -476,8 +479,23 @@ def checked_config(composed: DictConfig) -> AyumiConfig:
     return cfg
 
 
-def print_config_error(prog: str, err: ConfigError, file: TextIO | None = None) -> None:
-    """Print a ConfigError as one `prog: ...` line per problem (stderr by default)."""
+def config_from_args(args: list[str]) -> AyumiConfig | None:
+    """The checked training config from command-line arguments (Hydra overrides, `--cfg job`,
+    the launcher's `--local_rank`); None once `--cfg job` has printed the resolved config.
+
+    What `ayumi train`, `ayumi plan` and every rank of pretrain.train run before anything starts;
+    raises ConfigError. Imports no torch or DeepSpeed.
+    """
+    overrides, print_cfg = split_cli_args(args)
+    composed = compose_config(overrides)
+    if print_cfg:
+        print(OmegaConf.to_yaml(composed, resolve=True), end="")
+        return None
+    return checked_config(composed)
+
+
+def print_config_error(prog: str, err: Exception, file: TextIO | None = None) -> None:
+    """Print a ConfigError (or a refused plan) as one `prog: ...` line per problem (stderr by default)."""
     for line in str(err).splitlines():
         print(f"{prog}: {line}", file=file or sys.stderr)
 

@@ -534,7 +534,7 @@ def all_reduce_tensor(values: torch.Tensor, op: str = "sum") -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         on_gpu = dist.get_backend() == "nccl"
         values = values.to(torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu"))
-        dist.all_reduce(values, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+        dist.all_reduce(values, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
     return values.cpu()
 
 

@@ -44,16 +44,12 @@ def preflight_plan(cfg) -> None:
 
     The ranks run the same checks (pretrain.train.build_data); here they cost no process start and
     a refusal is printed once, not once per rank under the launcher's own error report. Raises
-    ConfigError listing the problems. Imports no torch.
+    PlanRefused listing the problems. Imports no torch.
     """
-    from curriculum.plan import PlanRefused, plan_from_config, raise_if_refused
-    from pretrain.config import ConfigError
+    from curriculum.plan import plan_from_config, raise_if_refused
     from pretrain.model.flops import count_parameters
 
-    try:
-        raise_if_refused(plan_from_config(cfg, count_parameters(cfg.model)))
-    except PlanRefused as err:
-        raise ConfigError(str(err)) from None
+    raise_if_refused(plan_from_config(cfg, count_parameters(cfg.model)))
 
 
 def launcher_command(launcher: str, nproc: int, overrides: list[str], master_port: int | None = None) -> list[str]:
@@ -104,32 +100,16 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return parser.parse_known_args(argv)
 
 
-def checked(overrides: list[str]):
-    """(the checked AyumiConfig, or None after printing the resolved config for --cfg job).
-
-    Raises ConfigError for anything wrong that needs no hardware; imports no torch or DeepSpeed.
-    """
-    from omegaconf import OmegaConf
-
-    from pretrain.config import checked_config, compose_config, split_cli_args
-
-    hydra_overrides, print_cfg = split_cli_args(overrides)
-    composed = compose_config(hydra_overrides)
-    if print_cfg:
-        print(OmegaConf.to_yaml(composed, resolve=True), end="")
-        return None
-    return checked_config(composed)
-
-
 def main(argv: list[str]) -> int:
+    from curriculum.plan import PlanRefused
     from pretrain.config import (
-        CHECKED_BY_LAUNCHER_ENV, EXIT_CONFIG_ERROR, ConfigError, data_parallel_grad_accum, default_run_notice,
-        print_config_error,
+        CHECKED_BY_LAUNCHER_ENV, EXIT_CONFIG_ERROR, ConfigError, config_from_args, data_parallel_grad_accum,
+        default_run_notice, print_config_error,
     )
 
     args, overrides = parse_args(argv)
     try:
-        cfg = checked(overrides)
+        cfg = config_from_args(overrides)  # types, ranges, names; no torch or DeepSpeed import
         if cfg is None:  # --cfg job: printed, nothing started
             return 0
         gpus = gpu_count()
@@ -137,7 +117,7 @@ def main(argv: list[str]) -> int:
         data_parallel_grad_accum(cfg.train, nproc)  # the global batch must divide over the ranks about to start
         if not args.dry_run:  # a dry run shows the command; its data may live elsewhere
             preflight_plan(cfg)
-    except ConfigError as err:
+    except (ConfigError, PlanRefused) as err:
         print_config_error(PROG, err)
         return EXIT_CONFIG_ERROR
     notice = default_run_notice(PROG, overrides, cfg)

@@ -29,8 +29,7 @@ from pathlib import Path
 
 import torch
 
-PRECISIONS = ("auto", "bf16", "fp16", "fp32")
-"""What `deepspeed.precision` accepts; every value but `auto` is used as given."""
+from pretrain.config import PRECISIONS
 
 ISA_ENV_VARS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
 """Environment variables that change which CPU kernels torch runs (part of the cache key)."""
@@ -128,21 +127,18 @@ def _cpu_key() -> str:
     return hashlib.sha256(f"{cpu}|{torch.__version__}|{env}".encode()).hexdigest()[:16]
 
 
-def _cached_slowdown(key: str) -> float | None:
-    try:
-        return float(json.loads(CACHE_FILE.read_text())[key]["slowdown"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _store_slowdown(key: str, slowdown: float) -> None:
-    """Best effort: a read-only home only costs a re-measurement next time."""
-    from tokenizer.files import write_text_atomic
-
+def _read_cache() -> dict:
     try:
         entries = json.loads(CACHE_FILE.read_text())
     except (OSError, ValueError):
-        entries = {}
+        return {}
+    return entries if isinstance(entries, dict) else {}
+
+
+def _store_slowdown(entries: dict, key: str, slowdown: float) -> None:
+    """Best effort: a read-only home only costs a re-measurement next time."""
+    from tokenizer.files import write_text_atomic
+
     entries[key] = {"slowdown": slowdown, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
                     "torch": torch.__version__, **{name: os.environ.get(name, "") for name in ISA_ENV_VARS}}
     try:
@@ -155,11 +151,12 @@ def _store_slowdown(key: str, slowdown: float) -> None:
 @functools.cache
 def cpu_bf16() -> CpuBf16:
     """This CPU's bf16 facts: measured once per machine and ISA environment, then read from the cache."""
-    key = _cpu_key()
-    slowdown = _cached_slowdown(key)
-    if slowdown is None:
+    key, entries = _cpu_key(), _read_cache()
+    try:
+        slowdown = float(entries[key]["slowdown"])
+    except (KeyError, TypeError, ValueError):
         slowdown = measure_bf16_slowdown()
-        _store_slowdown(key, slowdown)
+        _store_slowdown(entries, key, slowdown)
     return CpuBf16(onednn_bf16_supported(), torch.backends.cpu.get_cpu_capability(), slowdown)
 
 
@@ -218,9 +215,9 @@ CAPABILITY_ORDER = {"fp32": 0, "fp16": 1, "bf16": 2}
 """Order for agreeing across ranks: the least capable rank's choice wins."""
 
 
-def agreed(choice: PrecisionChoice, lowest_rank_value: int) -> PrecisionChoice:
-    """`choice` after every rank's auto choice was combined into the lowest (see CAPABILITY_ORDER)."""
-    precision = next(name for name, value in CAPABILITY_ORDER.items() if value == lowest_rank_value)
+def agreed(choice: PrecisionChoice, lowest: int) -> PrecisionChoice:
+    """`choice` after all ranks' choices were combined into the lowest CAPABILITY_ORDER value `lowest`."""
+    precision = next(name for name, value in CAPABILITY_ORDER.items() if value == lowest)
     if precision == choice.precision:
         return choice
     return PrecisionChoice(precision, choice.requested, f"another rank's hardware chose {precision} ({choice.reason} here)")

@@ -52,8 +52,8 @@ from data.manifest import MANIFEST_NAME, ManifestError, check_manifest_tokenizer
 from data.shards import ShardFormatError, TokenizerMismatchError, check_tokenizer, find_shards
 from pretrain.checkpoint import CheckpointError, Checkpointer, latest_tag, resolve_checkpoint
 from pretrain.config import (
-    CHECKED_BY_LAUNCHER_ENV, EXIT_CONFIG_ERROR, AyumiConfig, ConfigError, check_config, checked_config, compose_config,
-    config_as_yaml, data_parallel_grad_accum, default_run_notice, print_config_error, split_cli_args, total_steps,
+    CHECKED_BY_LAUNCHER_ENV, EXIT_CONFIG_ERROR, AyumiConfig, ConfigError, check_config, config_as_yaml,
+    config_from_args, data_parallel_grad_accum, default_run_notice, print_config_error, total_steps,
 )
 from pretrain.engine import (
     DistInfo, TrainEngine, all_reduce_tensor, any_rank, barrier, build_model, finalize_distributed, init_distributed,
@@ -72,9 +72,9 @@ from tokenizer.info import TokenizerNotFoundError
 # DeepSpeed's ZeRO calls a torch collective that torch now deprecates, once per step and rank.
 warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
 
-INPUT_ERRORS = (ConfigError, ShardFormatError, TokenizerMismatchError, ManifestError, TokenizerNotFoundError,
-                CheckpointError)
-"""Mistakes in what the run was given (config, shards, tokenizer, checkpoint): a clear line and status 2."""
+INPUT_ERRORS = (ConfigError, PlanRefused, ShardFormatError, TokenizerMismatchError, ManifestError,
+                TokenizerNotFoundError, CheckpointError)
+"""Mistakes in what the run was given (config, plan, shards, tokenizer, checkpoint): a clear line and status 2."""
 
 EXIT_STABILITY_STOP = 3
 """Exit status when the stability machinery stopped the run (state saved; see events.jsonl)."""
@@ -117,10 +117,7 @@ def build_data(cfg: AyumiConfig, tokenizer: dict) -> tuple[ShuffledDomains | Mix
             f"model.vocab_size={cfg.model.vocab_size}; set model.vocab_size >= {too_big[0].vocab_size}"
         )
     # The same checks as `ayumi plan`: budgets vs run length, repetition, disk. Refuse before step 1.
-    try:
-        raise_if_refused(plan_from_config(cfg, count_parameters(cfg.model), domains=train))
-    except PlanRefused as err:
-        raise ConfigError(str(err)) from None
+    raise_if_refused(plan_from_config(cfg, count_parameters(cfg.model), domains=train))
     if curriculum_enabled(cfg.curriculum):
         return Mixer(cfg.curriculum, train, cfg.train.seq_len, cfg.train.global_batch_size, cfg.train.seed), val
     return ShuffledDomains(train, seed=cfg.train.seed), val
@@ -130,7 +127,8 @@ def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict) -> tuple[Tra
     """Everything the loop needs, in data-flow order: data, model, engine, checkpoints, metrics."""
     grad_accum = data_parallel_grad_accum(cfg.train, dist.world_size)
     run_dir = Path(cfg.run_dir)
-    precision = settle_precision(cfg, dist)
+    start = _checkpoint_meta(cfg)  # the checkpoint this run starts from ({} for a fresh run)
+    precision = settle_precision(cfg, dist, start.get("precision"))
     tokenizer = load_tokenizer_identity(cfg.data.tokenizer_dir)
     source, val_sets = build_data(cfg, tokenizer)
 
@@ -142,7 +140,8 @@ def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict) -> tuple[Tra
     # Each rank gets its own stream of randomness (dropout-free today, but user code may add it).
     torch.manual_seed(cfg.train.seed + 1000 * dist.rank)
 
-    resume_step = _resume_step(cfg, checkpointer)
+    # Metrics files are cut back to the step a resume of this run starts from (not another run's).
+    resume_step = None if cfg.checkpoint.load_from else start.get("step")
     if dist.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_text_atomic(run_dir / "config.yaml", config_as_yaml(OmegaConf.create(resolved)))
@@ -161,16 +160,16 @@ def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict) -> tuple[Tra
     return trainer, logger
 
 
-def settle_precision(cfg: AyumiConfig, dist: DistInfo) -> PrecisionChoice:
+def settle_precision(cfg: AyumiConfig, dist: DistInfo, saved: str | None = None) -> PrecisionChoice:
     """Resolve deepspeed.precision (auto) for this hardware, the same on every rank, and write it into cfg.
 
     Every rank resolves for its own device, then all take the least capable answer (a job must
-    train in one precision); a resumed `auto` run keeps the precision its checkpoint was saved in.
+    train in one precision); a resumed `auto` run keeps the precision its checkpoint was saved in (`saved`).
     Rank 0 prints the choice and its reason, and a warning when an explicit choice will be slow.
     """
     choice = resolve_precision(cfg.deepspeed.precision, dist.device)
-    lowest = -all_reduce_tensor(torch.tensor([-float(CAPABILITY_ORDER[choice.precision])]), op="max").item()
-    choice = kept_from_checkpoint(agreed(choice, int(lowest)), _checkpoint_meta(cfg).get("precision"))
+    lowest = all_reduce_tensor(torch.tensor([float(CAPABILITY_ORDER[choice.precision])]), op="min").item()
+    choice = kept_from_checkpoint(agreed(choice, int(lowest)), saved)
     cfg.deepspeed.precision = choice.precision
     if dist.is_main:
         print(choice.describe(), flush=True)
@@ -188,14 +187,6 @@ def _checkpoint_meta(cfg: AyumiConfig) -> dict:
     else:
         return {}
     return json.loads((root / tag / "ayumi.json").read_text())
-
-
-def _resume_step(cfg: AyumiConfig, checkpointer: Checkpointer) -> int | None:
-    """The step a resume will start from (to cut metrics files back), None for a fresh run."""
-    if cfg.checkpoint.load_from or not cfg.checkpoint.resume:
-        return None
-    tag = latest_tag(checkpointer.root)
-    return None if tag is None else int(json.loads((checkpointer.root / tag / "ayumi.json").read_text())["step"])
 
 
 def run(cfg: AyumiConfig, resolved: dict) -> TrainResult:
@@ -220,17 +211,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     first = int(os.environ.get("RANK", 0)) == 0  # every rank checks; one says it
     try:
-        overrides, print_cfg = split_cli_args(argv)
-        composed = compose_config(overrides)
-        if print_cfg:
-            print(OmegaConf.to_yaml(composed, resolve=True), end="")
-            return 0
-        cfg = checked_config(composed)  # before init_distributed: a mistake costs no rank start
+        cfg = config_from_args(argv)  # before init_distributed: a mistake costs no rank start
     except ConfigError as err:
         if first:
             print_config_error(PROG, err)
         return EXIT_CONFIG_ERROR
-    notice = default_run_notice(PROG, overrides, cfg)
+    if cfg is None:  # --cfg job printed it
+        return 0
+    notice = default_run_notice(PROG, argv, cfg)
     if notice and first and not os.environ.get(CHECKED_BY_LAUNCHER_ENV):
         print(notice, file=sys.stderr, flush=True)
     cfg.run_dir = str(Path(cfg.run_dir).resolve())
@@ -245,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         if first:
             print_config_error(PROG, err)
         return EXIT_CONFIG_ERROR
-    if os.environ.get("AYUMI_RESULT_FILE") and int(os.environ.get("RANK", 0)) == 0:
+    if os.environ.get("AYUMI_RESULT_FILE") and first:
         Path(os.environ["AYUMI_RESULT_FILE"]).write_text(json.dumps(asdict(result)))
     # A stability stop saved its state but needs a person: a distinct status keeps schedulers
     # with automatic requeue from restarting into the same spike.
@@ -267,9 +255,4 @@ def exit_now(status: int) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        status = main()
-    except ConfigError as err:
-        print(f"ayumi: {err}", file=sys.stderr)
-        status = 2
-    exit_now(status)
+    exit_now(main())
