@@ -103,6 +103,11 @@ class CheckpointShape:
     ring_keep: int = 0
     """stability.recovery.ring_keep."""
 
+    @property
+    def size(self) -> int:
+        """Bytes of one of these checkpoints (checkpoint_size)."""
+        return checkpoint_size(self.num_parameters, self.precision, self.zero_stage)
+
 
 @dataclass
 class DomainRow:
@@ -298,7 +303,7 @@ def _fill_shuffled_rows(plan: Plan, limit: float, run: RunShape, domain_tokens: 
 
 def _fill_checkpoints(plan: Plan, run: RunShape, ckpt: CheckpointShape, free_bytes: int | None) -> None:
     plan.checkpoints = checkpoint_count(run.total_steps, ckpt.interval, ckpt.save_final)
-    plan.checkpoint_bytes = checkpoint_size(ckpt.num_parameters, ckpt.precision, ckpt.zero_stage)
+    plan.checkpoint_bytes = ckpt.size
     regular, plan.ring_checkpoints = checkpoints_at_peak(run.total_steps, ckpt)
     on_disk = regular + plan.ring_checkpoints
     plan.existing_checkpoint_bytes = directory_bytes(ckpt.dir)

@@ -30,7 +30,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from curriculum.plan import checkpoint_shape, checkpoint_size, checkpoints_at_peak, existing_parent
+from curriculum.plan import checkpoint_shape, checkpoints_at_peak, existing_parent
 
 OK, INFO, WARN, FAIL = "ok", "info", "warn", "FAIL"
 GIB = 1024**3
@@ -251,7 +251,7 @@ def check_plan(overrides: list[str]) -> tuple[list[Check], object | None]:
     # The same arithmetic as `ayumi plan` (curriculum/plan.py): bytes per parameter by ZeRO stage and
     # precision, keep_last <= 0 keeping every checkpoint, the stability machinery's recovery ring.
     shape = checkpoint_shape(cfg, parameters)
-    one = checkpoint_size(parameters, shape.precision, shape.zero_stage)
+    one = shape.size
     regular, ring = checkpoints_at_peak(total_steps(cfg.train), shape)
     peak = one * (regular + ring)  # while a new checkpoint is written, the oldest kept one still exists
     ckpt_dir = Path(cfg.checkpoint.dir)
