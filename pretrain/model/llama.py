@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from pretrain.model.config import ModelConfig, ModelConfigError, validate_config  # noqa: F401 (re-exported)
+from pretrain.model.config import ModelConfig, validate_config
 from pretrain.model.layers import Block, RMSNorm, RotaryEmbedding
 
 IGNORE_INDEX = -100

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from pretrain.model.config import ModelConfig
-from pretrain.model.llama import Llama, LlamaOutput, ModelConfigError, layer_groups, no_weight_decay
+from pretrain.model.config import ModelConfig, ModelConfigError
+from pretrain.model.llama import Llama, LlamaOutput, layer_groups, no_weight_decay
 
 B, T = 2, 16
 

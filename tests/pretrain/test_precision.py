@@ -69,15 +69,18 @@ def test_the_measurement_is_cached_per_isa_environment(tmp_path):
     assert len(json.loads(open(host["cache"]).read())) == 2
 
 
-def test_auto_on_this_cpu_follows_onednn():
-    """Where torch's oneDNN has no bf16 path, auto never picks bf16 (whatever /proc/cpuinfo says)."""
+@pytest.mark.parametrize("onednn_bf16, slowdown, expected", [
+    (True, 0.4, "bf16"),   # AVX512-BF16 / AMX: bf16 matmuls ~2.5x as fast as fp32 (this host)
+    (True, 1.6, "fp32"),   # oneDNN only emulates bf16 (AVX512 without BF16): slower than fp32
+    (False, 0.9, "fp32"),  # torch has no bf16 path at all, whatever a measurement said
+])
+def test_auto_on_cpu_needs_onednn_bf16_and_a_measured_speed_up(monkeypatch, onednn_bf16, slowdown, expected):
+    facts = precision.CpuBf16(onednn_bf16, "AVX512", slowdown)
+    monkeypatch.setattr(precision, "cpu_bf16", lambda: facts)
     choice = precision.resolve_precision("auto", torch.device("cpu"))
-    if not precision.onednn_bf16_supported():
-        assert choice.precision == "fp32"
-    else:
-        facts = precision.cpu_bf16()
-        assert choice.precision == ("bf16" if facts.slowdown <= precision.BF16_WORTH_IT else "fp32")
-    assert choice.describe().startswith(f"precision: {choice.precision} (deepspeed.precision=auto: ")
+    assert choice.precision == expected
+    assert choice.describe().startswith(f"precision: {expected} (deepspeed.precision=auto: ")
+    assert f"oneDNN bf16 {'yes' if onednn_bf16 else 'no'}" in choice.reason
 
 
 def test_gpus_without_bf16_get_fp16_with_loss_scaling(monkeypatch):
