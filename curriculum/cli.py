@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from tokenizer.conf import asks_for_help
+from common.conf import asks_for_help
 
 USAGE = """usage: ayumi plan [--tokens-per-s N] [--free-bytes N] [--cfg job] [key=value ...]
 

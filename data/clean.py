@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from data.config import CleanConfig
 
-# Reasons a cleaning filter drops a document (reader skips use tokenizer.sources.SKIP_REASONS).
+# Reasons a cleaning filter drops a document (reader skips use common.corpus.SKIP_REASONS).
 CLEAN_REASONS = ("empty_after_clean", "too_short", "too_long", "low_script_share", "too_many_symbols", "duplicate")
 MAX_EXAMPLES = 5  # locations kept per reason: enough to find the cause, bounded in memory
 

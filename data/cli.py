@@ -15,7 +15,7 @@ import sys
 
 from omegaconf import OmegaConf
 
-from tokenizer.conf import asks_for_help, command_help, composed_from, config_help
+from common.conf import asks_for_help, command_help, composed_from, config_help
 
 USAGE = __doc__.split("\n\n")[1]
 INSPECT_READS = "no config from conf/: DATA_ROOT's manifest.json and shards (and the tokenizer they name, to decode)"
@@ -32,7 +32,7 @@ def prepare_help() -> str:
 def compose(overrides: list[str]):
     """The composed `data_prepare` config (a DictConfig) for these overrides."""
     from data.config import register_configs
-    from tokenizer.conf import compose as compose_conf
+    from common.conf import compose as compose_conf
 
     return compose_conf("data_prepare", overrides, register_configs)
 
@@ -85,8 +85,8 @@ def prepare_main(argv: list[str]) -> int:
     from data.prepare import PrepareError, prepare
     from data.shards import ShardFormatError
     from tokenizer import TokenizerNotFoundError
-    from tokenizer.conf import ConfigCompositionError
-    from tokenizer.sources import CorpusError
+    from common.conf import ConfigCompositionError
+    from common.corpus import CorpusError
 
     show_cfg, overrides = _split_cfg_flag(argv)
     try:

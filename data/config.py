@@ -17,12 +17,12 @@ from typing import Any
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from tokenizer import sources
+from common import corpus as sources
 
 NORMALIZATIONS = ("none", "NFC", "NFKC")
 SCRIPTS = ("none", "ja", "latin", "cjk", "hangul", "cyrillic")
 START_METHODS = ("auto", "fork", "forkserver", "spawn")  # how data prepare starts its workers
-FORMATS = ("auto", *sources.FORMATS)  # the readers are tokenizer.sources'
+FORMATS = ("auto", *sources.FORMATS)  # the readers are common.corpus'
 TEXT_UNITS = sources.TEXT_UNITS
 
 

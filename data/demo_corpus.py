@@ -52,7 +52,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from tokenizer.files import replace_dir
+from common.files import replace_dir
 
 DOMAINS = ("ja_raw", "ja_clean", "en", "math", "code")
 MANIFEST_NAME = "corpus_manifest.json"
@@ -970,7 +970,7 @@ def parse_use(values: list[str]) -> dict[str, Path]:
 
 def main_corpus(argv: list[str]) -> int:
     """`ayumi demo corpus [--out DIR] [--force] [--use DOMAIN=FILE ...]`; 0 when complete, 1 otherwise."""
-    from tokenizer.conf import config_help
+    from common.conf import config_help
 
     parser = argparse.ArgumentParser(prog="ayumi demo corpus", description=__doc__,
                                      epilog=config_help("no config from conf/: only the options above", overrides=False),

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from data.shards import TokenizerMismatchError
-from tokenizer.files import write_text_atomic
+from common.files import write_text_atomic
 
 MANIFEST_NAME = "manifest.json"
 DOMAIN_RECORD_NAME = "domain.json"

@@ -52,8 +52,8 @@ from data.manifest import (
 from data.shards import ShardWriter, dtype_for_vocab
 from data.sources import ReadStats, domain_files, file_fingerprints
 from data.workers import ChunkPool, ChunkResult, encode_chunk, encode_jsonl_blocks
-from tokenizer.files import replace_dir
-from tokenizer.sources import READ_ERRORS, Recorder, detect_format, iter_file, read_jsonl_blocks
+from common.files import replace_dir
+from common.corpus import READ_ERRORS, Recorder, detect_format, iter_file, read_jsonl_blocks
 
 log = logging.getLogger("ayumi.data")
 

@@ -1,7 +1,7 @@
-"""A thin adapter from a `DomainConfig` to the shared streaming readers in `tokenizer.sources`.
+"""A thin adapter from a `DomainConfig` to the shared streaming readers in `common.corpus`.
 
 The readers themselves (jsonl/.gz/.zst, text, parquet, `datasets` folders; skip counting; strict
-mode) live in `tokenizer/sources.py`, shared with the tokenizer builder. This module adds what
+mode) live in `common/corpus.py`, shared with the tokenizer builder. This module adds what
 data preparation needs on top: the domain's file list with a fingerprint (sizes and mtimes, for
 resume) and errors that name the domain's config key.
 """
@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from data.config import DomainConfig
-from tokenizer.sources import CorpusError, Document, ReadStats, expand_inputs
+from common.corpus import CorpusError, Document, ReadStats, expand_inputs
 
 __all__ = ["CorpusError", "Document", "ReadStats", "domain_files", "file_fingerprints"]
 

@@ -40,7 +40,7 @@ import numpy as np
 
 from data.clean import Cleaner, content_key
 from data.config import CleanConfig
-from tokenizer.sources import parse_jsonl_block
+from common.corpus import parse_jsonl_block
 
 IN_FLIGHT_PER_WORKER = 2  # one chunk being encoded and one queued: workers never wait on the parent
 
@@ -111,7 +111,7 @@ class ChunkResult(NamedTuple):
     docs_per_block: list | None = None
     """jsonl blocks: how many of the documents came from each block."""
     skips: tuple | list = ()
-    """jsonl blocks: (block index, line number, tokenizer.sources.Skip) per record that is not a document."""
+    """jsonl blocks: (block index, line number, common.corpus.Skip) per record that is not a document."""
 
 
 def encode_chunk(clean: dict, texts: list[str]) -> ChunkResult:
@@ -146,7 +146,7 @@ def encode_chunk(clean: dict, texts: list[str]) -> ChunkResult:
 
 
 def encode_jsonl_blocks(clean: dict, blocks: list[tuple[int, bytes]], text_field: str) -> ChunkResult:
-    """Parse raw jsonl blocks ((first line number, bytes) from tokenizer.sources.read_jsonl_blocks),
+    """Parse raw jsonl blocks ((first line number, bytes) from common.corpus.read_jsonl_blocks),
     then clean, key and tokenize their documents as encode_chunk.
 
     Parsing here rather than in the parent keeps the parent's work per block, not per document,

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from pretrain.model.config import ModelConfig
-from tokenizer.files import write_text_atomic
+from common.files import write_text_atomic
 
 LATEST = "latest"
 META = "ayumi.json"

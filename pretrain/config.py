@@ -27,7 +27,7 @@ from curriculum.config import CurriculumConfig
 from pretrain.model.config import ModelConfig, shape_problems
 from pretrain.ranges import Range, above, at_least, between, range_problems
 from pretrain.stability.config import StabilityConfig, StabilityConfigError, check_stability_config
-from tokenizer.conf import (
+from common.conf import (
     CONF_DIR, ConfigCompositionError, compose, composed_from, conf_label, config_help, group_options,
 )
 
@@ -469,7 +469,7 @@ def checked_config(composed: DictConfig) -> AyumiConfig:
     """
     from omegaconf.errors import OmegaConfBaseException
 
-    from tokenizer.conf import describe_error
+    from common.conf import describe_error
 
     try:
         cfg = to_object(composed)

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from tokenizer.conf import REPO_ROOT
+from common.conf import REPO_ROOT
 
 EXPERIMENT = "demo"
 TOKENIZER_PRESET = "demo_8k"
@@ -141,7 +141,7 @@ def summary(run_dir: Path, tokenizer_dir: Path, shards: Path, corpus_dir: Path, 
 
 
 def main_demo(argv: list[str]) -> int:
-    from tokenizer.conf import config_help
+    from common.conf import config_help
 
     reads = (f"conf/experiment/{EXPERIMENT}.yaml (training), conf/tokenizer/{TOKENIZER_PRESET}.yaml and "
              f"conf/data/{DATA_PRESET}.yaml, with paths under $AYUMI_DATA_ROOT (.cache) and $AYUMI_RUN_ROOT (runs)")

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from pretrain.model.config import ModelConfig
 from pretrain.model.flops import count_parameters, parameter_shapes
-from tokenizer.files import replace_dir
+from common.files import replace_dir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 """Files copied from the tokenizer's HF export folder when one is given."""
@@ -151,7 +151,7 @@ def _write_folder(tmp: Path, hf_config, tensors: dict[str, Tensor], tokenizer_fi
 
 def main(argv: list[str]) -> int:
     """`ayumi export hf CHECKPOINT OUT_DIR [--overwrite] [--dtype fp32|bf16|fp16] [--tokenizer-dir DIR]`."""
-    from tokenizer.conf import config_help
+    from common.conf import config_help
 
     reads = config_help("no config from conf/: the checkpoint's ayumi.json (the run's model config and tokenizer)",
                         overrides=False)

@@ -137,7 +137,7 @@ def _read_cache() -> dict:
 
 def _store_slowdown(entries: dict, key: str, slowdown: float) -> None:
     """Best effort: a read-only home only costs a re-measurement next time."""
-    from tokenizer.files import write_text_atomic
+    from common.files import write_text_atomic
 
     entries[key] = {"slowdown": slowdown, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
                     "torch": torch.__version__, **{name: os.environ.get(name, "") for name in ISA_ENV_VARS}}

@@ -37,7 +37,7 @@ from typing import Any, Callable
 import numpy as np
 
 from pretrain.metrics import EVENTS_FILE, METRICS_FILE, format_count, format_duration
-from tokenizer.files import replace_dir
+from common.files import replace_dir
 
 REPORT_DIR = "report"
 CONFIG_FILE = "config.yaml"
@@ -900,7 +900,7 @@ def make_report(run_dir: Path, out_dir: Path | None = None, smooth: int | None =
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    from tokenizer.conf import config_help
+    from common.conf import config_help
 
     parser = argparse.ArgumentParser(prog="ayumi report", description=__doc__.split("\n\n")[0], epilog=config_help(
         "no config from conf/: RUN_DIR's metrics.jsonl, events.jsonl and config.yaml (the run's resolved config)",

@@ -16,7 +16,7 @@ import warnings
 from dataclasses import asdict
 from pathlib import Path
 
-from tokenizer.conf import asks_for_help
+from common.conf import asks_for_help
 
 PROG = "pretrain.train"
 USAGE = "python -m pretrain.train [key=value ...] [--cfg job]"
@@ -65,7 +65,7 @@ from pretrain.model.flops import count_parameters
 from pretrain.model.llama import Llama
 from pretrain.precision import CAPABILITY_ORDER, PrecisionChoice, agreed, kept_from_checkpoint, resolve_precision
 from pretrain.trainer import Trainer, TrainResult
-from tokenizer.files import write_text_atomic
+from common.files import write_text_atomic
 from tokenizer.info import TokenizerNotFoundError
 
 

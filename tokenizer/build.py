@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from tokenizer.config import TokenizerConfig, check_tokenizer_config, domain_patterns
-from tokenizer.files import replace_dir
+from common.files import replace_dir
 from tokenizer.info import MODEL_FILE, META_FILE, tokenizer_sha256
 from tokenizer.sample import DomainSample, mixed_subset, sample_domain, spm_memory_estimate
 

@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from tokenizer.conf import asks_for_help, command_help, composed_from, config_help
+from common.conf import asks_for_help, command_help, composed_from, config_help
 
 USAGE = "usage: ayumi tokenizer build | eval | sweep | export [ARGS]\n\n" + __doc__.split("\n", 2)[2]
 
@@ -40,7 +40,7 @@ def verb_help(verb: str) -> str:
 
 def compose(overrides: list[str]):
     """The composed `tokenizer_build` config (a DictConfig) for these overrides."""
-    from tokenizer.conf import compose as compose_conf
+    from common.conf import compose as compose_conf
     from tokenizer.config import register_configs
 
     return compose_conf("tokenizer_build", overrides, register_configs)
@@ -245,11 +245,11 @@ def main(argv: list[str] | None = None) -> int:
     from omegaconf.errors import OmegaConfBaseException
 
     from tokenizer.build import BuildError
-    from tokenizer.conf import ConfigCompositionError
+    from common.conf import ConfigCompositionError
     from tokenizer.config import TokenizerConfigError
     from tokenizer.merge import MergeError
     from tokenizer.sample import SampleError
-    from tokenizer.sources import CorpusError
+    from common.corpus import CorpusError
     from tokenizer.train_spm import VocabTooLargeError
 
     argv = list(sys.argv[1:] if argv is None else argv)

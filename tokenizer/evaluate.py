@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from tokenizer.sources import iter_documents
+from common.corpus import iter_documents
 
 BYTE_TOKEN = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenizer.config import DomainConfig, SampleConfig
-from tokenizer.sources import CorpusError, ReadStats, iter_documents
+from common.corpus import CorpusError, ReadStats, iter_documents
 
 # SentencePiece's worst case, from its documentation and the issue: ~7 GB of RAM per 1M sentences.
 SPM_BYTES_PER_SENTENCE = 7_000

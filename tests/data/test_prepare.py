@@ -24,7 +24,7 @@ from data.prepare import EmptyDomainError, OverlapError, prepare, split_threshol
 from data.shards import ShardReader, TokenizerMismatchError, check_tokenizer, find_shards
 from tests.data.helpers import JA_PARAGRAPHS, domain, make_config, write_jsonl
 from tokenizer import load_tokenizer_info
-from tokenizer.sources import CorpusError
+from common.corpus import CorpusError
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from tests.helpers import REPO, tiny_overrides, write_tiny_corpus
-from tokenizer.conf import group_options
+from common.conf import group_options
 
 
 def ayumi_train(tmp_path: Path, *args: str, importtime: bool = False) -> subprocess.CompletedProcess:

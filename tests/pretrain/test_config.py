@@ -6,7 +6,7 @@ from pretrain.config import (
     default_run_notice, split_cli_args, to_object, total_steps,
 )
 from pretrain.ranges import unknown_rule_keys
-from tokenizer.conf import CONF_DIR
+from common.conf import CONF_DIR
 
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError
 
 import pretrain.stability.config as config_module
-from tokenizer.conf import CONF_DIR
+from common.conf import CONF_DIR
 from pretrain.stability.config import (
     InjectConfig, RecoveryConfig, StabilityConfig, StabilityConfigError, check_stability_config,
 )

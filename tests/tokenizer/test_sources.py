@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tokenizer.sources import (
+from common.corpus import (
     CorpusError, ReadStats, detect_format, expand_inputs, iter_documents, iter_file, parse_jsonl_block, read_jsonl_blocks,
 )
 
@@ -137,7 +137,7 @@ def test_read_stats_merge_caps_examples():
 
 
 def test_replace_dir_swaps_whole_folders_and_leaves_nothing_behind(tmp_path):
-    from tokenizer.files import replace_dir, write_text_atomic
+    from common.files import replace_dir, write_text_atomic
 
     target = tmp_path / "out"
     for version in ("v1", "v2"):

@@ -1,6 +1,6 @@
 """Streaming corpus readers: jsonl / plain text / parquet / `datasets` folders → `Document`s.
 
-Shared by the tokenizer builder and the data-preparation package (`data/` imports this module,
+Shared by the tokenizer builder and the data-preparation package (both import this module,
 never the reverse). Nothing here loads a whole file into memory: jsonl and text are read line by
 line (gzip / zstd decompressed on the fly), parquet one row group at a time, and a `datasets`
 folder through `load_from_disk`, which memory-maps its Arrow files.

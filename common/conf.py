@@ -1,7 +1,7 @@
 """Hydra's config tree and the Compose-API glue every ayumi command shares.
 
-It sits in the lowest package because imports follow the data flow (tokenizer → data →
-curriculum → pretrain): `ayumi tokenizer`, `ayumi data` and training all compose through here,
+It lives in `common/`, below the data flow (tokenizer → data → curriculum → pretrain), because
+`ayumi tokenizer`, `ayumi data` and training all compose through here,
 so they find the same tree (AYUMI_CONF_DIR included) and report a bad override the same way.
 The help helpers below make every command answer -h/--help alike: its usage and the config it reads.
 """

@@ -1,6 +1,6 @@
 """Atomic writes every command shares: a file or a whole folder appears complete or not at all.
 
-In the lowest package (imports follow tokenizer → data → curriculum → pretrain) so that the
+In `common/`, below every other package (imports follow tokenizer → data → curriculum → pretrain), so that the
 tokenizer builder, data preparation, checkpoints, the HF export and the run report all publish
 their outputs the same way: write under a temporary name beside the target, fsync, rename.
 """

@@ -1,0 +1,9 @@
+"""What every ayumi command shares, below the data flow (common → tokenizer → data → curriculum → pretrain).
+
+- `common.corpus`: streaming corpus readers (jsonl/text/parquet/`datasets` folders) used by the
+  tokenizer builder and data preparation alike;
+- `common.files`: atomic run files and folders (temporary name, fsync, rename);
+- `common.conf`: Hydra composition and the -h/--help text of every command.
+
+Nothing here imports another ayumi package.
+"""
