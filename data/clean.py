@@ -3,8 +3,8 @@
 `Cleaner(cfg)(text)` returns `(cleaned, None)` or `(None, reason)`; it holds no state, so any
 worker can clean any document and the result depends on the text alone. De-duplication needs
 state across documents and lives in the parent process (data/prepare.py); it uses
-`content_key`, the 16-byte identity of a cleaned document, which also decides the validation
-split and drives the train/val overlap check.
+`Cleaner.key` (`content_key` in the domain's `clean.dedup` mode), the 16-byte identity of a
+cleaned document, which also decides the validation split and drives the train/val overlap check.
 
 `DropCounts` tallies drops by reason and keeps the first few locations of each.
 """
@@ -73,6 +73,10 @@ class Cleaner:
             return None, "too_many_symbols"
         return text, None
 
+    def key(self, cleaned: str) -> bytes:
+        """The cleaned document's content key in this domain's `dedup` mode (one key serves de-dup and the split)."""
+        return content_key(cleaned, self.cfg.dedup)
+
 
 def script_share(text: str, script: str) -> float:
     """Share of the text's letters that belong to `script` (a key of _SCRIPT_CLASSES); 0 when it has no letters."""
@@ -119,11 +123,24 @@ def symbol_share(text: str) -> float:
     return len(_NOT_SYMBOL.sub("", text)) / len(text)
 
 
-def content_key(cleaned: str) -> bytes:
-    """16-byte identity of a cleaned document: blake2b of its NFKC form with all whitespace removed.
+def content_key(cleaned: str, mode: str) -> bytes:
+    """16-byte identity (blake2b-128) of a cleaned document under a `clean.dedup` mode.
 
-    Documents that differ only in spacing, line breaks or character width get the same key, so
-    de-duplication and the overlap check also catch copies that two domains cleaned differently.
+    "exact" and "off": the UTF-8 bytes of the cleaned text, so only byte-identical documents
+    (after the domain's own cleaning) share a key; code keeps the indentation that is its meaning.
+    "normalized": `normalized_key`, which also equates copies that differ in spacing or width.
+    """
+    if mode == "normalized":
+        return normalized_key(cleaned)
+    return hashlib.blake2b(cleaned.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
+def normalized_key(cleaned: str) -> bytes:
+    """blake2b-128 of the text's NFKC form with all whitespace removed (the `normalized` dedup mode).
+
+    Documents that differ only in spacing, line breaks or character width (ＡＢＣ１２３ and ABC123)
+    get the same key, so de-duplication also catches copies that were spaced or cleaned differently.
+    Case still matters.
     """
     canonical = cleaned
     if not cleaned.isascii() and not unicodedata.is_normalized("NFKC", cleaned):  # the check is ~20x cheaper

@@ -21,6 +21,7 @@ from common import corpus as sources
 
 NORMALIZATIONS = ("none", "NFC", "NFKC")
 SCRIPTS = ("none", "ja", "latin", "cjk", "hangul", "cyrillic")
+DEDUP_MODES = ("exact", "normalized", "off")  # CleanConfig.dedup
 START_METHODS = ("auto", "fork", "forkserver", "spawn")  # how data prepare starts its workers
 FORMATS = ("auto", *sources.FORMATS)  # the readers are common.corpus'
 TEXT_UNITS = sources.TEXT_UNITS
@@ -44,8 +45,12 @@ class CleanConfig:
     """Drop documents shorter than this many characters after cleaning (reason: too_short)."""
     max_chars: int = 0
     """Drop documents longer than this many characters after cleaning; 0 = no limit (reason: too_long)."""
-    dedup: bool = True
-    """Drop exact duplicates (by content key) within and across the domain's files (reason: duplicate)."""
+    dedup: str = "exact"
+    """Duplicate removal within and across the domain's files, by content key (reason: duplicate); the key also
+    decides the validation split. exact: drop byte-identical texts after this domain's cleaning (indentation
+    and width kept); normalized: also copies differing only in whitespace or NFKC width (ＡＢＣ１２３ = ABC123;
+    case kept); off: keep every document (split by the exact key). Domains that share documents need the same
+    mode and cleaning: only then does a shared document get the same key, split and overlap check everywhere."""
     script: str = "none"
     """The domain's script for the quality filter: none, ja (kana+kanji), latin, cjk, hangul, cyrillic."""
     min_script_share: float = 0.0
@@ -174,6 +179,11 @@ def check_domain_config(name: str, domain: DomainConfig) -> None:
     clean = domain.clean
     _choice(f"{key}.clean.normalize", clean.normalize, NORMALIZATIONS)
     _choice(f"{key}.clean.script", clean.script, SCRIPTS)
+    if clean.dedup in ("True", "False", "true", "false"):  # YAML/CLI true/false arrive as strings
+        raise ConfigError(
+            f"{key}.clean.dedup={clean.dedup} is a switch, but dedup is now a mode. Fix: exact (byte-identical "
+            "after cleaning), normalized (what true used to mean: also whitespace/width-only differences) or off.")
+    _choice(f"{key}.clean.dedup", clean.dedup, DEDUP_MODES)
     if clean.min_chars < 0 or clean.max_chars < 0:
         raise ConfigError(f"{key}.clean: min_chars/max_chars must be >= 0 (got {clean.min_chars}/{clean.max_chars}).")
     if clean.max_chars and clean.max_chars < clean.min_chars:

@@ -381,8 +381,8 @@ class Deduper:
     1.6 GB per 100 M kept documents (a Python set took ~83 bytes each).
     """
 
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
+    def __init__(self, mode: str):
+        self.enabled = mode != "off"  # the domain's clean.dedup; the keys come in that mode from the workers
         self._seen = KeySet()
 
     def first_seen(self, keys: np.ndarray) -> np.ndarray:
@@ -520,7 +520,9 @@ def prepare_domains(jobs: list[DomainJob], pool: ChunkPool, root: Path, cfg: Dat
 def _domain_record(name: str, domain: DomainConfig, fingerprint: str, inputs: list[dict], packed: dict) -> dict:
     stats: ReadStats = packed["stats"]
     drops: DropCounts = packed["drops"]
-    dropped = dict(sorted({**stats.skipped, **drops.counts}.items()))
+    # Documents: docs_read == docs_kept + sum(dropped). Reader skips (bad records, empty or broken
+    # files) never became documents: counted apart in `skipped`; their locations share drop_examples.
+    dropped = dict(sorted(drops.counts.items()))
     examples = dict(sorted({**stats.examples, **drops.examples}.items()))
     splits = {split: record for split, record in packed["splits"].items() if record["docs"]}
     return {
@@ -533,6 +535,7 @@ def _domain_record(name: str, domain: DomainConfig, fingerprint: str, inputs: li
         "text_bytes": packed["text_bytes"],
         "docs_kept": sum(record["docs"] for record in splits.values()),
         "dropped": dropped,
+        "skipped": dict(sorted(stats.skipped.items())),
         "drop_examples": examples,
         "tokens": sum(record["tokens"] for record in splits.values()),
         "splits": splits,
@@ -552,21 +555,30 @@ def _check_not_empty(name: str, domain: DomainConfig, record: dict) -> None:
         )
     reasons = ", ".join(
         f"{reason}={count}" + (f" ({key}.{REASON_KEYS[reason]})" if reason in REASON_KEYS else "")
-        for reason, count in sorted(record["dropped"].items(), key=lambda item: -item[1])
+        for reason, count in sorted({**record["skipped"], **record["dropped"]}.items(), key=lambda item: -item[1])
     ) or "nothing was dropped: the inputs hold no documents"
     raise EmptyDomainError(
         f"domain {name!r} is empty: {record['files_read']} files read, {record['docs_read']} documents, none kept. "
-        f"Dropped by: {reasons}. Fix: check {key}.inputs/format/text_field, or loosen those filters."
+        f"Dropped or skipped by: {reasons}. Fix: check {key}.inputs/format/text_field, or loosen those filters."
     )
 
 
 def _log_domain(name: str, domain: DomainConfig, record: dict) -> None:
-    """One line of counts per domain, and a warning when a requested validation split came out empty."""
-    dropped = ", ".join(f"{reason}={count:,}" for reason, count in record["dropped"].items()) or "nothing"
+    """One line of counts per domain, and a warning when a requested validation split came out empty.
+
+    The counts add up: kept + dropped = docs read; reader skips are not documents and are listed apart.
+    """
+    def counts(by_reason: dict) -> str:  # "3: duplicate=1, too_short=2", or "0"
+        listed = ", ".join(f"{reason}={count:,}" for reason, count in by_reason.items())
+        return f"{sum(by_reason.values()):,}: {listed}" if listed else "0"
+
+    skipped = record["skipped"]
+    skipped = f"; readers skipped {counts(skipped)} (bad records/files, not docs)" if skipped else ""
     splits = record["splits"]
-    log.info("%s: kept %s of %s docs (dropped: %s); train %s tokens, val %s docs / %s tokens", name,
-             f"{record['docs_kept']:,}", f"{record['docs_read']:,}", dropped, f"{splits['train']['tokens']:,}",
-             f"{splits.get('val', {}).get('docs', 0):,}", f"{splits.get('val', {}).get('tokens', 0):,}")
+    log.info("%s: kept %s of %s docs (dropped %s)%s; train %s tokens, val %s docs / %s tokens", name,
+             f"{record['docs_kept']:,}", f"{record['docs_read']:,}", counts(record["dropped"]), skipped,
+             f"{splits['train']['tokens']:,}", f"{splits.get('val', {}).get('docs', 0):,}",
+             f"{splits.get('val', {}).get('tokens', 0):,}")
     if (domain.val_fraction > 0 or domain.val_count > 0) and "val" not in splits:
         log.warning("%s: no document fell into the validation split (val_fraction=%s of %d docs); "
                     "raise data.domains.%s.val_fraction or use val_count", name, domain.val_fraction,

@@ -38,7 +38,7 @@ from typing import Iterable, Iterator, NamedTuple
 
 import numpy as np
 
-from data.clean import Cleaner, content_key
+from data.clean import Cleaner
 from data.config import CleanConfig
 from common.corpus import parse_jsonl_block
 
@@ -99,7 +99,7 @@ class ChunkResult(NamedTuple):
     reasons: list
     """Per document: None when kept, else its drop reason."""
     keys: bytes
-    """16 bytes per kept document (data.clean.content_key)."""
+    """16 bytes per kept document (data.clean.Cleaner.key: the domain's dedup mode)."""
     lengths: np.ndarray
     """Tokens of each kept document, the EOS appended to it included."""
     tokens: np.ndarray
@@ -120,7 +120,7 @@ def encode_chunk(clean: dict, texts: list[str]) -> ChunkResult:
     Duplicates inside the chunk are dropped here, before paying for their encoding.
     """
     cleaner = _cleaner(clean)
-    dedup = clean["dedup"]
+    dedup = clean["dedup"] != "off"
     reasons: list[str | None] = []
     kept_texts: list[str] = []
     keys: list[bytes] = []
@@ -130,7 +130,7 @@ def encode_chunk(clean: dict, texts: list[str]) -> ChunkResult:
         text_bytes += len(text.encode("utf-8", "surrogatepass"))
         cleaned, reason = cleaner(text)
         if reason is None:
-            key = content_key(cleaned)
+            key = cleaner.key(cleaned)
             if dedup and key in seen:
                 reason = "duplicate"
             else:

@@ -50,13 +50,37 @@ def test_script_share():
     assert symbol_share("a!") == 0.5 and symbol_share("") == 0.0
 
 
-def test_content_key_ignores_spacing_and_width_only():
-    key = content_key("Hello world\nsecond line")
+def test_normalized_key_ignores_spacing_and_width_only():
+    key = content_key("Hello world\nsecond line", "normalized")
     assert len(key) == 16
-    assert content_key("Hello  world second\tline") == key
-    assert content_key("Ｈｅｌｌｏ world\nsecond line") == key  # full-width letters: NFKC folds them
-    assert content_key("Hello world\nsecond line!") != key
-    assert content_key("hello world\nsecond line") != key  # case matters
+    assert content_key("Hello  world second\tline", "normalized") == key
+    assert content_key("Ｈｅｌｌｏ world\nsecond line", "normalized") == key  # full-width letters: NFKC folds them
+    assert content_key("Hello world\nsecond line!", "normalized") != key
+    assert content_key("hello world\nsecond line", "normalized") != key  # case matters
+
+
+PY_4 = "def f(x):\n    if x:\n        return 1\n    return 2"
+PY_2 = "def f(x):\n  if x:\n    return 1\n  return 2"  # the same code, indented by 2
+
+
+@pytest.mark.parametrize("mode", ["exact", "off"])
+def test_exact_key_is_the_cleaned_bytes(mode):
+    for text in (PY_4, "ＡＢＣ１２３ full width", "plain"):
+        assert content_key(text, mode) == hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
+    assert content_key(PY_4, mode) != content_key(PY_2, mode)
+    assert content_key("ＡＢＣ１２３", mode) != content_key("ABC123", mode)
+
+
+def test_cleaner_key_follows_the_domain_dedup_mode():
+    # A code domain (NFC, indentation kept): indentation and width are content under exact only.
+    exact, normalized = (Cleaner(CleanConfig(normalize="NFC", dedup=mode)) for mode in ("exact", "normalized"))
+    (py_4, _), (py_2, _) = exact(PY_4), exact(PY_2)
+    assert py_4 != py_2, "cleaning keeps the indentation"
+    assert exact.key(py_4) != exact.key(py_2) and normalized.key(py_4) == normalized.key(py_2)
+    wide, narrow = exact("ＡＢＣ１２３")[0], exact("ABC123")[0]
+    assert wide == "ＡＢＣ１２３", "NFC keeps the width"
+    assert exact.key(wide) != exact.key(narrow) and normalized.key(wide) == normalized.key(narrow)
+    assert exact.key(py_4) == exact.key(exact(PY_4 + "  \n\n")[0]), "what cleaning removes is not content"
 
 
 def test_drop_counts_keep_first_locations_only():
@@ -80,14 +104,14 @@ def _tidy_by_definition(text: str, collapse_spaces: bool) -> str:
 
 
 def _key_by_definition(text: str) -> bytes:
-    """content_key's definition: blake2b-128 of the NFKC form with every whitespace character removed."""
+    """The normalized key's definition: blake2b-128 of the NFKC form with every whitespace character removed."""
     canonical = "".join(unicodedata.normalize("NFKC", text).split())
     return hashlib.blake2b(canonical.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 def test_fast_paths_agree_with_the_plain_definitions():
     # Every whitespace and control character Python knows, full-width forms, and kana: the
-    # byte-level shortcuts in tidy_whitespace and content_key must not change a single result.
+    # byte-level shortcuts in tidy_whitespace and the normalized key must not change a single result.
     alphabet = list("ab \t\n\r\x00\x07\x0b\x0c\x1c\x1f\x7f\ufeff\x85\xa0\u1680\u2000\u200a\u2028\u2029\u202f"
                     "\u205f\u3000ｱＡ漢アé①")
     rng = random.Random(0)
@@ -96,4 +120,4 @@ def test_fast_paths_agree_with_the_plain_definitions():
     for text in texts:
         for collapse in (False, True):
             assert tidy_whitespace(text, collapse) == _tidy_by_definition(text, collapse), repr(text)
-        assert content_key(text) == _key_by_definition(text), repr(text)
+        assert content_key(text, "normalized") == _key_by_definition(text), repr(text)

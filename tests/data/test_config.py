@@ -68,6 +68,8 @@ def test_missing_tokenizer_dir_is_named():
     (["data.domains.en.val_fraction=0.1", "data.domains.en.val_count=5"], "not both"),
     (["data.domains.en.val_fraction=1.5"], "val_fraction"),
     (["data.domains.en.clean.normalize=NFD"], "normalize"),
+    (["data.domains.en.clean.dedup=fuzzy"], r"data\.domains\.en\.clean\.dedup='fuzzy' is not one of exact, normalized, off"),
+    (["data.domains.en.clean.dedup=true"], r"data\.domains\.en\.clean\.dedup=True is a switch.*normalized \(what true used to mean"),
     (["data.domains.en.clean.script=none", "data.domains.en.clean.min_script_share=0.5"], "needs data.domains.en.clean.script"),
     (["workers=-1"], "workers"),
 ])

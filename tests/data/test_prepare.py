@@ -6,6 +6,7 @@ kill, bad inputs, empty domains, and the tokenizer-sha contract with training.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import re
 import subprocess
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
-from data.clean import Cleaner, content_key
+from data.clean import Cleaner
 from data.config import CleanConfig
 from data.manifest import KEYS_NAME, MANIFEST_NAME, check_manifest_tokenizer, load_manifest
 from data.packed import PackedSamples, domains_under
@@ -54,8 +55,8 @@ def expected_splits(texts: list[str], clean: CleanConfig, val_fraction: float) -
         cleaned, reason = cleaner(text)
         if reason:
             continue
-        key = content_key(cleaned)
-        if key in seen:
+        key = cleaner.key(cleaned)
+        if key in seen and clean.dedup != "off":
             continue
         seen.add(key)
         split = "val" if int.from_bytes(key[:8], "big") < split_threshold(val_fraction) else "train"
@@ -278,19 +279,79 @@ def test_bad_inputs_are_skipped_counted_and_located(tmp_path, tokenizer_dir, en_
     (tmp_path / "in" / "broken.jsonl.gz").write_bytes(gzip.compress(b'{"text": "x"}\n' * 100)[:12])
     cfg = make_config(tmp_path / "root", tokenizer_dir, {"en": domain([tmp_path / "in" / "*"])}, workers=workers)
     record = prepare(cfg)["domains"]["en"]
-    dropped, examples = record["dropped"], record["drop_examples"]
+    skipped, examples = record["skipped"], record["drop_examples"]
     assert record["files_read"] == 3 and record["docs_read"] == 31  # the broken file is not "read"
-    assert dropped["malformed_json"] == 1 and examples["malformed_json"] == [f"{bad}:2"]
-    assert dropped["invalid_utf8"] == 1 and examples["invalid_utf8"] == [f"{bad}:3"]
-    assert dropped["missing_field"] == 1 and examples["missing_field"] == [f"{bad}:4"]
-    assert dropped["not_a_string"] == 1
-    assert dropped["empty_file"] == 1 and examples["empty_file"] == [str(tmp_path / "in" / "empty.jsonl")]
-    assert dropped["unreadable_file"] == 1 and "broken.jsonl.gz" in examples["unreadable_file"][0]
-    assert record["docs_kept"] == 31
+    assert skipped["malformed_json"] == 1 and examples["malformed_json"] == [f"{bad}:2"]
+    assert skipped["invalid_utf8"] == 1 and examples["invalid_utf8"] == [f"{bad}:3"]
+    assert skipped["missing_field"] == 1 and examples["missing_field"] == [f"{bad}:4"]
+    assert skipped["not_a_string"] == 1
+    assert skipped["empty_file"] == 1 and examples["empty_file"] == [str(tmp_path / "in" / "empty.jsonl")]
+    assert skipped["unreadable_file"] == 1 and "broken.jsonl.gz" in examples["unreadable_file"][0]
+    assert record["docs_kept"] == 31 and record["dropped"] == {}, "reader skips are not dropped documents"
     # strict: the first bad record is an error naming the file and line.
     cfg.strict = True
     with pytest.raises(CorpusError, match=r"bad\.jsonl:2: malformed JSON"):
         prepare(cfg)
+
+
+def test_counts_add_up_in_the_record_and_the_log_line(tmp_path, tokenizer_dir, en_texts, caplog):
+    # Reader skips (jsonl and plain-text readers, records and a whole file), filter drops and
+    # duplicates together: kept + dropped == docs read, and the skips are reported apart.
+    (tmp_path / "in").mkdir()
+    bad = tmp_path / "in" / "a.jsonl"
+    bad.write_bytes(
+        b"".join(json.dumps({"text": text}).encode() + b"\n" for text in en_texts[:20])
+        + b'{"text": "unterminated\n' + b"[1, 2]\n" + json.dumps({"text": ""}).encode() + b"\n"
+        + json.dumps({"text": "short"}).encode() + b"\n"
+        + b"".join(json.dumps({"text": text}).encode() + b"\n" for text in en_texts[:3])  # duplicates
+    )
+    (tmp_path / "in" / "b.txt").write_bytes(b"another short line\n\xff\xfe not utf-8\n"
+                                            + en_texts[25].replace("\n", " ").encode() + b"\n")
+    (tmp_path / "in" / "c.jsonl").write_bytes(b"")
+    cfg = make_config(tmp_path / "root", tokenizer_dir, {
+        "en": domain([tmp_path / "in" / "*"], clean=CleanConfig(min_chars=30))}, workers=2)
+    caplog.set_level("INFO", logger="ayumi.data")
+    record = prepare(cfg)["domains"]["en"]
+    assert record["dropped"] == {"duplicate": 3, "too_short": 2}
+    assert record["skipped"] == {"empty_file": 1, "empty_text": 1, "invalid_utf8": 1, "malformed_json": 1,
+                                 "missing_field": 1}
+    assert record["docs_read"] == 20 + 1 + 3 + 2 == 26, "documents that reached the filters, skips not among them"
+    assert record["docs_kept"] == 21
+    assert record["docs_kept"] + sum(record["dropped"].values()) == record["docs_read"]
+    line = next(message for message in caplog.messages if message.startswith("en: kept"))
+    kept, read, dropped = map(int, re.match(r"en: kept (\d+) of (\d+) docs \(dropped (\d+): ", line).groups())
+    assert (kept, read, dropped) == (21, 26, 5) and kept + dropped == read
+    assert "duplicate=3, too_short=2)" in line
+    assert "readers skipped 5: empty_file=1, empty_text=1, invalid_utf8=1, malformed_json=1, missing_field=1" in line
+
+
+def _decoded_docs(root: Path, name: str, tokenizer_dir: Path) -> list[str]:
+    sp = spm.SentencePieceProcessor(model_file=str(tokenizer_dir / "tokenizer.model"))
+    return [sp.decode(doc[:-1].tolist()) for split in ("train", "val") for doc in read_split(root, name, split)]
+
+
+@pytest.mark.parametrize("mode, kept", [
+    ("exact", ["py4", "py2", "wide", "narrow"]),  # only the byte-identical copy goes
+    ("normalized", ["py4", "wide"]),  # also indentation and width
+    ("off", ["py4", "py2", "py4", "wide", "narrow"]),
+])
+def test_dedup_mode_decides_what_is_a_duplicate(tmp_path, tokenizer_dir, mode, kept):
+    texts = {
+        "py4": "def area(width, height):\n    if width < 0:\n        return 0\n    return width * height",
+        "py2": "def area(width, height):\n  if width < 0:\n    return 0\n  return width * height",
+        "wide": "Ｍｏｄｅｌ ＡＢＣ１２３ costs ｄｏｌｌａｒｓ",
+        "narrow": "Model ABC123 costs dollars",
+    }
+    order = ["py4", "py2", "py4", "wide", "narrow"]
+    path = write_jsonl(tmp_path / "in" / "code.jsonl", [texts[name] for name in order])
+    clean = CleanConfig(normalize="NFC", dedup=mode)
+    root = tmp_path / "root"
+    record = prepare(make_config(root, tokenizer_dir, {"code": domain([path], clean=clean)}))["domains"]["code"]
+    assert _decoded_docs(root, "code", tokenizer_dir) == [texts[name] for name in kept]
+    assert record["docs_kept"] == len(kept) and record["dropped"].get("duplicate", 0) == len(order) - len(kept)
+    if mode != "normalized":  # the key on disk is the exact key: blake2b of the cleaned bytes, nothing folded
+        exact = [hashlib.blake2b(texts[name].encode(), digest_size=16).digest() for name in kept]
+        assert split_keys(root, "code", "train") == exact
 
 
 def test_input_pattern_matching_nothing_names_the_domain(tmp_path, tokenizer_dir):
