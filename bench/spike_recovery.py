@@ -102,7 +102,7 @@ def write_corpus(root: Path, max_train_bytes: int, max_val_bytes: int) -> dict:
     """code/ and docs/ domains, train/ and val/ split by source file; returns byte counts."""
     import numpy as np
 
-    from data.shards import ShardWriter
+    from data.token_root import TokenRoot
 
     files = stdlib_files()
     if not files:
@@ -117,17 +117,18 @@ def write_corpus(root: Path, max_train_bytes: int, max_val_bytes: int) -> dict:
         text = raw.decode("utf-8", "replace")
         docs[("docs", split)] += [d.encode("utf-8", errors="replace") for d in docstrings(text)]
     sizes = {}
-    for (domain, split), items in docs.items():
-        cap = max_train_bytes if split == "train" else max_val_bytes
-        total = 0
-        with ShardWriter(root / domain / split / "shard_00000", vocab_size=VOCAB) as writer:
-            for item in items:
-                if total >= cap:
-                    break
-                item = item[:cap - total]
-                writer.add_document(np.append(np.frombuffer(item, dtype=np.uint8).astype(np.int64), EOS))
-                total += len(item) + 1
-        sizes[f"{domain}/{split}"] = total
+    with TokenRoot(root, vocab_size=VOCAB, eos_id=EOS, name="stdlib") as out:
+        for (domain, split), items in docs.items():
+            cap = max_train_bytes if split == "train" else max_val_bytes
+            total = 0
+            with out.shard(domain, split) as writer:
+                for item in items:
+                    if total >= cap:
+                        break
+                    item = item[:cap - total]
+                    writer.add_document(np.append(np.frombuffer(item, dtype=np.uint8).astype(np.int64), EOS))
+                    total += len(item) + 1
+            sizes[f"{domain}/{split}"] = total
     (root / "corpus.json").write_text(json.dumps(sizes))
     return sizes
 

@@ -101,27 +101,28 @@ def write_corpus(root: Path, vocab: int, min_tokens: int, seed: int = 0) -> Path
     """
     import numpy as np
 
-    from data.shards import ShardWriter
+    from data.token_root import TokenRoot
 
     sources = {
         "code": sorted(p for pkg in ("pretrain", "data", "tokenizer", "curriculum") for p in (REPO / pkg).rglob("*.py")),
         "docs": sorted([*REPO.glob("conf/**/*.yaml"), *REPO.glob("*.md"), *REPO.glob("bench/*.py")]),
     }
     rng = np.random.default_rng(seed)
-    for domain, paths in sources.items():
-        docs = [np.frombuffer(p.read_bytes(), dtype=np.uint8).astype(np.int64) for p in paths if p.is_file()]
-        docs = [np.append(d, EOS) for d in docs if d.size]
-        if not docs:
-            docs = [np.arange(256, dtype=np.int64)]
-        spread = vocab > 1024
-        with ShardWriter(root / domain / "train" / "shard_00000", vocab_size=vocab if spread else 257) as writer:
-            total = 0
-            while total < min_tokens:
-                for doc in docs:
-                    if spread:  # same structure, ids over the whole vocabulary
-                        doc = (doc * 131 + rng.integers(0, vocab // 257, size=doc.size) * 257) % vocab
-                    writer.add_document(doc)
-                    total += doc.size
+    spread = vocab > 1024
+    with TokenRoot(root, vocab_size=vocab if spread else 257, eos_id=EOS, name="repo") as out:
+        for domain, paths in sources.items():
+            docs = [np.frombuffer(p.read_bytes(), dtype=np.uint8).astype(np.int64) for p in paths if p.is_file()]
+            docs = [np.append(d, EOS) for d in docs if d.size]
+            if not docs:
+                docs = [np.arange(256, dtype=np.int64)]
+            with out.shard(domain, "train") as writer:
+                total = 0
+                while total < min_tokens:
+                    for doc in docs:
+                        if spread:  # same structure, ids over the whole vocabulary
+                            doc = (doc * 131 + rng.integers(0, vocab // 257, size=doc.size) * 257) % vocab
+                        writer.add_document(doc)
+                        total += doc.size
     return root
 
 

@@ -29,8 +29,10 @@ from typing import Any, Mapping
 from curriculum.config import CurriculumConfig, config_problems, domains_used, enabled, max_repetition
 from curriculum.mixer import MixtureSchedule
 from curriculum.repetition import repetition_problems, shuffled_epochs, shuffled_repetition_problems
-from data.packed import PackedSamples, domains_under
-from data.shards import ShardFormatError, ShardReader, find_shards
+from data.domains import open_run_data
+from data.manifest import ManifestError
+from data.packed import PackedSamples
+from data.shards import ShardFormatError
 
 BYTES_PER_PARAM = {  # (ZeRO stage, precision) -> checkpoint bytes per parameter (module doc)
     **{(0, p): 2 + 4 + 8 for p in ("bf16", "fp16")}, (0, "fp32"): 4 + 8,
@@ -164,13 +166,10 @@ class Plan:
 
 # -- data --------------------------------------------------------------------------------------------
 def available_samples(data_root: str | os.PathLike, seq_len: int) -> tuple[dict[str, int], dict[str, int]]:
-    """(tokens, samples) per domain found under DATA_ROOT/<domain>/train, counted from the shard headers."""
-    tokens, samples = {}, {}
-    for name, directory in domains_under(data_root, "train").items():
-        readers = [ShardReader(prefix) for prefix in find_shards(directory)]
-        packed = PackedSamples(readers, seq_len, name)
-        tokens[name], samples[name] = packed.num_tokens, len(packed)
-    return tokens, samples
+    """(tokens, samples) per domain of DATA_ROOT's manifest, counted from the shard indices (sizes checked, no checksums)."""
+    _, train, _ = open_run_data(data_root, None, seq_len, verify="sizes", validation=False)
+    return ({name: domain.num_tokens for name, domain in train.items()},
+            {name: len(domain) for name, domain in train.items()})
 
 
 SHUFFLED = "none (all domains shuffled)"
@@ -361,7 +360,7 @@ def plan_from_config(cfg: Any, num_parameters: int, tokens_per_s: float | None =
     else:
         try:
             tokens, counts = available_samples(cfg.data.root, train.seq_len)
-        except ShardFormatError as err:
+        except (ShardFormatError, ManifestError) as err:
             plan = make_plan(curriculum, run, None, None, shape, tokens_per_s, free_bytes)
             plan.problems.insert(0, PlanProblem("data", f"{err} (per-domain availability and repetition are unchecked)"))
             return plan

@@ -1,7 +1,8 @@
-"""`ayumi data prepare|inspect`: corpus files to token shards, and a look at what was made.
+"""`ayumi data prepare|inspect|verify`: corpus files to token shards, a look at what was made, a full check.
 
     ayumi data prepare data=NAME tokenizer_dir=DIR [key=value ...] [--cfg job]
     ayumi data inspect DATA_ROOT [--samples N] [--chars N] [--tokenizer-dir DIR]
+    ayumi data verify DATA_ROOT
 
 `prepare` composes `conf/data_prepare.yaml` with Hydra's Compose API (overrides as in any ayumi
 command; `--cfg job` prints the resolved config and exits).
@@ -19,6 +20,7 @@ from common.conf import asks_for_help, command_help, composed_from, config_help
 
 USAGE = __doc__.split("\n\n")[1]
 INSPECT_READS = "no config from conf/: DATA_ROOT's manifest.json and shards (and the tokenizer they name, to decode)"
+VERIFY_READS = "no config from conf/: DATA_ROOT's manifest.json, domain records and every shard byte"
 
 
 def prepare_help() -> str:
@@ -131,11 +133,37 @@ def inspect_main(argv: list[str]) -> int:
     return 0
 
 
+def verify_main(argv: list[str]) -> int:
+    """`ayumi data verify DATA_ROOT`: 0 when every shard matches its record, 1 with one line per problem."""
+    from data.integrity import verify_root
+    from data.manifest import ManifestError, load_manifest
+
+    parser = argparse.ArgumentParser(
+        prog="ayumi data verify", epilog=config_help(VERIFY_READS, overrides=False),
+        description="read every shard of a data root in full: files, sizes, counts, sha256 and every id below the vocabulary")
+    parser.add_argument("root", help="DATA_ROOT written by `ayumi data prepare`")
+    args = parser.parse_args(argv)
+    try:
+        manifest = load_manifest(args.root)
+    except ManifestError as err:
+        print(f"ayumi data verify: error: {err}", file=sys.stderr)
+        return 1
+    problems = verify_root(args.root, manifest)
+    for problem in problems:
+        print(f"ayumi data verify: {problem}", file=sys.stderr)
+    shards = manifest["totals"]["shards"]
+    if problems:
+        print(f"{len(problems)} problem(s) in {args.root} ({shards} shards)", file=sys.stderr)
+        return 1
+    print(f"{args.root}: all {shards} shards match their records ({manifest['totals']['tokens']:,} tokens checked)")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     """Entry of `ayumi data ...` (called by pretrain/cli.py)."""
     if not argv or argv[0] in ("-h", "--help", "help"):
-        print(f"usage: ayumi data prepare | inspect [ARGS]\n{USAGE}\n\nconfig: prepare reads "
-              f"{composed_from('data_prepare', 'data')}; inspect reads no config from conf/. "
+        print(f"usage: ayumi data prepare | inspect | verify [ARGS]\n{USAGE}\n\nconfig: prepare reads "
+              f"{composed_from('data_prepare', 'data')}; inspect and verify read no config from conf/. "
               "`ayumi data VERB --help` says more.")
         return 0
     command, rest = argv[0], argv[1:]
@@ -146,5 +174,7 @@ def main(argv: list[str]) -> int:
         return prepare_main(rest)
     if command == "inspect":
         return inspect_main(rest)
+    if command == "verify":
+        return verify_main(rest)
     print(f"ayumi data: unknown command {command!r}\nusage:\n{USAGE}", file=sys.stderr)
     return 2

@@ -79,6 +79,15 @@ class DomainConfig:
     """Size cap of one shard's .bin in MiB; a document is never split, so one longer document makes a bigger shard."""
     clean: CleanConfig = field(default_factory=CleanConfig)
     """Cleaning and quality filters of this domain."""
+    megatron: str = ""
+    """Existing Megatron shards instead of `inputs` (bring your own data): prefixes as in Megatron's --data-path,
+    `"PREFIX PREFIX ..."` or weighted `"0.7 PREFIX 0.3 PREFIX"`, or a folder (every *.idx in it). They are checked
+    against `tokenizer_dir` (the tokenizer they were made with) and recorded, never copied or re-tokenized."""
+    megatron_val: str = ""
+    """Megatron prefixes (same forms as `megatron`) to use as this domain's validation set."""
+    append_eod: bool = False
+    """Megatron data only: true when its documents do not end with the tokenizer's EOS (preprocessed without
+    --append-eod); training then reads an EOS after every document. false: every document must end with EOS."""
 
 
 @dataclass
@@ -100,7 +109,8 @@ class DataPrepareConfig:
     data: DataConfig = field(default_factory=DataConfig)
     """The data set to prepare (pick a preset with `data=NAME`)."""
     tokenizer_dir: str = MISSING
-    """Folder holding tokenizer.model (+ tokenizer_meta.json), e.g. the output of `ayumi tokenizer build`."""
+    """The tokenizer: an `ayumi tokenizer build` folder or a SentencePiece .model (either can tokenize corpus
+    inputs), or a Hugging Face tokenizer folder (Megatron domains only: it names what made their ids)."""
     workers: int = 2
     """Tokenizer worker processes; 0 = tokenize in this process. Output bytes are identical for any value."""
     strict: bool = False
@@ -161,8 +171,17 @@ def prepare_config(cfg: Any) -> DataPrepareConfig:
 def check_domain_config(name: str, domain: DomainConfig) -> None:
     """Raise ConfigError for values Hydra's type check cannot catch (ranges, choices, exclusive options)."""
     key = f"data.domains.{name}"
+    if domain.megatron and domain.inputs:
+        raise ConfigError(f"{key}: set inputs (corpus files to tokenize) or megatron (existing Megatron shards), not both.")
+    if domain.megatron_val and not domain.megatron:
+        raise ConfigError(f"{key}.megatron_val needs {key}.megatron (validation prefixes belong to a Megatron domain).")
+    if domain.append_eod and not domain.megatron:
+        raise ConfigError(f"{key}.append_eod applies to Megatron data only (corpus documents always end with EOS).")
+    if domain.megatron:
+        return  # the prefixes are checked when they are read (data/megatron.py)
     if not domain.inputs:
-        raise ConfigError(f"{key}.inputs is empty. Fix: {key}.inputs=['/path/to/*.jsonl']")
+        raise ConfigError(f"{key}.inputs is empty. Fix: {key}.inputs=['/path/to/*.jsonl'], or {key}.megatron=PREFIXES "
+                          "for data already in Megatron's .bin/.idx format")
     _choice(f"{key}.format", domain.format, FORMATS)
     _choice(f"{key}.text_unit", domain.text_unit, TEXT_UNITS)
     if not 0.0 <= domain.val_fraction < 1.0:

@@ -4,8 +4,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from data.manifest import load_manifest
-from data.shards import ShardReader, find_shards
+from data.manifest import load_manifest, shard_prefix
+from data.shards import ShardReader
 
 
 def _number(value: float) -> str:
@@ -35,50 +35,48 @@ def summary_table(manifest: dict) -> list[str]:
 
 
 def drop_lines(manifest: dict) -> list[str]:
-    """Per domain, what was dropped and why, with the first location of each reason."""
+    """Per domain, what was dropped (and what the reader skipped) and why, with the first location of each reason."""
     lines = []
     for name, record in manifest["domains"].items():
-        for reason, count in record["dropped"].items():
-            where = record.get("drop_examples", {}).get(reason, [])
-            lines.append(f"  {name}: {reason}={count:,}" + (f" (e.g. {where[0]})" if where else ""))
+        for kind in ("dropped", "skipped"):
+            for reason, count in record.get(kind, {}).items():
+                where = record.get("drop_examples", {}).get(reason, [])
+                label = "" if kind == "dropped" else " (skipped by the reader: not a document)"
+                lines.append(f"  {name}: {reason}={count:,}{label}" + (f" (e.g. {where[0]})" if where else ""))
     return lines
 
 
 def _decoder(manifest: dict, tokenizer_dir: str | None):
-    """A decode function for the manifest's tokenizer, or (None, reason) when it is not available."""
-    from tokenizer import load_tokenizer_info
+    """A decode function for the manifest's tokenizer (any declared kind), or (None, reason) when it is not available."""
+    from tokenizer.declared import load_declared_tokenizer
+    from tokenizer.info import TokenizerNotFoundError
 
     expected = manifest["tokenizer"]["sha256"]
-    if tokenizer_dir:
-        info = load_tokenizer_info(tokenizer_dir)
-        model_path, sha = info.model_path, info.sha256
-    else:
-        from tokenizer import tokenizer_sha256
-
-        model_path = Path(manifest["tokenizer"]["model_path"])
-        if not model_path.is_file():
-            return None, f"tokenizer {model_path} not found (pass --tokenizer-dir): showing token ids"
-        sha = tokenizer_sha256(model_path)
-    if sha != expected:
-        return None, (f"tokenizer {model_path} has sha256 {sha[:12]}…, the shards were made with {expected[:12]}…: "
-                      "showing token ids")
-    import sentencepiece as spm
-
-    processor = spm.SentencePieceProcessor(model_file=str(model_path))
-    return processor.decode, None
+    path = tokenizer_dir or manifest["tokenizer"]["model_path"]
+    if not path:
+        return None, "the manifest names no tokenizer (pass --tokenizer-dir): showing token ids"
+    try:
+        tokenizer = load_declared_tokenizer(path)
+    except TokenizerNotFoundError as err:
+        if tokenizer_dir:
+            raise
+        return None, f"{err} (pass --tokenizer-dir): showing token ids"
+    if tokenizer.sha256 != expected:
+        return None, (f"tokenizer {path} has sha256 {tokenizer.sha256[:12]}…, the shards were made with "
+                      f"{str(expected)[:12]}…: showing token ids")
+    return tokenizer.decode, None
 
 
 def sample_lines(root: Path, manifest: dict, samples: int, chars: int, tokenizer_dir: str | None) -> list[str]:
     """The first `samples` documents of each domain's train and val shards, decoded (EOS shown as ⟨eos⟩)."""
     decode, note = _decoder(manifest, tokenizer_dir)
     lines = [f"({note})"] if note else []
-    eos = manifest["tokenizer"]["eos_id"]
     for name, record in manifest["domains"].items():
-        for split in record["splits"]:
-            prefixes = find_shards(root / name / split)
-            if not prefixes:
+        eos = record["tokenizer"].get("eos_id")
+        for split, info in record["splits"].items():
+            if not info["shards"]:
                 continue
-            reader = ShardReader(prefixes[0])
+            reader = ShardReader(shard_prefix(root, name, split, info["shards"][0]))
             for index in range(min(samples, len(reader))):
                 ids = reader[index].tolist()
                 has_eos = bool(ids) and ids[-1] == eos
@@ -96,13 +94,19 @@ def inspect_root(root: str | os.PathLike, samples: int = 2, chars: int = 160, to
     tokenizer = manifest["tokenizer"]
     overlap = manifest["overlap_check"]
     lines = [
-        f"data root {root} ({manifest['name']}): tokenizer {tokenizer['model_path']} sha256 {tokenizer['sha256'][:16]}… "
+        f"data root {root} ({manifest['name']}): tokenizer {tokenizer['model_path']} sha256 {str(tokenizer['sha256'])[:16]}… "
         f"vocab {tokenizer['vocab_size']}",
         "",
         *summary_table(manifest),
         "",
         f"train/val overlap check: passed ({overlap['val_docs']:,} val docs against {overlap['train_docs_checked']:,} train docs)",
     ]
+    megatron = [f"  {name}: {len(info['shards'])} {split} prefix(es), e.g. {info['shards'][0]['prefix']}"
+                + (" (EOD appended when read)" if record.get("append_eod") else "")
+                for name, record in manifest["domains"].items() if record.get("source") == "megatron"
+                for split, info in record["splits"].items()]
+    if megatron:
+        lines += ["", "Megatron data (read in place):", *megatron]
     dropped = drop_lines(manifest)
     if dropped:
         lines += ["", "dropped:", *dropped]

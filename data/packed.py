@@ -10,28 +10,45 @@ part of it, so a run resumes exactly and a different data-parallel size sees the
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from data.shards import ShardFormatError, ShardReader, find_shards
 
 
-class PackedSamples:
-    """Samples of `seq_len + 1` tokens over the concatenation of one domain's shards."""
+class CorruptShardError(ShardFormatError):
+    """A sample holds a token id the model has no embedding for: the shard's bytes were damaged after writing.
 
-    def __init__(self, readers: Sequence[ShardReader], seq_len: int, name: str = ""):
+    Raised by the rank that read it (ranks read different samples), so every rank may report it.
+    """
+
+
+class PackedSamples:
+    """Samples of `seq_len + 1` tokens over the concatenation of one domain's shards.
+
+    `vocab_size`, when given, is checked on every sample (one max over seq_len ids): a damaged
+    `.bin` then stops the run with the file and position named, not an IndexError in the embedding.
+    """
+
+    def __init__(self, readers: Sequence[ShardReader | EodAppended], seq_len: int, name: str = "",
+                 vocab_size: int | None = None):
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         self.readers = list(readers)
         self.seq_len = seq_len
         self.name = name
+        self.vocab_size = vocab_size
+        self.fingerprint: str | None = None
+        """What the data is (set by data/domains.py from the records' checksums): a resume compares it."""
         self._starts = np.cumsum([0] + [reader.num_tokens for reader in self.readers])
         self.num_tokens = int(self._starts[-1])
         self.num_samples = max(0, (self.num_tokens - 1) // seq_len)
 
     @classmethod
     def from_directory(cls, directory: str | Path, seq_len: int, name: str = "") -> "PackedSamples":
+        """Every shard found in a folder, in name order (tests and benchmarks; training opens the shards its
+        data root's manifest lists, data/domains.py)."""
         prefixes = find_shards(directory)
         if not prefixes:
             raise ShardFormatError(f"no shards (*.idx) in {directory}: run `ayumi data prepare` first")
@@ -50,7 +67,7 @@ class PackedSamples:
             reader = self.readers[shard]
             offset = position - int(self._starts[shard])
             take = min(stop - position, reader.num_tokens - offset)
-            pieces.append(reader.tokens[offset:offset + take])
+            pieces.append(reader.slice(offset, offset + take))
             position += take
             shard += 1
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
@@ -60,7 +77,100 @@ class PackedSamples:
         if not 0 <= index < self.num_samples:
             raise IndexError(f"sample {index} out of range ({self.num_samples} samples in {self.name or 'dataset'})")
         start = index * self.seq_len
-        return self.tokens(start, start + self.seq_len + 1)
+        tokens = self.tokens(start, start + self.seq_len + 1)
+        if self.vocab_size is not None and tokens.size and (int(tokens.max()) >= self.vocab_size or int(tokens.min()) < 0):
+            self._refuse(start, tokens)
+        return tokens
+
+    def _refuse(self, start: int, tokens: np.ndarray) -> None:
+        bad = int(np.flatnonzero((tokens >= self.vocab_size) | (tokens < 0))[0])
+        position = start + bad
+        shard = int(np.searchsorted(self._starts, position, side="right")) - 1
+        reader = self.readers[shard]
+        raise CorruptShardError(
+            f"{reader.bin_path}: token {position - int(self._starts[shard]):,} of the stream is id {int(tokens[bad])}, "
+            f"outside the vocabulary [0, {self.vocab_size}) of domain {self.name!r}; the file was damaged after it was "
+            "written. Fix: `ayumi data verify DATA_ROOT` lists every damaged shard; re-run `ayumi data prepare` for it"
+        )
+
+
+class EodAppended:
+    """A shard read as if an end-of-document id followed every document (Megatron data prepared
+    without `--append-eod`): without it, documents would run into each other unseparated."""
+
+    def __init__(self, reader: ShardReader, eod_id: int):
+        self.reader, self.eod_id = reader, eod_id
+        self.bin_path = reader.bin_path
+        self.num_docs = reader.num_docs
+        self.num_tokens = reader.num_tokens + reader.num_docs
+        # Start of document d in the stream with separators: its start in the shard plus d separators.
+        self._starts = reader.doc_offsets + np.arange(reader.num_docs + 1, dtype=np.int64)
+
+    def slice(self, start: int, stop: int) -> np.ndarray:
+        out = np.empty(stop - start, dtype=np.int64)
+        doc = int(np.searchsorted(self._starts, start, side="right")) - 1
+        filled = 0
+        while start + filled < stop:
+            position = start + filled
+            doc_end = int(self._starts[doc + 1]) - 1  # where this document's separator sits
+            if position < doc_end:
+                take = min(stop, doc_end) - position
+                inner = int(self.reader.doc_offsets[doc]) + position - int(self._starts[doc])
+                out[filled:filled + take] = self.reader.tokens[inner:inner + take]
+            else:
+                take = 1
+                out[filled] = self.eod_id
+                doc += 1
+            filled += take
+        return out
+
+
+class BlendedSamples:
+    """A domain made of several Megatron prefixes with weights (`0.3 A 0.7 B`, as in Megatron's --data-path).
+
+    The domain keeps as many samples as its parts hold together; part k gets a share of them
+    proportional to its weight. A part with fewer samples than its share is repeated in order, one
+    with more is read at evenly spaced samples. Shuffling is the mixer's (or ShuffledDomains') job.
+    """
+
+    def __init__(self, parts: Sequence[PackedSamples], weights: Sequence[float], name: str = ""):
+        if len(parts) != len(weights) or not parts:
+            raise ValueError("one weight per part, at least one part")
+        self.parts, self.name = list(parts), name
+        self.seq_len = parts[0].seq_len
+        self.num_tokens = sum(part.num_tokens for part in parts)
+        self.counts = _shares(sum(len(part) for part in parts), weights, [len(part) for part in parts])
+        self._starts = np.cumsum([0] + self.counts)
+        self.num_samples = int(self._starts[-1])
+        self.readers = [reader for part in parts for reader in part.readers]
+        self.fingerprint: str | None = None
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def sample(self, index: int) -> np.ndarray:
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"sample {index} out of range ({self.num_samples} samples in {self.name or 'dataset'})")
+        k = int(np.searchsorted(self._starts, index, side="right")) - 1
+        local, count, available = index - int(self._starts[k]), self.counts[k], len(self.parts[k])
+        return self.parts[k].sample(local * available // count if count <= available else local % available)
+
+
+def _shares(total: int, weights: Sequence[float], available: Sequence[int]) -> list[int]:
+    """`total` samples split in proportion to the weights (largest remainder), none to an empty part."""
+    weights = [w if n > 0 else 0.0 for w, n in zip(weights, available)]
+    scale = sum(weights)
+    if scale <= 0:
+        return [0] * len(weights)
+    exact = [total * w / scale for w in weights]
+    counts = [int(x) for x in exact]
+    for k in sorted(range(len(exact)), key=lambda k: counts[k] - exact[k])[:total - sum(counts)]:
+        counts[k] += 1
+    return counts
+
+
+class DataChangedError(ValueError):
+    """A resumed run finds other data than the checkpoint was trained on."""
 
 
 class EpochPermutation:
@@ -112,25 +222,29 @@ class ShuffledDomains:
         self.order = EpochPermutation(total, seed)
         self.num_samples = total
 
+    def state_dict(self) -> dict:
+        """What a resume must find unchanged: the samples each domain holds (the stream's shape)."""
+        return {"domain_samples": {name: len(samples) for name, samples in self.domains.items()},
+                "domain_fingerprints": {name: samples.fingerprint for name, samples in self.domains.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Refuse to resume over data that changed: the same global index would now be another sample."""
+        now = self.state_dict()
+        saved_samples, saved_prints = state.get("domain_samples", {}), state.get("domain_fingerprints", {})
+        changes = [f"{name}: {saved_samples.get(name)} -> {now['domain_samples'].get(name)} samples"
+                   for name in sorted({*saved_samples, *now["domain_samples"]})
+                   if saved_samples.get(name) != now["domain_samples"].get(name)]
+        changes += [f"{name}: same size, other shards (checksums differ)" for name, fingerprint in saved_prints.items()
+                    if fingerprint and now["domain_fingerprints"].get(name) not in (None, fingerprint)
+                    and saved_samples.get(name) == now["domain_samples"].get(name)]
+        if changes:
+            raise DataChangedError(
+                "cannot resume: the training data changed since the checkpoint was written (" + "; ".join(changes)
+                + "), so the shuffled stream would not continue where it stopped. Fix: restore the data the run "
+                "started with, or start a new run (a new run_dir) on the new data")
+
     def get(self, global_index: int) -> tuple[np.ndarray, int]:
         _, flat = self.order(global_index)
         domain = int(np.searchsorted(self._starts, flat, side="right")) - 1
         samples = self.domains[self.domain_names[domain]]
         return samples.sample(flat - int(self._starts[domain])), domain
-
-
-def domains_under(root: str | Path, split: str, names: Iterable[str] | None = None) -> dict[str, Path]:
-    """`ROOT/<domain>/<split>` directories, for the given names or every domain found."""
-    root = Path(root)
-    if not root.is_dir():
-        raise ShardFormatError(f"data root {root} does not exist: run `ayumi data prepare` or set data.root")
-    if names:
-        dirs = {name: root / name / split for name in names}
-        missing = [str(path) for path in dirs.values() if not path.is_dir()]
-        if missing:
-            raise ShardFormatError(f"no {split} shards for: {', '.join(missing)} (check data.domains and data.root)")
-        return dirs
-    dirs = {path.parent.name: path for path in sorted(root.glob(f"*/{split}")) if path.is_dir()}
-    if not dirs and split == "train":
-        raise ShardFormatError(f"no <domain>/{split}/ shard directories under {root}: run `ayumi data prepare` first")
-    return dirs

@@ -46,8 +46,8 @@ from data.clean import DropCounts
 from data.config import DataPrepareConfig, DomainConfig, check_prepare_config
 from data.keyset import KeySet, split_keys
 from data.manifest import (
-    DOMAIN_RECORD_NAME, KEY_BYTES, KEYS_NAME, MANIFEST_NAME, build_manifest, read_domain_record,
-    shards_intact, write_json_atomic,
+    DOMAIN_RECORD_NAME, KEY_BYTES, KEYS_NAME, MANIFEST_NAME, build_manifest, read_domain_record, seal,
+    shard_record, shards_intact, tokenizer_identity, write_json_atomic,
 )
 from data.shards import ShardWriter, dtype_for_vocab
 from data.sources import ReadStats, domain_files, file_fingerprints
@@ -57,7 +57,8 @@ from common.corpus import READ_ERRORS, Recorder, detect_format, iter_file, read_
 
 log = logging.getLogger("ayumi.data")
 
-PIPELINE_VERSION = 1  # bump when cleaning, keys or packing change: finished domains are then redone
+PIPELINE_VERSION = 2  # bump when cleaning, keys, packing or the shard format change: finished domains are then redone
+# 2: Megatron's .bin/.idx format (was ayumi's AYUMIIDX); per-shard max id and sha256 in domain.json
 PARTIAL_DIR = ".partial"
 SPLITS = ("train", "val")
 # Config keys behind each drop reason, for the message when filters empty a domain.
@@ -88,11 +89,10 @@ class OverlapError(PrepareError):
 class ShardSequence:
     """One split's shards (`part_00000`, …), each capped at `cap_bytes`, plus its keys file."""
 
-    def __init__(self, directory: Path, cap_bytes: int, vocab_size: int, tokenizer_sha256: str):
+    def __init__(self, directory: Path, cap_bytes: int, vocab_size: int):
         self.directory = directory
         self.cap_bytes = cap_bytes
         self.vocab_size = vocab_size
-        self.sha = tokenizer_sha256
         self.itemsize = dtype_for_vocab(vocab_size).itemsize
         self.shards: list[dict] = []
         self.docs = 0
@@ -135,14 +135,13 @@ class ShardSequence:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._keys = open(self.directory / KEYS_NAME, "wb")
         prefix = self.directory / f"part_{len(self.shards):05d}"
-        self._writer = ShardWriter(prefix, self.vocab_size, self.sha)
+        self._writer = ShardWriter(prefix, self.vocab_size)
         return self._writer
 
     def _finish_shard(self) -> None:
         writer = self._writer
         writer.close()
-        self.shards.append({"name": writer.bin_path.stem, "docs": writer.num_docs, "tokens": writer.num_tokens,
-                            "bytes": writer.num_bytes})
+        self.shards.append(shard_record(writer))
         self._writer = None
 
     def close(self) -> dict:
@@ -417,13 +416,14 @@ class DomainWriter:
 
     def __init__(self, job: DomainJob, root: Path, cfg: DataPrepareConfig, tokenizer):
         self.job = job
+        self.tokenizer = tokenizer
         self.out = root / job.name
         self.partial = root / PARTIAL_DIR / job.name
         shutil.rmtree(self.partial, ignore_errors=True)
         self.partial.mkdir(parents=True)
         cap = max(1, int(job.domain.shard_max_mb * 2**20))
-        self.train = ShardSequence(self.partial / "train", cap, tokenizer.vocab_size, tokenizer.sha256)
-        self.val = ShardSequence(self.partial / "val", cap, tokenizer.vocab_size, tokenizer.sha256)
+        self.train = ShardSequence(self.partial / "train", cap, tokenizer.vocab_size)
+        self.val = ShardSequence(self.partial / "val", cap, tokenizer.vocab_size)
         self.router = SplitRouter(self.train, self.val, job.domain)
         self.deduper, self.drops = Deduper(job.domain.clean.dedup), DropCounts()
         self.docs, self.text_bytes, self.started = 0, 0, time.monotonic()
@@ -469,7 +469,7 @@ class DomainWriter:
         seconds = time.monotonic() - self.started
         log.info("%s: %s docs, %.1f MB of text in %.1fs (%.2f MB/s)", job.name, f"{self.docs:,}", self.text_bytes / 1e6,
                  seconds, self.text_bytes / 1e6 / max(seconds, 1e-9))
-        record = _domain_record(job.name, job.domain, job.fingerprint, job.inputs, packed)
+        record = seal(_domain_record(job.name, job.domain, job.fingerprint, job.inputs, packed, self.tokenizer))
         _check_not_empty(job.name, job.domain, record)
         _log_domain(job.name, job.domain, record)
         write_json_atomic(self.partial / DOMAIN_RECORD_NAME, record)
@@ -517,7 +517,7 @@ def prepare_domains(jobs: list[DomainJob], pool: ChunkPool, root: Path, cfg: Dat
     return records
 
 
-def _domain_record(name: str, domain: DomainConfig, fingerprint: str, inputs: list[dict], packed: dict) -> dict:
+def _domain_record(name: str, domain: DomainConfig, fingerprint: str, inputs: list[dict], packed: dict, tokenizer) -> dict:
     stats: ReadStats = packed["stats"]
     drops: DropCounts = packed["drops"]
     # Documents: docs_read == docs_kept + sum(dropped). Reader skips (bad records, empty or broken
@@ -538,6 +538,7 @@ def _domain_record(name: str, domain: DomainConfig, fingerprint: str, inputs: li
         "skipped": dict(sorted(stats.skipped.items())),
         "drop_examples": examples,
         "tokens": sum(record["tokens"] for record in splits.values()),
+        "tokenizer": tokenizer_identity(tokenizer),
         "splits": splits,
     }
 
@@ -645,29 +646,44 @@ def _iter_keys(path: Path, chunk_rows: int, as_bytes: bool):
                 yield block
 
 
-def _load_tokenizer(tokenizer_dir: str):
-    from tokenizer import load_tokenizer_info
+def _load_tokenizer(cfg: DataPrepareConfig):
+    """The declared tokenizer (an ayumi folder, a SentencePiece .model or a Hugging Face folder), checked
+    for what this config's domains need: corpus text is encoded with SentencePiece and ends every document with EOS."""
+    from tokenizer.declared import load_declared_tokenizer
 
-    info = load_tokenizer_info(tokenizer_dir)
-    if info.eos_id is None or info.eos_id < 0:
+    tokenizer = load_declared_tokenizer(cfg.tokenizer_dir)
+    corpus = [name for name, domain in cfg.data.domains.items() if not domain.megatron]
+    if corpus and tokenizer.kind == "huggingface":
         raise PrepareError(
-            f"tokenizer {info.model_path} has no EOS piece (eos_id={info.eos_id}); documents are separated by EOS. "
-            "Fix: train the tokenizer with an EOS piece (sentencepiece eos_id >= 0)."
-        )
-    return info
+            f"tokenizer_dir={cfg.tokenizer_dir} is a Hugging Face tokenizer folder, which can declare what made "
+            f"Megatron data but cannot tokenize corpus text here (domains {', '.join(corpus)} have inputs). Fix: an "
+            "ayumi tokenizer folder or a SentencePiece .model, or prepare those domains in another data root")
+    if corpus and (tokenizer.eod_id is None or tokenizer.eod_id < 0):
+        raise PrepareError(
+            f"tokenizer {cfg.tokenizer_dir} has no EOS piece; documents are separated by EOS. "
+            "Fix: train the tokenizer with an EOS piece (sentencepiece eos_id >= 0).")
+    return tokenizer
 
+
+def _sentencepiece_model(tokenizer) -> str:
+    """The SentencePiece model file the workers encode with."""
+    path = Path(tokenizer.path)
+    return str(path / "tokenizer.model" if path.is_dir() else path)
 
 
 def prepare(cfg: DataPrepareConfig) -> dict:
     """Prepare every domain of `cfg` (skipping finished ones), check train/val overlap, write the manifest."""
     check_prepare_config(cfg)
-    info = _load_tokenizer(cfg.tokenizer_dir)
+    info = _load_tokenizer(cfg)
     root = Path(cfg.data.root)
     root.mkdir(parents=True, exist_ok=True)
     records: dict[str, dict] = {}
     jobs: list[DomainJob] = []
     for name, (files, inputs, fingerprint, record) in _plan(cfg, root, info).items():
-        if record is None:
+        if record is None and cfg.data.domains[name].megatron:
+            (root / MANIFEST_NAME).unlink(missing_ok=True)  # from here on, the root is not complete
+            records[name] = register_megatron_domain(root, name, cfg.data.domains[name], info, fingerprint)
+        elif record is None:
             jobs.append(DomainJob(name, cfg.data.domains[name], files, inputs, fingerprint))
         else:
             log.info("%s: up to date (%s docs, %s tokens), skipped", name, f"{record['docs_kept']:,}", f"{record['tokens']:,}")
@@ -676,7 +692,7 @@ def prepare(cfg: DataPrepareConfig) -> dict:
         (root / MANIFEST_NAME).unlink(missing_ok=True)  # from here on, the root is not complete
         # Built before any progress bar: under `fork` the workers must start while this process
         # has no other thread (data/workers.py).
-        pool = ChunkPool(cfg.workers, str(info.model_path), cfg.encode_threads, info.eos_id, cfg.start_method)
+        pool = ChunkPool(cfg.workers, _sentencepiece_model(info), cfg.encode_threads, info.eod_id, cfg.start_method)
         try:
             records.update(prepare_domains(jobs, pool, root, cfg, info))
         finally:
@@ -686,21 +702,44 @@ def prepare(cfg: DataPrepareConfig) -> dict:
     shutil.rmtree(root / PARTIAL_DIR, ignore_errors=True)
     records = {name: records[name] for name in cfg.data.domains}  # config order, as before
     overlap = check_overlap(root, records)
-    tokenizer = {"sha256": info.sha256, "model_path": str(info.model_path), "vocab_size": info.vocab_size,
-                 "eos_id": info.eos_id}
-    manifest = build_manifest(cfg.data.name, tokenizer, records, overlap)
+    manifest = build_manifest(cfg.data.name, tokenizer_identity(info), records, overlap)
     write_json_atomic(root / MANIFEST_NAME, manifest)
     _note_stray_domains(root, records)
     return manifest
 
 
+def register_megatron_domain(root: Path, name: str, domain: DomainConfig, tokenizer, fingerprint: str) -> dict:
+    """Check a Megatron domain's prefixes and publish its folder (just domain.json); returns its record."""
+    from data.megatron import megatron_record
+
+    started = time.monotonic()
+    record = seal(megatron_record(name, domain, tokenizer, fingerprint))
+    partial = root / PARTIAL_DIR / name
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    write_json_atomic(partial / DOMAIN_RECORD_NAME, record)
+    replace_dir(partial, root / name)
+    splits = record["splits"]
+    log.info("%s: Megatron data, %d prefixes checked in %.1fs; train %s docs / %s tokens, val %s docs / %s tokens%s",
+             name, record["files_read"], time.monotonic() - started, f"{splits['train']['docs']:,}",
+             f"{splits['train']['tokens']:,}", f"{splits.get('val', {}).get('docs', 0):,}",
+             f"{splits.get('val', {}).get('tokens', 0):,}", " (EOD appended when read)" if domain.append_eod else "")
+    return record
+
+
 def _plan(cfg: DataPrepareConfig, root: Path, info) -> dict[str, tuple]:
     """Per domain: (files, input fingerprints, fingerprint, finished record or None when work is needed)."""
+    from data import megatron
+
     plan = {}
     for name, domain in cfg.data.domains.items():
-        files = domain_files(name, domain)
-        inputs = file_fingerprints(files)
-        fingerprint = domain_fingerprint(domain, inputs, info.sha256, cfg.strict)
+        if domain.megatron:
+            fingerprint = megatron.domain_fingerprint(name, domain, info.sha256, PIPELINE_VERSION)
+            files, inputs = [], []
+        else:
+            files = domain_files(name, domain)
+            inputs = file_fingerprints(files)
+            fingerprint = domain_fingerprint(domain, inputs, info.sha256, cfg.strict)
         record = None if cfg.force else _finished_record(root / name, fingerprint)
         plan[name] = (files, inputs, fingerprint, record)
     return plan

@@ -1,21 +1,29 @@
-"""The token-shard format every later stage reads: Megatron-style `.bin` + `.idx` pairs.
+"""The token-shard format every later stage reads: Megatron's indexed dataset (`.bin` + `.idx`).
 
-A shard is two files sharing a prefix:
+A shard is two files sharing a prefix, byte for byte what megatron-core's `IndexedDataset`
+reads and `IndexedDatasetBuilder` writes (so do Megatron-LM's `preprocess_data.py`, NeMo,
+GPT-NeoX and datatrove):
 
-- `PREFIX.bin`: the token ids of all documents back to back (uint16 when the vocabulary fits,
-  else uint32), little-endian, nothing else.
-- `PREFIX.idx`: a fixed header, then `num_docs + 1` uint64 token offsets (document i spans
-  tokens[offsets[i]:offsets[i+1]]).
+- `PREFIX.bin`: the token ids of all sequences back to back, little-endian, nothing else.
+- `PREFIX.idx`, little-endian::
 
-Header (little-endian, 112 bytes)::
+      magic              9 bytes  b"MMIDIDX\\x00\\x00"
+      version            u64      1
+      dtype code         u8       1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 8 uint16 (6/7 are floats)
+      sequence count     u64      S
+      document count     u64      D + 1
+      sequence lengths   int32[S] tokens per sequence
+      sequence pointers  int64[S] byte offset of each sequence in .bin
+      document indices   int64[D+1] sequence index where each document starts, then S
 
-    magic            8s   b"AYUMIIDX"
-    version          u32  1
-    dtype code       u32  1 = uint16, 2 = uint32
-    num_docs         u64
-    num_tokens       u64
-    vocab_size       u64
-    tokenizer sha256 64s  hex of the tokenizer.model the tokens came from ("0"*64 if unknown)
+  34 bytes of header, then the three arrays.
+
+ayumi writes one sequence per document (document indices 0..D), uint16 ids below 65,500
+vocabulary entries and int32 above (megatron-core's `DType.optimal_dtype`). The stream a model
+trains on is every sequence's tokens in index order; ayumi's documents already end with EOS.
+
+The format carries no tokenizer identity: that lives in the domain's record (`domain.json`,
+`data/manifest.py`) with each shard's size, largest id and sha256, checked at training start.
 
 Writing is atomic: both files are written under temporary names and renamed `.bin` first, then
 `.idx`, so an `.idx` on disk always describes a complete `.bin`; a crash leaves only `*.tmp`
@@ -23,24 +31,31 @@ files, which readers never look at.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
+from functools import cached_property
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
 
-MAGIC = b"AYUMIIDX"
+MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
-_HEADER = struct.Struct("<8sIIQQQ64s")
-HEADER_SIZE = _HEADER.size
-_DTYPES = {1: np.dtype("<u2"), 2: np.dtype("<u4")}
+_PREAMBLE = struct.Struct("<9sQBQQ")
+HEADER_SIZE = _PREAMBLE.size  # 34
+LEGACY_MAGIC = b"AYUMIIDX"  # ayumi's own index before Megatron's format (data pipeline version 1)
+# megatron-core's DType codes; the float ones (6, 7) never hold token ids.
+_DTYPES = {1: np.dtype("u1"), 2: np.dtype("i1"), 3: np.dtype("<i2"), 4: np.dtype("<i4"), 5: np.dtype("<i8"),
+           8: np.dtype("<u2")}
 _DTYPE_CODES = {dtype: code for code, dtype in _DTYPES.items()}
-UNKNOWN_SHA = "0" * 64
+UINT16_BELOW = 65500
+"""Vocabularies smaller than this are written as uint16, larger ones as int32 (megatron-core's rule)."""
+_CHUNK = 1 << 23  # elements per pass when scanning large arrays: bounded memory on 100M-document indices
 
 
 class ShardFormatError(ValueError):
-    """A shard file is missing, truncated, or not in this format; the message names the file."""
+    """A shard file is missing, truncated, corrupt, or not in this format; the message names the file."""
 
 
 class TokenizerMismatchError(ValueError):
@@ -48,10 +63,10 @@ class TokenizerMismatchError(ValueError):
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
-    """The smallest token dtype that holds every id of a vocabulary."""
+    """The token dtype Megatron uses for a vocabulary: uint16 below 65,500 entries, else int32."""
     if vocab_size <= 0:
         raise ValueError(f"vocab_size must be positive, got {vocab_size}")
-    return _DTYPES[1] if vocab_size <= 2**16 else _DTYPES[2]
+    return _DTYPES[8] if vocab_size < UINT16_BELOW else _DTYPES[4]
 
 
 def shard_paths(prefix: str | os.PathLike) -> tuple[Path, Path]:
@@ -71,35 +86,34 @@ def _fsync_rename(tmp: Path, final: Path) -> None:
 class ShardWriter:
     """Appends documents to one shard; `close()` publishes it atomically.
 
-    Use as a context manager: on an exception the temporary files are removed and nothing is
-    published.
+    Besides the two files it keeps what the domain record stores for integrity checks: the
+    largest id written (`max_id`) and the sha256 of the `.bin` bytes (`sha256`).
+    Use as a context manager: on an exception the temporary files are removed and nothing is published.
     """
 
-    def __init__(self, prefix: str | os.PathLike, vocab_size: int, tokenizer_sha256: str = UNKNOWN_SHA):
-        if len(tokenizer_sha256) != 64:
-            raise ValueError(f"tokenizer_sha256 must be 64 hex characters, got {tokenizer_sha256!r}")
+    def __init__(self, prefix: str | os.PathLike, vocab_size: int):
         self.bin_path, self.idx_path = shard_paths(prefix)
         self.bin_path.parent.mkdir(parents=True, exist_ok=True)
         self.vocab_size = vocab_size
-        self.tokenizer_sha256 = tokenizer_sha256
         self.dtype = dtype_for_vocab(vocab_size)
         self._bin_tmp = self.bin_path.with_name(self.bin_path.name + ".tmp")
         self._idx_tmp = self.idx_path.with_name(self.idx_path.name + ".tmp")
         self._bin = open(self._bin_tmp, "wb")
-        self._offsets: list[int] = [0]
+        self._digest = hashlib.sha256()
+        self._lengths: list[np.ndarray] = []
+        self.num_docs = 0
+        self.num_tokens = 0
+        self.max_id = -1
         self._closed = False
-
-    @property
-    def num_tokens(self) -> int:
-        return self._offsets[-1]
-
-    @property
-    def num_docs(self) -> int:
-        return len(self._offsets) - 1
 
     @property
     def num_bytes(self) -> int:
         return self.num_tokens * self.dtype.itemsize
+
+    @property
+    def sha256(self) -> str:
+        """sha256 hex of the `.bin` bytes written so far."""
+        return self._digest.hexdigest()
 
     def add_document(self, tokens: Sequence[int] | np.ndarray) -> None:
         """Append one document's token ids (EOS, if wanted, is the caller's to include)."""
@@ -110,15 +124,23 @@ class ShardWriter:
 
     def add_packed(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
         """Append many documents at once: their ids back to back in `tokens`, their sizes in `lengths`."""
+        lengths = np.asarray(lengths, dtype=np.int64)
         if int(lengths.sum()) != tokens.size:
             raise ValueError(f"document lengths add up to {int(lengths.sum())} tokens, got {tokens.size}")
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
-            raise ValueError(
-                f"token id out of range [0, {self.vocab_size}) in documents for {self.bin_path}: "
-                f"min {tokens.min()}, max {tokens.max()}"
-            )
-        self._bin.write(tokens.astype(self.dtype, copy=False).tobytes())
-        self._offsets.extend((self._offsets[-1] + np.cumsum(lengths, dtype=np.int64)).tolist())
+        if lengths.size and int(lengths.max()) >= 2**31:
+            raise ValueError(f"a document of {int(lengths.max())} tokens does not fit Megatron's int32 lengths")
+        if tokens.size:
+            low, high = int(tokens.min()), int(tokens.max())
+            if low < 0 or high >= self.vocab_size:
+                raise ValueError(f"token id out of range [0, {self.vocab_size}) in documents for {self.bin_path}: "
+                                 f"min {low}, max {high}")
+            self.max_id = max(self.max_id, high)
+        data = tokens.astype(self.dtype, copy=False).tobytes()
+        self._bin.write(data)
+        self._digest.update(data)
+        self._lengths.append(lengths)
+        self.num_docs += lengths.size
+        self.num_tokens += int(tokens.size)
 
     def add_documents(self, documents: Iterable[Sequence[int] | np.ndarray]) -> None:
         for document in documents:
@@ -129,13 +151,14 @@ class ShardWriter:
         if self._closed:
             return
         self._bin.close()
-        header = _HEADER.pack(
-            MAGIC, VERSION, _DTYPE_CODES[self.dtype], self.num_docs, self.num_tokens,
-            self.vocab_size, self.tokenizer_sha256.encode("ascii"),
-        )
+        lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, dtype=np.int64)
+        pointers = np.zeros(lengths.size, dtype="<i8")
+        np.cumsum(lengths[:-1] * self.dtype.itemsize, out=pointers[1:])
         with open(self._idx_tmp, "wb") as handle:
-            handle.write(header)
-            handle.write(np.asarray(self._offsets, dtype="<u8").tobytes())
+            handle.write(_PREAMBLE.pack(MAGIC, VERSION, _DTYPE_CODES[self.dtype], lengths.size, lengths.size + 1))
+            handle.write(lengths.astype("<i4").tobytes())
+            handle.write(pointers.tobytes())
+            handle.write(np.arange(lengths.size + 1, dtype="<i8").tobytes())  # one sequence per document
         _fsync_rename(self._bin_tmp, self.bin_path)
         _fsync_rename(self._idx_tmp, self.idx_path)
         self._closed = True
@@ -160,17 +183,32 @@ class ShardWriter:
 
 
 class ShardReader:
-    """A memory-mapped view of one shard; checks the header and sizes when opened."""
+    """A memory-mapped view of one shard; checks the index and the `.bin` size when opened.
+
+    `tokens` is the shard's token stream (every sequence in index order); documents are the
+    index's documents (for ayumi's shards, one sequence each).
+    """
 
     def __init__(self, prefix: str | os.PathLike):
         self.bin_path, self.idx_path = shard_paths(prefix)
         self.prefix = self.bin_path.with_suffix("")
-        header, offsets = _read_index(self.idx_path)
-        _, _, dtype_code, self.num_docs, self.num_tokens, self.vocab_size, sha = header
-        self.dtype = _DTYPES[dtype_code]
-        self.tokenizer_sha256 = sha.decode("ascii")
-        self.doc_offsets = offsets
+        index = _read_index(self.idx_path)
+        self.dtype = index.dtype
+        self.sequence_lengths = index.lengths
+        self.sequence_pointers = index.pointers
+        self.document_indices = index.documents
+        self.num_sequences = index.lengths.size
+        self.num_docs = index.documents.size - 1
+        self.num_tokens = index.num_tokens
         self.tokens = _map_tokens(self.bin_path, self.dtype, self.num_tokens)
+
+    @cached_property
+    def doc_offsets(self) -> np.ndarray:
+        """Token offset where each document starts, then the token count (num_docs + 1 values)."""
+        starts = np.zeros(self.num_sequences + 1, dtype=np.int64)
+        starts[:-1] = self.sequence_pointers // self.dtype.itemsize
+        starts[-1] = self.num_tokens
+        return starts[self.document_indices]
 
     def __len__(self) -> int:
         return self.num_docs
@@ -181,6 +219,10 @@ class ShardReader:
             raise IndexError(f"document {index} out of range for {self.idx_path} ({self.num_docs} documents)")
         return self.tokens[self.doc_offsets[index]:self.doc_offsets[index + 1]]
 
+    def slice(self, start: int, stop: int) -> np.ndarray:
+        """Tokens [start, stop) of the shard's stream (a view into the memory map)."""
+        return self.tokens[start:stop]
+
     def __getitem__(self, index: int) -> np.ndarray:
         return self.document(index)
 
@@ -188,45 +230,94 @@ class ShardReader:
         for index in range(self.num_docs):
             yield self.document(index)
 
+    def max_id(self) -> int:
+        """The largest token id in the shard (a full pass over `.bin`; -1 when empty)."""
+        highest = -1
+        for start in range(0, self.num_tokens, _CHUNK):
+            highest = max(highest, int(self.tokens[start:start + _CHUNK].max()))
+        return highest
+
+    def min_id(self) -> int:
+        """The smallest token id (signed dtypes can hold negative ids in a corrupt file)."""
+        lowest = 0
+        for start in range(0, self.num_tokens, _CHUNK):
+            lowest = min(lowest, int(self.tokens[start:start + _CHUNK].min()))
+        return lowest
+
     def __repr__(self) -> str:
         return f"ShardReader({str(self.prefix)!r}, docs={self.num_docs}, tokens={self.num_tokens})"
 
 
-def _read_index(idx_path: Path) -> tuple[tuple, np.ndarray]:
+class _Index:
+    """The parsed arrays of an `.idx` (memory-mapped, never copied whole)."""
+
+    def __init__(self, dtype: np.dtype, lengths: np.ndarray, pointers: np.ndarray, documents: np.ndarray, num_tokens: int):
+        self.dtype, self.lengths, self.pointers, self.documents, self.num_tokens = dtype, lengths, pointers, documents, num_tokens
+
+
+def _read_index(idx_path: Path) -> _Index:
     if not idx_path.exists():
-        hint = " (a .bin without its .idx is an unfinished shard: re-run data preparation)" \
+        hint = " (a .bin without its .idx is an unfinished or damaged shard: re-run data preparation)" \
             if idx_path.with_suffix(".bin").exists() else ""
         raise ShardFormatError(f"shard index {idx_path} does not exist{hint}")
-    raw = idx_path.read_bytes()
-    if len(raw) < HEADER_SIZE:
+    size = idx_path.stat().st_size
+    with open(idx_path, "rb") as handle:
+        head = handle.read(HEADER_SIZE)
+    if head.startswith(LEGACY_MAGIC):
         raise ShardFormatError(
-            f"{idx_path}: truncated index ({len(raw)} bytes, the header alone is {HEADER_SIZE}); "
-            "re-run data preparation for this shard"
+            f"{idx_path}: written by an older ayumi in its own index format (AYUMIIDX); shards are now "
+            "Megatron's format. Fix: re-run `ayumi data prepare` with the same config (it rewrites every domain)"
         )
-    header = _HEADER.unpack_from(raw, 0)
-    magic, version, dtype_code, num_docs, num_tokens = header[:5]
+    if len(head) < HEADER_SIZE:
+        raise ShardFormatError(f"{idx_path}: truncated index ({size} bytes, the header alone is {HEADER_SIZE}); "
+                               "re-run data preparation for this shard")
+    magic, version, code, sequences, documents = _PREAMBLE.unpack(head)
     if magic != MAGIC:
-        raise ShardFormatError(
-            f"{idx_path}: not an ayumi shard index (magic {magic!r}, expected {MAGIC!r}); "
-            "shards must be written by `ayumi data prepare`"
-        )
+        raise ShardFormatError(f"{idx_path}: not a Megatron indexed-dataset index (magic {magic!r}, expected {MAGIC!r})")
     if version != VERSION:
-        raise ShardFormatError(
-            f"{idx_path}: shard format version {version}, this ayumi reads version {VERSION}; "
-            "re-run data preparation with this version"
-        )
-    if dtype_code not in _DTYPES:
-        raise ShardFormatError(f"{idx_path}: unknown token dtype code {dtype_code} (known: 1=uint16, 2=uint32)")
-    expected = HEADER_SIZE + 8 * (num_docs + 1)
-    if len(raw) != expected:
-        raise ShardFormatError(
-            f"{idx_path}: index is {len(raw)} bytes but a header for {num_docs} documents needs {expected}; "
-            "the file is truncated or corrupt: re-run data preparation"
-        )
-    offsets = np.frombuffer(raw, dtype="<u8", offset=HEADER_SIZE, count=num_docs + 1).astype(np.int64)
-    if offsets[0] != 0 or offsets[-1] != num_tokens or np.any(np.diff(offsets) < 0):
-        raise ShardFormatError(f"{idx_path}: document offsets are inconsistent with {num_tokens} tokens")
-    return header, offsets
+        raise ShardFormatError(f"{idx_path}: index version {version}, only version {VERSION} is known")
+    if code not in _DTYPES:
+        raise ShardFormatError(f"{idx_path}: token dtype code {code} is not an integer type "
+                               f"(known: {', '.join(f'{c}={d.name}' for c, d in sorted(_DTYPES.items()))})")
+    expected = HEADER_SIZE + 12 * sequences + 8 * documents
+    if size != expected:
+        extra = " (one mode byte per sequence: a multimodal index, which ayumi does not train on)" \
+            if size == expected + sequences and sequences else ""
+        raise ShardFormatError(f"{idx_path}: {size} bytes, but {sequences} sequences and {documents} document "
+                               f"indices need {expected}{extra}; the file is truncated or corrupt: re-run data preparation")
+    if documents < 1:
+        raise ShardFormatError(f"{idx_path}: no document indices (a valid index has at least one)")
+    mapped = np.memmap(idx_path, mode="r", dtype=np.uint8)
+    lengths = mapped[HEADER_SIZE:HEADER_SIZE + 4 * sequences].view("<i4")
+    pointers = mapped[HEADER_SIZE + 4 * sequences:HEADER_SIZE + 12 * sequences].view("<i8")
+    document_indices = mapped[HEADER_SIZE + 12 * sequences:expected].view("<i8")
+    dtype = _DTYPES[code]
+    num_tokens = _check_layout(idx_path, dtype, lengths, pointers, document_indices)
+    return _Index(dtype, lengths, pointers, document_indices, num_tokens)
+
+
+def _check_layout(idx_path: Path, dtype: np.dtype, lengths: np.ndarray, pointers: np.ndarray, documents: np.ndarray) -> int:
+    """Sequences must lie back to back from byte 0 (as every Megatron writer lays them out) and
+    document indices must rise from 0 to the sequence count; returns the token count."""
+    sequences = lengths.size
+    if documents[0] != 0 or documents[-1] != sequences:
+        raise ShardFormatError(f"{idx_path}: document indices run from {documents[0]} to {documents[-1]}, "
+                               f"expected 0 to {sequences}; the index is corrupt")
+    expected_pointer = 0
+    for start in range(0, sequences, _CHUNK):
+        chunk = lengths[start:start + _CHUNK].astype(np.int64)
+        if chunk.size and chunk.min() < 0:
+            raise ShardFormatError(f"{idx_path}: negative sequence length; the index is corrupt")
+        ends = expected_pointer + np.cumsum(chunk * dtype.itemsize)
+        starts = np.concatenate(([expected_pointer], ends[:-1]))
+        if not np.array_equal(starts, pointers[start:start + _CHUNK]):
+            raise ShardFormatError(f"{idx_path}: sequences are not stored back to back in the .bin "
+                                   "(pointers disagree with lengths); ayumi reads only contiguous shards")
+        expected_pointer = int(ends[-1]) if ends.size else expected_pointer
+    for start in range(0, documents.size - 1, _CHUNK):
+        if np.any(np.diff(documents[start:start + _CHUNK + 1]) < 0):
+            raise ShardFormatError(f"{idx_path}: document indices decrease; the index is corrupt")
+    return expected_pointer // dtype.itemsize
 
 
 def _map_tokens(bin_path: Path, dtype: np.dtype, num_tokens: int) -> np.ndarray:
@@ -243,20 +334,18 @@ def _map_tokens(bin_path: Path, dtype: np.dtype, num_tokens: int) -> np.ndarray:
     return np.memmap(bin_path, dtype=dtype, mode="r", shape=(num_tokens,))
 
 
+def file_sha256(path: str | os.PathLike) -> str:
+    """sha256 hex of a file's bytes, read in 8 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 23), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def find_shards(directory: str | os.PathLike) -> list[Path]:
     """Prefixes of the complete shards in a directory (those with an `.idx`), sorted by name."""
     directory = Path(directory)
     if not directory.is_dir():
         raise ShardFormatError(f"shard directory {directory} does not exist")
     return sorted(path.with_suffix("") for path in directory.glob("*.idx"))
-
-
-def check_tokenizer(readers: Iterable[ShardReader], expected_sha256: str, tokenizer_path: str | os.PathLike) -> None:
-    """Refuse shards made with another tokenizer than the run's (both named in the message)."""
-    for reader in readers:
-        if reader.tokenizer_sha256 != expected_sha256:
-            raise TokenizerMismatchError(
-                f"{reader.idx_path} was tokenized with tokenizer sha256 {reader.tokenizer_sha256}, "
-                f"but this run's tokenizer {tokenizer_path} has sha256 {expected_sha256}; "
-                "re-run `ayumi data prepare` with this tokenizer, or point the run at the tokenizer the shards were made with"
-            )

@@ -15,7 +15,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("pretrain.demo", "main", "the whole pipeline on the embedded default (Quickstart command 1)"),
     "export": ("pretrain.export", "main", "export hf CHECKPOINT_DIR OUT_DIR: a transformers LlamaForCausalLM folder"),
     "tokenizer": ("tokenizer.cli", "main", "build | eval | sweep | export: the merged SentencePiece tokenizer"),
-    "data": ("data.cli", "main", "prepare | inspect: corpus to .bin/.idx token shards"),
+    "data": ("data.cli", "main", "prepare | inspect | verify: corpus to Megatron .bin/.idx token shards"),
     "plan": ("curriculum.cli", "main", "stage table, repetition, steps and disk for an experiment"),
     "report": ("pretrain.report", "main", "plots and a summary of a run dir"),
     "doctor": ("pretrain.doctor", "main", "versions, devices, DeepSpeed ops, disk and W&B mode"),

@@ -130,6 +130,9 @@ class DataConfig:
     """The run's tokenizer directory; shards made with another tokenizer are refused. None skips the check."""
     validation: bool = True
     """Evaluate on each domain's val/ shards when present."""
+    verify: str = "auto"
+    """Shard checks at start: sizes (files, byte sizes, counts, recorded ids), full (also each .bin's sha256),
+    auto (full when the run reads at most 1 GiB of shards, else sizes). Every sample's ids are checked anyway."""
     prefetch_batches: int = 2
     """Micro-batches assembled ahead in a background thread (0 = assemble inline)."""
 
@@ -448,6 +451,8 @@ def check_config(cfg: AyumiConfig) -> None:
         raise ConfigError("deepspeed.offload_param needs deepspeed.zero_stage=3")
     if cfg.deepspeed.offload_optimizer and cfg.deepspeed.zero_stage == 0:
         raise ConfigError("deepspeed.offload_optimizer needs deepspeed.zero_stage >= 1")
+    if cfg.data.verify not in ("auto", "full", "sizes"):
+        raise ConfigError(f"data.verify must be auto, full or sizes, got {cfg.data.verify!r}")
     if cfg.optim.schedule not in ("cosine", "linear", "constant", "wsd"):
         raise ConfigError(f"optim.schedule must be cosine, linear, constant or wsd, got {cfg.optim.schedule!r}")
     if cfg.optim.min_lr > cfg.optim.lr:

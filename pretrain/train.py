@@ -47,9 +47,10 @@ from omegaconf import OmegaConf
 from curriculum.config import enabled as curriculum_enabled
 from curriculum.mixer import Mixer
 from curriculum.plan import PlanRefused, plan_from_config, raise_if_refused
-from data.packed import PackedSamples, ShuffledDomains, domains_under
+from data.domains import open_run_data
 from data.manifest import MANIFEST_NAME, ManifestError, check_manifest_tokenizer, load_manifest
-from data.shards import ShardFormatError, TokenizerMismatchError, check_tokenizer, find_shards
+from data.packed import CorruptShardError, DataChangedError, PackedSamples, ShuffledDomains
+from data.shards import ShardFormatError, TokenizerMismatchError
 from pretrain.checkpoint import CheckpointError, Checkpointer, latest_tag, resolve_checkpoint
 from pretrain.config import (
     CHECKED_BY_LAUNCHER_ENV, EXIT_CONFIG_ERROR, AyumiConfig, ConfigError, check_config, config_as_yaml,
@@ -73,7 +74,7 @@ from tokenizer.info import TokenizerNotFoundError
 warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
 
 INPUT_ERRORS = (ConfigError, PlanRefused, ShardFormatError, TokenizerMismatchError, ManifestError,
-                TokenizerNotFoundError, CheckpointError)
+                TokenizerNotFoundError, CheckpointError, DataChangedError)
 """Mistakes in what the run was given (config, plan, shards, tokenizer, checkpoint): a clear line and status 2."""
 
 EXIT_STABILITY_STOP = 3
@@ -81,46 +82,61 @@ EXIT_STABILITY_STOP = 3
 
 
 def load_tokenizer_identity(tokenizer_dir: str | None) -> dict:
-    """sha256 and special ids of the run's tokenizer (empty when the run names none)."""
+    """sha256 and special ids of the run's tokenizer (empty when the run names none).
+
+    An ayumi tokenizer folder, or any tokenizer `ayumi data prepare` accepts as declared (a SentencePiece
+    .model, a Hugging Face folder: the tokenizer existing Megatron data was made with).
+    """
     if not tokenizer_dir:
         return {}
     from tokenizer import load_tokenizer_info
+    from tokenizer.declared import load_declared_tokenizer
 
-    info = load_tokenizer_info(tokenizer_dir)
-    return {"tokenizer_dir": str(info.path), "tokenizer_sha256": info.sha256, "tokenizer_vocab_size": info.vocab_size,
-            "bos_id": info.bos_id, "eos_id": info.eos_id, "pad_id": info.pad_id}
+    declared = load_declared_tokenizer(tokenizer_dir)
+    if declared.kind == "ayumi":
+        info = load_tokenizer_info(tokenizer_dir)
+        return {"tokenizer_dir": str(info.path), "tokenizer_sha256": info.sha256, "tokenizer_vocab_size": info.vocab_size,
+                "bos_id": info.bos_id, "eos_id": info.eos_id, "pad_id": info.pad_id}
+    return {"tokenizer_dir": str(declared.path), "tokenizer_sha256": declared.sha256,
+            "tokenizer_vocab_size": declared.vocab_size, "bos_id": declared.bos_id, "eos_id": declared.eod_id,
+            "pad_id": None}
 
 
 def build_data(cfg: AyumiConfig, tokenizer: dict) -> tuple[ShuffledDomains | Mixer, dict[str, PackedSamples]]:
-    """The training stream (the curriculum's mixer, or all domains shuffled) and per-domain validation sets."""
+    """The training stream (the curriculum's mixer, or all domains shuffled) and per-domain validation sets.
+
+    Every shard comes from what the data root's manifest lists, checked against it (data/integrity.py);
+    the tokenizer and vocabulary checks below run before any shard is opened.
+    """
     root = Path(cfg.data.root)
-    if tokenizer and (root / MANIFEST_NAME).is_file():
-        # The whole data root at once, with the manifest's record of which tokenizer made it;
-        # every shard header is checked below as well (a root assembled by hand has no manifest).
-        check_manifest_tokenizer(load_manifest(root), tokenizer["tokenizer_sha256"], tokenizer["tokenizer_dir"], str(root))
-    train_dirs = domains_under(root, "train", cfg.data.domains or None)
-    train = {name: PackedSamples.from_directory(path, cfg.train.seq_len, name) for name, path in train_dirs.items()}
-    val: dict[str, PackedSamples] = {}
-    if cfg.data.validation:
-        for name, val_dir in domains_under(root, "val").items():
-            if name in train_dirs and find_shards(val_dir):
-                samples = PackedSamples.from_directory(val_dir, cfg.train.seq_len, name)
-                if len(samples):
-                    val[name] = samples
-    readers = [reader for samples in [*train.values(), *val.values()] for reader in samples.readers]
-    if tokenizer:
-        check_tokenizer(readers, tokenizer["tokenizer_sha256"], tokenizer["tokenizer_dir"])
-    too_big = [r for r in readers if r.vocab_size > cfg.model.vocab_size]
-    if too_big:
-        raise ConfigError(
-            f"shards {too_big[0].idx_path} hold ids up to vocab size {too_big[0].vocab_size} but "
-            f"model.vocab_size={cfg.model.vocab_size}; set model.vocab_size >= {too_big[0].vocab_size}"
-        )
+    manifest = load_manifest(root)
+    check_vocabulary(cfg, manifest, tokenizer, root)
+    _, train, val = open_run_data(root, cfg.data.domains or None, cfg.train.seq_len, cfg.model.vocab_size,
+                                  cfg.data.verify, cfg.data.validation)
     # The same checks as `ayumi plan`: budgets vs run length, repetition, disk. Refuse before step 1.
     raise_if_refused(plan_from_config(cfg, count_parameters(cfg.model), domains=train))
     if curriculum_enabled(cfg.curriculum):
         return Mixer(cfg.curriculum, train, cfg.train.seq_len, cfg.train.global_batch_size, cfg.train.seed), val
     return ShuffledDomains(train, seed=cfg.train.seed), val
+
+
+def check_vocabulary(cfg: AyumiConfig, manifest: dict, tokenizer: dict, root: Path) -> None:
+    """The data root's tokenizer must be the run's, its record must agree with that tokenizer, and the
+    model must have an embedding row for every id."""
+    recorded = manifest["tokenizer"]
+    manifest_path = root / MANIFEST_NAME
+    if tokenizer:
+        check_manifest_tokenizer(manifest, tokenizer["tokenizer_sha256"], tokenizer["tokenizer_dir"], str(root))
+        if recorded["vocab_size"] != tokenizer["tokenizer_vocab_size"]:
+            raise ManifestError(
+                f"{manifest_path} records a vocabulary of {recorded['vocab_size']} for tokenizer sha256 "
+                f"{recorded['sha256'][:12]}…, but that tokenizer ({tokenizer['tokenizer_dir']}) has "
+                f"{tokenizer['tokenizer_vocab_size']}: the record was edited or damaged. Fix: re-run `ayumi data prepare`")
+    if recorded["vocab_size"] > cfg.model.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the vocabulary of the tokenizer that made "
+            f"{root} ({recorded['vocab_size']} ids, {manifest_path}). Fix: set model.vocab_size >= {recorded['vocab_size']} "
+            "(a multiple of 64 is fastest)")
 
 
 def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict) -> tuple[Trainer, NullLogger]:
@@ -229,8 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         result = run(cfg, resolved)
     except INPUT_ERRORS as err:
         # Every rank reads the same data, tokenizer and checkpoint, so every rank fails alike: one
-        # says why, without a traceback per rank (the message names the file and the fix).
-        if first:
+        # says why, without a traceback per rank (the message names the file and the fix). A damaged
+        # sample is the exception: only the rank that read it knows, so that rank says it.
+        if first or isinstance(err, CorruptShardError):
             print_config_error(PROG, err)
         return EXIT_CONFIG_ERROR
     if os.environ.get("AYUMI_RESULT_FILE") and first:

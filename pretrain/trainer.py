@@ -160,6 +160,8 @@ class Trainer:
                   "stability": self.stability.state_dict(), "skips": [list(r) for r in self.skips]}
         if self.mixer is not None:
             shared["mixer"] = self.mixer.state_dict()
+        else:  # all domains shuffled: the data's shape, so a resume notices changed data as the mixer does
+            shared["data"] = self.loader.source.state_dict()
         return shared
 
     def load_shared_state(self, shared: dict[str, Any], with_stability: bool = True) -> None:
@@ -170,6 +172,8 @@ class Trainer:
         if self.mixer is not None and "mixer" in shared:
             self.mixer.load_state_dict(shared["mixer"])
             self.mixer.add_skips(self.skips)
+        elif self.mixer is None and "data" in shared:
+            self.loader.source.load_state_dict(shared["data"])
         if with_stability and "stability" in shared:
             self.stability.load_state_dict(shared["stability"])
 

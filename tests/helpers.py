@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from data.shards import ShardWriter
+from data.token_root import TokenRoot
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,11 +30,12 @@ def byte_tokens(text: str) -> list[int]:
 
 def write_tiny_corpus(root: Path, repeats: int = 40, val_docs: int = 4) -> Path:
     """DATA_ROOT with ja/ and en/ domains (train + val) of byte tokens, repeated so loss can fall."""
-    for name, text in (("ja", JA_TEXT), ("en", EN_TEXT)):
-        for split, count in (("train", repeats), ("val", val_docs)):
-            with ShardWriter(root / name / split / "shard_00000", vocab_size=VOCAB) as writer:
-                for i in range(count):
-                    writer.add_document(byte_tokens(text))
+    with TokenRoot(root, vocab_size=VOCAB, eos_id=EOS, name="tiny") as out:
+        for name, text in (("ja", JA_TEXT), ("en", EN_TEXT)):
+            for split, count in (("train", repeats), ("val", val_docs)):
+                with out.shard(name, split) as writer:
+                    for i in range(count):
+                        writer.add_document(byte_tokens(text))
     return root
 
 

@@ -12,25 +12,26 @@ import numpy as np
 
 from curriculum.config import CurriculumConfig, LRPolicy, Stage
 from data.packed import PackedSamples
-from data.shards import ShardWriter
+from data.token_root import TokenRoot
 
 VOCAB = 8000
 
 
 def write_domains(root: Path, tokens: dict[str, int], doc_len: int = 50, shards: int = 2, val_tokens: int = 0) -> Path:
     """DATA_ROOT/<domain>/train (and val when val_tokens > 0) holding about `tokens[name]` tokens per domain."""
-    for k, (name, count) in enumerate(tokens.items()):
-        for split, total in (("train", count), ("val", val_tokens)):
-            if total <= 0:
-                continue
-            docs = max(1, total // doc_len)
-            per_shard = -(-docs // shards)
-            doc = 0
-            for shard in range(shards):
-                with ShardWriter(root / name / split / f"part_{shard:05d}", vocab_size=VOCAB) as writer:
-                    for _ in range(min(per_shard, docs - doc)):
-                        writer.add_document(k * 1000 + (doc + np.arange(doc_len)) % 1000)
-                        doc += 1
+    with TokenRoot(root, vocab_size=VOCAB) as out:
+        for k, (name, count) in enumerate(tokens.items()):
+            for split, total in (("train", count), ("val", val_tokens)):
+                if total <= 0:
+                    continue
+                docs = max(1, total // doc_len)
+                per_shard = -(-docs // shards)
+                doc = 0
+                for shard in range(shards):
+                    with out.shard(name, split) as writer:
+                        for _ in range(min(per_shard, docs - doc)):
+                            writer.add_document(k * 1000 + (doc + np.arange(doc_len)) % 1000)
+                            doc += 1
     return root
 
 

@@ -20,9 +20,9 @@ import sentencepiece as spm
 from data.clean import Cleaner
 from data.config import CleanConfig
 from data.manifest import KEYS_NAME, MANIFEST_NAME, check_manifest_tokenizer, load_manifest
-from data.packed import PackedSamples, domains_under
+from data.domains import open_run_data
 from data.prepare import EmptyDomainError, OverlapError, prepare, split_threshold
-from data.shards import ShardReader, TokenizerMismatchError, check_tokenizer, find_shards
+from data.shards import ShardReader, TokenizerMismatchError, find_shards
 from tests.data.helpers import JA_PARAGRAPHS, domain, make_config, write_jsonl
 from tokenizer import load_tokenizer_info
 from common.corpus import CorpusError
@@ -400,26 +400,24 @@ def test_trainer_contract_refuses_another_tokenizer(tmp_path, tokenizer_dir, oth
     manifest = prepare(cfg)
     ours, other = load_tokenizer_info(tokenizer_dir), load_tokenizer_info(other_tokenizer_dir)
     assert ours.sha256 != other.sha256
-    readers = [ShardReader(prefix) for prefix in find_shards(tmp_path / "root" / "en" / "train")]
-    check_tokenizer(readers, ours.sha256, ours.model_path)  # the right tokenizer passes
-    with pytest.raises(TokenizerMismatchError) as excinfo:
-        check_tokenizer(readers, other.sha256, other.model_path)
-    assert ours.sha256 in str(excinfo.value) and other.sha256 in str(excinfo.value)
+    record = json.loads((tmp_path / "root" / "en" / "domain.json").read_text())
+    assert record["tokenizer"]["sha256"] == ours.sha256 and record["tokenizer"]["vocab_size"] == ours.vocab_size
+    check_manifest_tokenizer(manifest, ours.sha256, ours.model_path)  # the right tokenizer passes
     with pytest.raises(TokenizerMismatchError) as excinfo:
         check_manifest_tokenizer(manifest, other.sha256, other.model_path, root=str(tmp_path / "root"))
     assert ours.sha256 in str(excinfo.value) and other.sha256 in str(excinfo.value)
-    # Re-preparing with the other tokenizer redoes the shards, stamped with its sha.
+    # Re-preparing with the other tokenizer redoes the shards, recorded with its sha.
     cfg.tokenizer_dir = str(other_tokenizer_dir)
     assert prepare(cfg)["tokenizer"]["sha256"] == other.sha256
-    assert all(ShardReader(p).tokenizer_sha256 == other.sha256 for p in find_shards(tmp_path / "root" / "en" / "train"))
+    record = json.loads((tmp_path / "root" / "en" / "domain.json").read_text())
+    assert record["tokenizer"]["sha256"] == other.sha256
 
 
 def test_shards_feed_the_trainer_loader(tmp_path, tokenizer_dir, en_corpus):
     prepare(make_config(tmp_path / "root", tokenizer_dir, {"en": domain([en_corpus / "*.jsonl"], val_fraction=0.1)}))
-    train_dirs = domains_under(tmp_path / "root", "train")
-    assert list(train_dirs) == ["en"] and list(domains_under(tmp_path / "root", "val")) == ["en"]
-    samples = PackedSamples.from_directory(train_dirs["en"], seq_len=32)
-    assert len(samples) > 10 and samples.sample(3).shape == (33,)
+    _, train, val = open_run_data(tmp_path / "root", None, seq_len=32, vocab_size=600, verify="full")
+    assert list(train) == ["en"] and list(val) == ["en"]
+    assert len(train["en"]) > 10 and train["en"].sample(3).shape == (33,)
 
 
 def test_many_small_files_share_work_items_and_keep_their_locations(tmp_path, tokenizer_dir, en_texts):

@@ -1,0 +1,76 @@
+"""The training domains of a data root, opened from what its manifest lists (never by globbing folders).
+
+A domain is either prepared by ayumi (shards under `<root>/<domain>/`) or registered Megatron data
+(prefixes anywhere, data/megatron.py); both open the same way, into `PackedSamples` (or
+`BlendedSamples` for weighted prefixes), after data/integrity.py's checks. A shard the manifest
+lists but the disk lacks stops the run; a stray file in a domain folder is never read.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from data.integrity import check_domain_record, open_listed_shards, wants_checksum
+from data.manifest import load_manifest
+from data.packed import BlendedSamples, EodAppended, PackedSamples
+from data.shards import ShardFormatError
+
+
+def select_domains(manifest: dict, root: Path, names: list[str] | None) -> list[str]:
+    """The names to train on (all of the manifest's when none are given); unknown names are refused."""
+    known = list(manifest["domains"])
+    if not names:
+        return known
+    unknown = [name for name in names if name not in manifest["domains"]]
+    if unknown:
+        raise ShardFormatError(f"domain(s) {', '.join(unknown)} are not in {Path(root) / 'manifest.json'} (it has: "
+                               f"{', '.join(known)}). Fix: check data.domains / the curriculum's domains, or data.root")
+    return list(names)
+
+
+def open_domain(root: Path, name: str, record: dict, split: str, seq_len: int, vocab_size: int | None,
+                checksum: bool) -> PackedSamples | BlendedSamples:
+    """One domain's split as samples, every shard checked against its record."""
+    readers = open_listed_shards(root, name, record, split, checksum)
+    if record.get("append_eod"):
+        readers = [EodAppended(reader, record["eod_id"]) for reader in readers]
+    shards = record["splits"][split]["shards"]
+    weights = [shard.get("weight") for shard in shards]
+    if any(weight is not None for weight in weights):
+        samples = BlendedSamples([PackedSamples([reader], seq_len, name, vocab_size) for reader in readers],
+                                 weights, name)
+    else:
+        samples = PackedSamples(readers, seq_len, name, vocab_size)
+    samples.fingerprint = _fingerprint(shards)
+    return samples
+
+
+def _fingerprint(shards: list[dict]) -> str:
+    """What identifies the data: each shard's name, size and checksum (or size alone when none is recorded)."""
+    keys = [[shard["name"], shard.get("prefix"), shard["bytes"], shard.get("sha256")] for shard in shards]
+    return hashlib.sha256(json.dumps(keys).encode("utf-8")).hexdigest()[:16]
+
+
+def open_run_data(root: str | Path, names: list[str] | None, seq_len: int, vocab_size: int | None = None,
+                  verify: str = "auto", validation: bool = True,
+                  ) -> tuple[dict, dict[str, PackedSamples | BlendedSamples], dict[str, PackedSamples | BlendedSamples]]:
+    """(manifest, train domains, validation domains) of a run, checked as data/integrity.py describes."""
+    root = Path(root)
+    manifest = load_manifest(root)
+    chosen = select_domains(manifest, root, names)
+    records = {name: manifest["domains"][name] for name in chosen}
+    val_names = [name for name in chosen if validation and "val" in records[name]["splits"]]
+    checksum = wants_checksum(verify, [(records[n], "train") for n in chosen] + [(records[n], "val") for n in val_names])
+    for name, record in records.items():
+        if record.get("source") != "megatron":
+            check_domain_record(root, name, record)
+        if "train" not in record["splits"]:
+            raise ShardFormatError(f"domain {name!r} of {root} has no training split")
+    train = {name: open_domain(root, name, records[name], "train", seq_len, vocab_size, checksum) for name in chosen}
+    val = {}
+    for name in val_names:
+        samples = open_domain(root, name, records[name], "val", seq_len, vocab_size, checksum)
+        if len(samples):
+            val[name] = samples
+    return manifest, train, val

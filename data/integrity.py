@@ -1,0 +1,112 @@
+"""Are a data root's shards still what `ayumi data prepare` recorded? Checked at training start and by `ayumi data verify`.
+
+At training start every rank runs the same checks on the shards the run will read (so every rank
+fails alike, with one message naming the file and the fix):
+- each listed shard's `.idx` and `.bin` exist, and the `.bin` has the recorded byte size;
+- the index describes the recorded numbers of documents and tokens;
+- the recorded largest id is below the tokenizer's vocabulary (a record edited down is caught);
+- with `verify` `full` (or `auto` on up to AUTO_FULL_BYTES of shards), each `.bin`'s sha256.
+Damage the checks above cannot see cheaply on big data (bytes overwritten in place) is caught
+per sample by PackedSamples before the model sees an id, and in full by `ayumi data verify`.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from data.manifest import DOMAIN_RECORD_NAME, ManifestError, check_seal, read_json, shard_prefix
+from data.shards import ShardFormatError, ShardReader, file_sha256
+
+VERIFY_MODES = ("auto", "full", "sizes")
+AUTO_FULL_BYTES = 1 << 30
+"""`verify=auto` checksums every shard when the run reads at most this many bytes of shards."""
+
+
+def check_domain_record(root: Path, name: str, record: dict) -> None:
+    """A prepared domain's `domain.json` must be there, unedited, and agree with the manifest's copy."""
+    path = Path(root) / name / DOMAIN_RECORD_NAME
+    on_disk = read_json(path)
+    check_seal(on_disk, path)
+    if on_disk != record:
+        raise ManifestError(f"{path} differs from the record of {name!r} in {Path(root) / 'manifest.json'}: the domain "
+                            "was re-prepared or changed without the rest of the root. Fix: re-run `ayumi data prepare`")
+
+
+def open_listed_shards(root: Path, name: str, record: dict, split: str, checksum: bool) -> list[ShardReader]:
+    """Readers of a split's shards in the record's order, each checked against its record entry."""
+    readers = []
+    vocab = record["tokenizer"]["vocab_size"]
+    for shard in record["splits"][split]["shards"]:
+        prefix = shard_prefix(root, name, split, shard)
+        reader = ShardReader(prefix)  # missing files, a .bin of the wrong size, a corrupt index
+        problem = _mismatch(reader, shard)
+        if problem:
+            raise ShardFormatError(f"{reader.idx_path}: {problem} than {name}/{DOMAIN_RECORD_NAME} records; the shard "
+                                   "was replaced or damaged. Fix: re-run `ayumi data prepare` for this data root")
+        if shard.get("max_id", -1) >= vocab:
+            raise ShardFormatError(
+                f"{Path(root) / name / DOMAIN_RECORD_NAME}: shard {shard['name']} holds id {shard['max_id']}, but the "
+                f"record says the tokenizer has {vocab} ids: the record was edited or damaged. Fix: re-run "
+                "`ayumi data prepare` for this data root")
+        if checksum and shard.get("sha256"):
+            check_checksum(reader, shard)
+        readers.append(reader)
+    return readers
+
+
+def _mismatch(reader: ShardReader, shard: dict) -> str:
+    if reader.num_tokens != shard["tokens"]:
+        return f"the index describes {reader.num_tokens:,} tokens, other"
+    if reader.num_docs != shard["docs"]:
+        return f"the index describes {reader.num_docs:,} documents, other"
+    return ""
+
+
+def check_checksum(reader: ShardReader, shard: dict) -> None:
+    actual = file_sha256(reader.bin_path)
+    if actual != shard["sha256"]:
+        raise ShardFormatError(f"{reader.bin_path}: sha256 {actual[:12]}… is not the recorded {shard['sha256'][:12]}…: "
+                               "the token bytes changed after the shard was written. Fix: re-run `ayumi data prepare` "
+                               "for this data root (a damaged disk? check it first)")
+
+
+def wants_checksum(mode: str, records: list[tuple[dict, str]]) -> bool:
+    """Whether `verify` mode asks for checksums on these (record, split) pairs."""
+    if mode not in VERIFY_MODES:
+        raise ValueError(f"data.verify={mode!r}: choose one of {', '.join(VERIFY_MODES)}")
+    if mode != "auto":
+        return mode == "full"
+    return sum(record["splits"][split]["bytes"] for record, split in records) <= AUTO_FULL_BYTES
+
+
+def verify_root(root: str | Path, manifest: dict) -> list[str]:
+    """`ayumi data verify`: every listed shard, in full (sizes, counts, sha256, every id below the vocabulary).
+
+    Returns one line per problem (empty when the root is intact); a shard whose record has no
+    sha256 (large Megatron data) gets the id check only.
+    """
+    root = Path(root)
+    problems = []
+    for name, record in manifest["domains"].items():
+        if record.get("source") != "megatron":
+            try:
+                check_domain_record(root, name, record)
+            except ManifestError as err:
+                problems.append(str(err))
+        vocab = record["tokenizer"]["vocab_size"]
+        for split, info in record["splits"].items():
+            for shard in info["shards"]:
+                problems.extend(_verify_shard(root, name, record, split, shard, vocab))
+    return problems
+
+
+def _verify_shard(root: Path, name: str, record: dict, split: str, shard: dict, vocab: int) -> list[str]:
+    one = {**record, "splits": {split: {**record["splits"][split], "shards": [shard]}}}
+    try:
+        reader, = open_listed_shards(root, name, one, split, checksum=True)
+    except ShardFormatError as err:
+        return [str(err)]
+    low, high = reader.min_id(), reader.max_id()
+    if low < 0 or high >= vocab:
+        return [f"{reader.bin_path}: holds id {high if high >= vocab else low}, outside the vocabulary [0, {vocab}); "
+                "the token bytes are damaged. Fix: re-run `ayumi data prepare` for this data root"]
+    return []
