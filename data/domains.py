@@ -18,10 +18,10 @@ from data.shards import ShardFormatError
 
 
 def select_domains(manifest: dict, root: Path, names: list[str] | None) -> list[str]:
-    """The names to train on (all of the manifest's when none are given); unknown names are refused."""
+    """The names to train on (all of the manifest's, sorted, when none are given); unknown names are refused."""
     known = list(manifest["domains"])
     if not names:
-        return known
+        return sorted(known)  # by name, as the folders were read before manifests listed them: same stream
     unknown = [name for name in names if name not in manifest["domains"]]
     if unknown:
         raise ShardFormatError(f"domain(s) {', '.join(unknown)} are not in {Path(root) / 'manifest.json'} (it has: "

@@ -215,6 +215,13 @@ def run(cfg: AyumiConfig, resolved: dict) -> TrainResult:
         logger.summary({"final/steps": result.steps, "final/tokens": result.tokens,
                         **{f"final/val/{k}/loss": v for k, v in result.val_losses.items()}})
         return result
+    except CorruptShardError as err:
+        # Only this rank read the damaged sample; the others wait for it in a collective, so the
+        # barrier below would hang until the process-group timeout. Say why and leave at once: the
+        # launcher sees the exit and stops the other ranks.
+        print_config_error(PROG, err)
+        exit_now(EXIT_CONFIG_ERROR)
+        raise  # not reached
     finally:
         logger.close()
         finalize_distributed()
@@ -246,8 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     except INPUT_ERRORS as err:
         # Every rank reads the same data, tokenizer and checkpoint, so every rank fails alike: one
         # says why, without a traceback per rank (the message names the file and the fix). A damaged
-        # sample is the exception: only the rank that read it knows, so that rank says it.
-        if first or isinstance(err, CorruptShardError):
+        # sample is the exception: only the rank that read it knows, so that rank says it (run()).
+        if first:
             print_config_error(PROG, err)
         return EXIT_CONFIG_ERROR
     if os.environ.get("AYUMI_RESULT_FILE") and first:
