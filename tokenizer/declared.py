@@ -56,6 +56,7 @@ class DeclaredTokenizer:
         return list(backend.encode(text))
 
     def decode(self, ids: Sequence[int]) -> str:
+        """Ids to text (special tokens as the library renders them)."""
         return self._library().decode([int(i) for i in ids])
 
 
@@ -97,8 +98,10 @@ def _sentencepiece(path: Path) -> DeclaredTokenizer:
     def known(piece_id: int) -> int | None:
         return piece_id if piece_id >= 0 else None
 
-    return DeclaredTokenizer(path, "sentencepiece", tokenizer_sha256(path), processor.get_piece_size(),
-                             known(processor.eos_id()), known(processor.bos_id()))
+    tokenizer = DeclaredTokenizer(path, "sentencepiece", tokenizer_sha256(path), processor.get_piece_size(),
+                                  known(processor.eos_id()), known(processor.bos_id()))
+    tokenizer._backend.append(processor)  # loaded once: encode/decode reuse it
+    return tokenizer
 
 
 def _huggingface(path: Path) -> DeclaredTokenizer:
@@ -110,6 +113,10 @@ def _huggingface(path: Path) -> DeclaredTokenizer:
         raise TokenizerNotFoundError(f"{path / 'tokenizer.json'} cannot be read by `tokenizers` ({err})") from None
     vocab = backend.get_vocab(with_added_tokens=True)
     special = _special_tokens(path)
+    missing = [f"{name}={special[name]!r}" for name in ("eos_token", "bos_token") if special.get(name) and special[name] not in vocab]
+    if missing:
+        raise TokenizerNotFoundError(f"{path}: the config names {', '.join(missing)}, which tokenizer.json's vocabulary "
+                                     "does not hold; the folder is inconsistent. Fix: point at the tokenizer as released")
     eod, bos = (vocab.get(special[name]) if special.get(name) else None for name in ("eos_token", "bos_token"))
     tokenizer = DeclaredTokenizer(path, "huggingface", _folder_sha256(path), max(vocab.values()) + 1, eod, bos)
     tokenizer._backend.append(backend)

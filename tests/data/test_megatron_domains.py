@@ -1,0 +1,135 @@
+"""Existing Megatron data registered as a domain by `ayumi data prepare`: the checks that do not trust the
+declaration, weights and folders of prefixes, append_eod, validation prefixes, a declared Hugging Face
+tokenizer, and the commands downstream (inspect, plan) treating the domain like any other."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from curriculum.plan import available_samples
+from data.config import DomainConfig
+from data.domains import open_run_data
+from data.inspect import inspect_root
+from data.megatron import MegatronDataError, parse_prefixes
+from data.prepare import PrepareError, prepare
+from data.shards import ShardWriter
+from tests.data.helpers import domain, make_config, write_jsonl
+from tokenizer.declared import load_declared_tokenizer
+
+EOS = 2
+
+
+def write_prefix(prefix: Path, documents: list[list[int]], vocab: int = 600) -> Path:
+    with ShardWriter(prefix, vocab) as writer:
+        writer.add_documents(documents)
+    return prefix
+
+
+def encoded(tokenizer_dir: Path, texts: list[str], eos: bool = True) -> list[list[int]]:
+    tokenizer = load_declared_tokenizer(tokenizer_dir)
+    return [tokenizer.encode(text) + ([EOS] if eos else []) for text in texts]
+
+
+def megatron(spec: str, **kwargs) -> DomainConfig:
+    return DomainConfig(megatron=spec, **kwargs)
+
+
+def test_prefix_forms_follow_megatrons_data_path(tmp_path):
+    a, b = write_prefix(tmp_path / "a", [[1, EOS]]), write_prefix(tmp_path / "b", [[3, EOS]])
+    assert parse_prefixes(f"{a} {b}", "k") == [(None, a), (None, b)]
+    assert parse_prefixes(f"0.3 {a}.bin 0.7 {b}", "k") == [(0.3, a), (0.7, b)]  # a suffix is accepted
+    assert parse_prefixes(str(tmp_path), "k") == [(None, a), (None, b)]  # a folder: every *.idx in it
+    with pytest.raises(MegatronDataError, match="before every prefix or before none"):
+        parse_prefixes(f"{a} 0.5 {b}", "data.domains.web.megatron")
+    with pytest.raises(MegatronDataError, match="alternate a weight and a prefix"):
+        parse_prefixes(f"0.5 {a} 0.5", "k")
+
+
+def test_registered_in_place_and_read_like_any_domain(tmp_path, tokenizer_dir, en_texts):
+    docs = encoded(tokenizer_dir, en_texts[:60])
+    a = write_prefix(tmp_path / "meg" / "a_text_document", docs[:30])
+    b = write_prefix(tmp_path / "meg" / "b_text_document", docs[30:50])
+    val = write_prefix(tmp_path / "meg" / "val_text_document", docs[50:])
+    cfg = make_config(tmp_path / "root", tokenizer_dir, {
+        "web": megatron(f"0.25 {a} 0.75 {b}", megatron_val=str(val)),
+        "en": domain([write_jsonl(tmp_path / "en.jsonl", en_texts[60:120])], val_fraction=0.1),
+    })
+    manifest = prepare(cfg)
+    record = manifest["domains"]["web"]
+    shards = record["splits"]["train"]["shards"]
+    assert [(s["prefix"], s["weight"], s["docs"]) for s in shards] == [(str(a), 0.25, 30), (str(b), 0.75, 20)]
+    assert all(s["ids_checked"] == "full" and s["max_id"] < 600 and len(s["sha256"]) == 64 for s in shards)
+    assert sorted(p.name for p in (tmp_path / "root" / "web").iterdir()) == ["domain.json"]  # nothing copied
+    _, train, val_sets = open_run_data(tmp_path / "root", None, seq_len=32, vocab_size=640)
+    web = train["web"]
+    assert len(web) == sum(web.counts) and web.counts[1] == pytest.approx(3 * web.counts[0], abs=1)
+    assert set(val_sets) == {"web", "en"}
+    assert available_samples(tmp_path / "root", 32)[1]["web"] == len(web)  # `ayumi plan` counts it
+    report = inspect_root(tmp_path / "root", samples=1, chars=40)
+    assert "Megatron data (read in place)" in report and str(a) in report
+    first = load_declared_tokenizer(tokenizer_dir).decode(docs[0][:-1])[:40].replace("\n", "⏎")
+    assert f"web/train #0 ({len(docs[0])} tokens): {first}" in report  # decoded with the declared tokenizer
+    # Re-running with nothing changed skips the check; touching a prefix re-checks it.
+    again = prepare(cfg)
+    assert again["domains"]["web"] == record
+
+
+def test_ids_beyond_the_declared_vocabulary_are_refused_naming_the_prefix(tmp_path, tokenizer_dir):
+    bad = write_prefix(tmp_path / "bad_text_document", [[5, 7, EOS], [650, EOS]], vocab=1000)
+    cfg = make_config(tmp_path / "root", tokenizer_dir, {"web": megatron(str(bad))})
+    with pytest.raises(MegatronDataError, match=rf"data\.domains\.web\.megatron: {bad}\.bin holds id 650, outside the "
+                                                r"vocabulary \[0, 600\)"):
+        prepare(cfg)
+    assert not (tmp_path / "root" / "manifest.json").exists()
+
+
+def test_documents_without_eod_need_append_eod(tmp_path, tokenizer_dir, en_texts):
+    plain = write_prefix(tmp_path / "plain_text_document", encoded(tokenizer_dir, en_texts[:20], eos=False))
+    cfg = make_config(tmp_path / "root", tokenizer_dir, {"web": megatron(str(plain))})
+    with pytest.raises(MegatronDataError, match=r"20 of 20 documents checked .* do not end with EOD id 2.*"
+                                                r"data\.domains\.web\.append_eod=true"):
+        prepare(cfg)
+    cfg.data.domains["web"].append_eod = True
+    prepare(cfg)
+    _, train, _ = open_run_data(tmp_path / "root", None, seq_len=16, vocab_size=640)
+    stream = np.concatenate([train["web"].sample(i)[:-1] for i in range(len(train["web"]))])
+    first = encoded(tokenizer_dir, en_texts[:1], eos=False)[0]
+    assert stream[:len(first) + 1].tolist() == first + [EOS]  # EOD read after each document
+    ended = write_prefix(tmp_path / "ended_text_document", encoded(tokenizer_dir, en_texts[:5]))
+    cfg.data.domains["web"].megatron = str(ended)
+    with pytest.raises(MegatronDataError, match="already end with EOD id 2.*append_eod=false"):
+        prepare(cfg)
+
+
+def test_a_hugging_face_tokenizer_declares_megatron_data(tmp_path, tokenizer_dir, en_texts):
+    from tokenizer.export_hf import export_hf
+
+    hf = tmp_path / "hf_tokenizer"
+    export_hf(tokenizer_dir / "tokenizer.model", hf)
+    declared = load_declared_tokenizer(hf)
+    assert declared.kind == "huggingface" and declared.vocab_size == 600 and declared.eod_id == EOS
+    docs = encoded(tokenizer_dir, en_texts[:10])
+    assert [declared.encode(text) + [EOS] for text in en_texts[:10]] == docs  # same ids as SentencePiece
+    prefix = write_prefix(tmp_path / "web_text_document", docs)
+    root = tmp_path / "root"
+    manifest = prepare(make_config(root, hf, {"web": megatron(str(prefix))}))
+    assert manifest["tokenizer"]["sha256"] == declared.sha256 != load_declared_tokenizer(tokenizer_dir).sha256
+    assert en_texts[0][:30].replace("\n", "⏎") in inspect_root(root, samples=1, chars=30)
+    # An HF folder cannot tokenize text domains here: refused with the fix, before any work.
+    mixed = make_config(tmp_path / "mixed", hf, {"web": megatron(str(prefix)),
+                                                 "en": domain([write_jsonl(tmp_path / "en.jsonl", en_texts[:5])])})
+    with pytest.raises(PrepareError, match="Hugging Face tokenizer folder.*cannot tokenize corpus text"):
+        prepare(mixed)
+
+
+def test_a_megatron_prefix_changed_after_registration_is_refused_at_start(tmp_path, tokenizer_dir, en_texts):
+    prefix = write_prefix(tmp_path / "web_text_document", encoded(tokenizer_dir, en_texts[:10]))
+    prepare(make_config(tmp_path / "root", tokenizer_dir, {"web": megatron(str(prefix))}))
+    write_prefix(prefix, encoded(tokenizer_dir, en_texts[:11]))  # the team re-ran preprocessing in place
+    with pytest.raises(Exception, match=rf"{prefix}\.(bin|idx)"):
+        open_run_data(tmp_path / "root", None, seq_len=16, vocab_size=640)
+    record = json.loads((tmp_path / "root" / "manifest.json").read_text())["domains"]["web"]
+    assert record["splits"]["train"]["docs"] == 10
