@@ -84,7 +84,8 @@ class DomainConfig:
     `"PREFIX PREFIX ..."` or weighted `"0.7 PREFIX 0.3 PREFIX"`, or a folder (every *.idx in it). They are checked
     against `tokenizer_dir` (the tokenizer they were made with) and recorded, never copied or re-tokenized."""
     megatron_val: str = ""
-    """Megatron prefixes (same forms as `megatron`) to use as this domain's validation set."""
+    """Megatron prefixes (same forms as `megatron`) to use as this domain's validation set, for a Megatron domain
+    or a text domain (then instead of val_fraction/val_count; made with the same tokenizer)."""
     append_eod: bool = False
     """Megatron data only: true when its documents do not end with the tokenizer's EOS (preprocessed without
     --append-eod); training then reads an EOS after every document. false: every document must end with EOS."""
@@ -173,9 +174,10 @@ def check_domain_config(name: str, domain: DomainConfig) -> None:
     key = f"data.domains.{name}"
     if domain.megatron and domain.inputs:
         raise ConfigError(f"{key}: set inputs (corpus files to tokenize) or megatron (existing Megatron shards), not both.")
-    if domain.megatron_val and not domain.megatron:
-        raise ConfigError(f"{key}.megatron_val needs {key}.megatron (validation prefixes belong to a Megatron domain).")
-    if domain.append_eod and not domain.megatron:
+    if domain.megatron_val and (domain.val_fraction > 0 or domain.val_count > 0):
+        raise ConfigError(f"{key}: megatron_val is this domain's validation set, so val_fraction/val_count must be 0 "
+                          f"(got {domain.val_fraction}/{domain.val_count}). Fix: drop one of them.")
+    if domain.append_eod and not (domain.megatron or domain.megatron_val):
         raise ConfigError(f"{key}.append_eod applies to Megatron data only (corpus documents always end with EOS).")
     if domain.megatron:
         return  # the prefixes are checked when they are read (data/megatron.py)

@@ -33,9 +33,9 @@ def open_domain(root: Path, name: str, record: dict, split: str, seq_len: int, v
                 checksum: bool) -> PackedSamples | BlendedSamples:
     """One domain's split as samples, every shard checked against its record."""
     readers = open_listed_shards(root, name, record, split, checksum)
-    if record.get("append_eod"):
-        readers = [EodAppended(reader, record["eod_id"]) for reader in readers]
     shards = record["splits"][split]["shards"]
+    readers = [EodAppended(reader, shard["eod_id"]) if shard.get("append_eod") else reader
+               for reader, shard in zip(readers, shards)]
     weights = [shard.get("weight") for shard in shards]
     if any(weight is not None for weight in weights):
         samples = BlendedSamples([PackedSamples([reader], seq_len, name, vocab_size) for reader in readers],

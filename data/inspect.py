@@ -102,9 +102,9 @@ def inspect_root(root: str | os.PathLike, samples: int = 2, chars: int = 160, to
         f"train/val overlap check: passed ({overlap['val_docs']:,} val docs against {overlap['train_docs_checked']:,} train docs)",
     ]
     megatron = [f"  {name}: {len(info['shards'])} {split} prefix(es), e.g. {info['shards'][0]['prefix']}"
-                + (" (EOD appended when read)" if record.get("append_eod") else "")
-                for name, record in manifest["domains"].items() if record.get("source") == "megatron"
-                for split, info in record["splits"].items()]
+                + (" (EOD appended when read)" if info["shards"][0].get("append_eod") else "")
+                for name, record in manifest["domains"].items()
+                for split, info in record["splits"].items() if info["shards"] and info["shards"][0].get("prefix")]
     if megatron:
         lines += ["", "Megatron data (read in place):", *megatron]
     dropped = drop_lines(manifest)

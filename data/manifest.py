@@ -115,7 +115,8 @@ def shards_intact(domain_dir: Path, record: dict) -> bool:
     domain_dir = Path(domain_dir)
     for split, info in record.get("splits", {}).items():
         keys = domain_dir / split / KEYS_NAME
-        if record.get("source") != "megatron" and (not keys.is_file() or keys.stat().st_size != KEY_BYTES * info["docs"]):
+        native = not any(shard.get("prefix") for shard in info["shards"])  # Megatron prefixes have no keys file
+        if native and (not keys.is_file() or keys.stat().st_size != KEY_BYTES * info["docs"]):
             return False
         for shard in info["shards"]:
             prefix = shard_prefix(domain_dir.parent, domain_dir.name, split, shard)

@@ -93,17 +93,9 @@ def domain_fingerprint(name: str, domain: DomainConfig, tokenizer_sha256: str, p
 
 def megatron_record(name: str, domain: DomainConfig, tokenizer: Any, fingerprint: str) -> dict:
     """Check the domain's prefixes against the tokenizer and return its record (as data/prepare.py writes it)."""
-    eod = getattr(tokenizer, "eod_id", None)
-    if eod is None:
-        eod = getattr(tokenizer, "eos_id", None)
-    splits = {}
-    for split, spec, key in (("train", domain.megatron, "megatron"), ("val", domain.megatron_val, "megatron_val")):
-        if spec:
-            full_key = f"data.domains.{name}.{key}"
-            shards = [_check_prefix(prefix, weight, tokenizer, eod, domain.append_eod, full_key)
-                      for weight, prefix in parse_prefixes(spec, full_key)]
-            splits[split] = {"docs": sum(s["docs"] for s in shards), "tokens": sum(s["tokens"] for s in shards),
-                             "bytes": sum(s["bytes"] for s in shards), "shards": shards}
+    splits = {split: megatron_split(name, spec, key, tokenizer, domain.append_eod)
+              for split, spec, key in (("train", domain.megatron, "megatron"), ("val", domain.megatron_val, "megatron_val"))
+              if spec}
     docs = sum(split["docs"] for split in splits.values())
     return {
         "domain": name, "source": "megatron", "fingerprint": fingerprint,
@@ -111,9 +103,23 @@ def megatron_record(name: str, domain: DomainConfig, tokenizer: Any, fingerprint
         "inputs": [], "files_read": sum(len(split["shards"]) for split in splits.values()),
         "docs_read": docs, "text_bytes": 0, "docs_kept": docs, "dropped": {}, "drop_examples": {},
         "tokens": sum(split["tokens"] for split in splits.values()),
-        "tokenizer": tokenizer_identity(tokenizer), "append_eod": domain.append_eod, "eod_id": eod,
-        "splits": splits,
+        "tokenizer": tokenizer_identity(tokenizer), "splits": splits,
     }
+
+
+def megatron_split(name: str, spec: str, key: str, tokenizer: Any, append_eod: bool) -> dict:
+    """One split's record from Megatron prefixes (`data.domains.NAME.KEY`), each checked against the tokenizer.
+
+    Also how a text domain takes its validation set from Megatron data (`megatron_val` beside `inputs`).
+    """
+    eod = getattr(tokenizer, "eod_id", None)
+    if eod is None:
+        eod = getattr(tokenizer, "eos_id", None)
+    full_key = f"data.domains.{name}.{key}"
+    shards = [_check_prefix(prefix, weight, tokenizer, eod, append_eod, full_key)
+              for weight, prefix in parse_prefixes(spec, full_key)]
+    return {"docs": sum(s["docs"] for s in shards), "tokens": sum(s["tokens"] for s in shards),
+            "bytes": sum(s["bytes"] for s in shards), "shards": shards}
 
 
 def _check_prefix(prefix: Path, weight: float | None, tokenizer: Any, eod: int | None, append_eod: bool,
@@ -132,7 +138,8 @@ def _check_prefix(prefix: Path, weight: float | None, tokenizer: Any, eod: int |
             f"[0, {tokenizer.vocab_size}) of the declared tokenizer {tokenizer_identity(tokenizer)['model_path']}. "
             "Fix: set tokenizer_dir to the tokenizer these shards were made with")
     _check_eod(reader, eod, append_eod, key)
-    return {"name": prefix.name, "prefix": str(prefix), "weight": weight, "docs": reader.num_docs,
+    return {"name": prefix.name, "prefix": str(prefix), "weight": weight, "append_eod": append_eod,
+            "eod_id": eod, "docs": reader.num_docs,
             "sequences": reader.num_sequences, "tokens": reader.num_tokens,
             "bytes": reader.num_tokens * reader.dtype.itemsize, "idx_bytes": reader.idx_path.stat().st_size,
             "max_id": high, "ids_checked": "full" if small else f"sampled {SAMPLE_WINDOWS} windows",

@@ -469,7 +469,14 @@ class DomainWriter:
         seconds = time.monotonic() - self.started
         log.info("%s: %s docs, %.1f MB of text in %.1fs (%.2f MB/s)", job.name, f"{self.docs:,}", self.text_bytes / 1e6,
                  seconds, self.text_bytes / 1e6 / max(seconds, 1e-9))
-        record = seal(_domain_record(job.name, job.domain, job.fingerprint, job.inputs, packed, self.tokenizer))
+        record = _domain_record(job.name, job.domain, job.fingerprint, job.inputs, packed, self.tokenizer)
+        if job.domain.megatron_val:  # validation from existing Megatron data, checked like a Megatron domain's
+            from data.megatron import megatron_split
+
+            record["splits"]["val"] = megatron_split(job.name, job.domain.megatron_val, "megatron_val", self.tokenizer,
+                                                     job.domain.append_eod)
+            record["tokens"] += record["splits"]["val"]["tokens"]
+        record = seal(record)
         _check_not_empty(job.name, job.domain, record)
         _log_domain(job.name, job.domain, record)
         write_json_atomic(self.partial / DOMAIN_RECORD_NAME, record)
@@ -740,6 +747,9 @@ def _plan(cfg: DataPrepareConfig, root: Path, info) -> dict[str, tuple]:
             files = domain_files(name, domain)
             inputs = file_fingerprints(files)
             fingerprint = domain_fingerprint(domain, inputs, info.sha256, cfg.strict)
+            if domain.megatron_val:  # a changed validation prefix redoes the domain too
+                fingerprint = hashlib.sha256((fingerprint + megatron.domain_fingerprint(
+                    name, domain, info.sha256, PIPELINE_VERSION)).encode("ascii")).hexdigest()
         record = None if cfg.force else _finished_record(root / name, fingerprint)
         plan[name] = (files, inputs, fingerprint, record)
     return plan

@@ -133,3 +133,18 @@ def test_a_megatron_prefix_changed_after_registration_is_refused_at_start(tmp_pa
         open_run_data(tmp_path / "root", None, seq_len=16, vocab_size=640)
     record = json.loads((tmp_path / "root" / "manifest.json").read_text())["domains"]["web"]
     assert record["splits"]["train"]["docs"] == 10
+
+
+def test_a_text_domain_can_validate_on_a_megatron_prefix(tmp_path, tokenizer_dir, en_texts):
+    held_out = write_prefix(tmp_path / "held_out_text_document", encoded(tokenizer_dir, en_texts[100:110]))
+    text = write_jsonl(tmp_path / "en.jsonl", en_texts[:80])
+    cfg = make_config(tmp_path / "root", tokenizer_dir, {"en": domain([text], megatron_val=str(held_out))})
+    record = prepare(cfg)["domains"]["en"]
+    assert record["splits"]["val"]["docs"] == 10 and record["splits"]["val"]["shards"][0]["prefix"] == str(held_out)
+    assert record["docs_kept"] == record["splits"]["train"]["docs"]  # the read-and-kept counts stay the text's
+    _, train, val = open_run_data(tmp_path / "root", None, seq_len=16, vocab_size=640)
+    assert val["en"].sample(0).tolist() == np.concatenate(encoded(tokenizer_dir, en_texts[100:102]))[:17].tolist()
+    assert prepare(cfg)["domains"]["en"] == record  # nothing changed: skipped, same record
+    cfg.data.domains["en"].val_fraction = 0.1
+    with pytest.raises(Exception, match="megatron_val is this domain's validation set"):
+        prepare(cfg)
