@@ -36,7 +36,7 @@ import os
 import struct
 from functools import cached_property
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -248,11 +248,14 @@ class ShardReader:
         return f"ShardReader({str(self.prefix)!r}, docs={self.num_docs}, tokens={self.num_tokens})"
 
 
-class _Index:
+class _Index(NamedTuple):
     """The parsed arrays of an `.idx` (memory-mapped, never copied whole)."""
 
-    def __init__(self, dtype: np.dtype, lengths: np.ndarray, pointers: np.ndarray, documents: np.ndarray, num_tokens: int):
-        self.dtype, self.lengths, self.pointers, self.documents, self.num_tokens = dtype, lengths, pointers, documents, num_tokens
+    dtype: np.dtype
+    lengths: np.ndarray
+    pointers: np.ndarray
+    documents: np.ndarray
+    num_tokens: int
 
 
 def _read_index(idx_path: Path) -> _Index:
