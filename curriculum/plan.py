@@ -104,6 +104,8 @@ class CheckpointShape:
     """stability.recovery.ring_interval (0 or stability off: no recovery ring)."""
     ring_keep: int = 0
     """stability.recovery.ring_keep."""
+    save_initial: bool = False
+    """checkpoint.save_initial (one more save, at step 0)."""
 
     @property
     def size(self) -> int:
@@ -177,10 +179,10 @@ SHUFFLED = "none (all domains shuffled)"
 
 
 # -- checkpoints -------------------------------------------------------------------------------------
-def checkpoint_count(total_steps: int, interval: int, save_final: bool) -> int:
-    """Saves in a full run: every `interval` steps before the end, plus the final one."""
+def checkpoint_count(total_steps: int, interval: int, save_final: bool, save_initial: bool = False) -> int:
+    """Saves in a full run: every `interval` steps before the end, plus the final one (and one at step 0)."""
     periodic = (total_steps - 1) // interval if interval > 0 else 0
-    return periodic + (1 if save_final else 0)
+    return periodic + (1 if save_final else 0) + (1 if save_initial else 0)
 
 
 def checkpoint_size(num_parameters: int, precision: str, zero_stage: int = 1) -> int:
@@ -199,7 +201,7 @@ def ring_checkpoints_at_peak(total_steps: int, ckpt: CheckpointShape) -> int:
 
 def checkpoints_at_peak(total_steps: int, ckpt: CheckpointShape) -> tuple[int, int]:
     """(regular, recovery-ring) checkpoints on disk at the peak of a full run."""
-    saves = checkpoint_count(total_steps, ckpt.interval, ckpt.save_final)
+    saves = checkpoint_count(total_steps, ckpt.interval, ckpt.save_final, ckpt.save_initial)
     regular = saves if ckpt.keep_last <= 0 else min(saves, ckpt.keep_last + 1)
     return regular, ring_checkpoints_at_peak(total_steps, ckpt)
 
@@ -301,7 +303,7 @@ def _fill_shuffled_rows(plan: Plan, limit: float, run: RunShape, domain_tokens: 
 
 
 def _fill_checkpoints(plan: Plan, run: RunShape, ckpt: CheckpointShape, free_bytes: int | None) -> None:
-    plan.checkpoints = checkpoint_count(run.total_steps, ckpt.interval, ckpt.save_final)
+    plan.checkpoints = checkpoint_count(run.total_steps, ckpt.interval, ckpt.save_final, ckpt.save_initial)
     plan.checkpoint_bytes = ckpt.size
     regular, plan.ring_checkpoints = checkpoints_at_peak(run.total_steps, ckpt)
     on_disk = regular + plan.ring_checkpoints
@@ -339,7 +341,8 @@ def checkpoint_shape(cfg: Any, num_parameters: int) -> CheckpointShape:
     ring = stability is not None and stability.enabled and stability.recovery.ring_interval > 0
     return CheckpointShape(num_parameters, cfg.deepspeed.precision, cfg.deepspeed.zero_stage, ckpt.interval,
                            ckpt.keep_last, ckpt.save_final, ckpt.dir,
-                           stability.recovery.ring_interval if ring else 0, stability.recovery.ring_keep if ring else 0)
+                           stability.recovery.ring_interval if ring else 0, stability.recovery.ring_keep if ring else 0,
+                           getattr(ckpt, "save_initial", False))
 
 
 def plan_from_config(cfg: Any, num_parameters: int, tokens_per_s: float | None = None,

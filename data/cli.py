@@ -106,7 +106,8 @@ def prepare_main(argv: list[str]) -> int:
         print("ayumi data prepare: interrupted; finished domains are kept, re-run to continue", file=sys.stderr)
         return 130
     totals = manifest["totals"]
-    print(f"prepared {len(manifest['domains'])} domains under {cfg.data.root}: {totals['docs_kept']:,} docs, "
+    count = len(manifest["domains"])
+    print(f"prepared {count} domain{'s' * (count != 1)} under {cfg.data.root}: {totals['docs_kept']:,} docs, "
           f"{totals['tokens']:,} tokens, {totals['shards']} shards (see `ayumi data inspect {cfg.data.root}`)")
     return 0
 

@@ -199,6 +199,9 @@ class CheckpointConfig:
     """On SIGTERM/SIGINT finish the current step, save, and exit 0 (SLURM preemption)."""
     save_final: bool = True
     """Save when training ends."""
+    save_initial: bool = False
+    """Save before the first step of a fresh run (step 0): the starting weights, e.g. to export a model
+    started from model.init_from unchanged or to compare against later."""
 
     RANGES: ClassVar[dict[str, Range]] = {
         "interval": at_least(0, "0 = only on signals and at the end"),
@@ -493,10 +496,34 @@ def config_from_args(args: list[str]) -> AyumiConfig | None:
     """
     overrides, print_cfg = split_cli_args(args)
     composed = compose_config(overrides)
+    if composed.model.get("init_from"):
+        shape_from_hf_folder(composed, overrides)
     if print_cfg:
         print(OmegaConf.to_yaml(composed, resolve=True), end="")
         return None
     return checked_config(composed)
+
+
+def shape_from_hf_folder(composed: DictConfig, overrides: list[str]) -> None:
+    """model.* from model.init_from's config.json, in place; ConfigError for an unsupported folder or an
+    override on the command line that contradicts it (a preset's value is simply replaced)."""
+    from pretrain.model.hf_import import HFImportError, contradictions, model_fields, read_hf_config
+
+    folder = composed.model.init_from
+    try:
+        fields = model_fields(read_hf_config(folder), folder)
+    except HFImportError as err:
+        raise ConfigError(str(err)) from None
+    explicit = {}
+    for override in overrides:
+        key, _, value = override.lstrip("+~").partition("=")
+        if key.startswith("model."):
+            explicit[key.removeprefix("model.")] = value
+    problems = contradictions(fields, explicit)
+    if problems:
+        raise ConfigError("\n".join(problems))
+    for key, value in fields.items():
+        OmegaConf.update(composed, f"model.{key}", value, merge=False)
 
 
 def print_config_error(prog: str, err: Exception, file: TextIO | None = None) -> None:

@@ -260,7 +260,7 @@ class StepResult:
     """fp16 dynamic loss scale after the step (None in bf16/fp32)."""
 
 
-def build_model(factory, cfg: AyumiConfig, dist_info: DistInfo) -> torch.nn.Module:
+def build_model(factory, cfg: AyumiConfig, dist_info: DistInfo, initial=None) -> torch.nn.Module:
     """The model from `factory(init_weights: bool)`, partitioned as it is built under ZeRO-3.
 
     With `deepspeed.zero3_init` on stage 3 every parameter is cut across ranks as soon as its
@@ -269,15 +269,27 @@ def build_model(factory, cfg: AyumiConfig, dist_info: DistInfo) -> torch.nn.Modu
     gathered in turn, initialized on rank 0 by the model's own rule and scattered back. The
     parameters are visited in the same order and consume the same random numbers as
     `factory(init_weights=True)` does, so both ways give the same initial weights.
+
+    `initial(name)`, when given, returns the starting tensor of each parameter instead (a Hugging
+    Face folder, model.init_from): under ZeRO-3 only rank 0 reads it, one tensor at a time.
     """
     if cfg.deepspeed.zero_stage != 3 or not cfg.deepspeed.zero3_init:
-        return factory(init_weights=True)
+        model = factory(init_weights=initial is None)
+        if initial is not None:
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    param.copy_(initial(name))
+        return model
     with deepspeed.zero.Init(config_dict_or_path=render_ds_config(cfg, dist_info.world_size)):
         model = factory(init_weights=False)
     for name, param in model.named_parameters():
         with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
             if dist_info.is_main:
-                model.init_parameter(name, param)
+                if initial is None:
+                    model.init_parameter(name, param)
+                else:
+                    with torch.no_grad():
+                        param.copy_(initial(name))
     return model
 
 

@@ -63,6 +63,7 @@ from pretrain.engine import (
 from pretrain.loader import BatchLoader
 from pretrain.metrics import MetricsLogger, NullLogger
 from pretrain.model.flops import count_parameters
+from pretrain.model.hf_import import HFImportError
 from pretrain.model.llama import Llama
 from pretrain.precision import CAPABILITY_ORDER, PrecisionChoice, agreed, kept_from_checkpoint, resolve_precision
 from pretrain.trainer import Trainer, TrainResult
@@ -74,7 +75,7 @@ from tokenizer.info import TokenizerNotFoundError
 warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
 
 INPUT_ERRORS = (ConfigError, PlanRefused, ShardFormatError, TokenizerMismatchError, ManifestError,
-                TokenizerNotFoundError, CheckpointError, DataChangedError)
+                TokenizerNotFoundError, CheckpointError, DataChangedError, HFImportError)
 """Mistakes in what the run was given (config, plan, shards, tokenizer, checkpoint): a clear line and status 2."""
 
 EXIT_STABILITY_STOP = 3
@@ -149,7 +150,8 @@ def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict) -> tuple[Tra
     source, val_sets = build_data(cfg, tokenizer)
 
     torch.manual_seed(cfg.train.seed)  # same init on every rank
-    model = build_model(lambda init_weights: Llama(cfg.model, init_weights=init_weights), cfg, dist)
+    model = build_model(lambda init_weights: Llama(cfg.model, init_weights=init_weights), cfg, dist,
+                        initial=None if start else hf_initial_weights(cfg.model))
     engine = TrainEngine(model, cfg, dist)
     checkpointer = Checkpointer(Path(cfg.checkpoint.dir), cfg.checkpoint.keep_last, dist.rank, barrier,
                                 dist.world_size, cfg.deepspeed.zero_stage, any_rank)
@@ -174,6 +176,21 @@ def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict) -> tuple[Tra
     trainer = Trainer(cfg, dist, engine, loader, val_sets, logger, checkpointer, total_steps(cfg.train), run_meta)
     trainer.resume_if_possible()
     return trainer, logger
+
+
+def hf_initial_weights(model_cfg):
+    """model.init_from's tensor reader (checked against the model's shapes), or None for a random init.
+
+    A resumed run never reads it: its weights come from the checkpoint.
+    """
+    if not model_cfg.init_from:
+        return None
+    from pretrain.model.flops import parameter_shapes
+    from pretrain.model.hf_import import HFWeights
+
+    weights = HFWeights(model_cfg.init_from)
+    weights.check(parameter_shapes(model_cfg), model_cfg.tie_embeddings)
+    return weights.tensor
 
 
 def settle_precision(cfg: AyumiConfig, dist: DistInfo, saved: str | None = None) -> PrecisionChoice:

@@ -246,6 +246,8 @@ class Trainer:
         start_step = self.state.step
         if start_step >= self.total_steps:
             self.logger.info(f"run {self.cfg.name} is already complete ({start_step} steps); nothing to do")
+        elif start_step == 0 and self.cfg.checkpoint.save_initial and 0 not in self.checkpoint_steps:
+            self.save("initial")
         try:
             while self.state.step < self.total_steps and not (max_steps and self.state.step >= max_steps):
                 outcome = self.step_once()

@@ -49,6 +49,9 @@ class ModelConfig:
     """GLM-130B embedding-gradient shrink: emb = a*emb + (1-a)*emb.detach(); 1.0 = off, 0.1 as in GLM-130B."""
     attention: str = "sdpa"
     """Attention kernel: sdpa (torch scaled_dot_product_attention; flash/efficient kernels on GPU) or eager."""
+    init_from: str | None = None
+    """A local Hugging Face Llama folder (config.json + safetensors) to start from: its config.json sets the shape
+    (a model.* override that contradicts it is an error), its weights replace the random init at step 0."""
 
     RANGES: ClassVar[dict[str, Range]] = {
         **{size: at_least(1) for size in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",

@@ -1,0 +1,173 @@
+"""Start from a Hugging Face Llama folder (`model.init_from=PATH`): its shape from config.json, its weights at step 0.
+
+Continued pretraining (Swallow, ELYZA, Youri, the GENIAC teams) starts from an open Llama-family
+model. ayumi's parameter names are Hugging Face's (pretrain/export.py), so importing is: read
+config.json into ModelConfig's fields, refusing by name anything ayumi's Llama does not compute
+the same way, then copy each tensor from the folder's safetensors (one file or an index of
+shards) into the model as it is built. Nothing is downloaded: PATH is a local folder.
+
+Reading config.json needs no torch, so `ayumi train`/`ayumi plan` apply the shape before any
+rank starts; the tensors are read by the ranks (under ZeRO-3 by rank 0 only, one tensor at a
+time, so no rank holds the whole model).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+CONFIG_FILE = "config.json"
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+MODEL_TYPES = ("llama", "mistral")
+"""config.json model types with Llama's architecture (Mistral only without a sliding window)."""
+ROPE_TYPES = ("default", None)
+"""RoPE variants ayumi computes: plain RoPE with a base θ (no linear/dynamic/yarn/llama3 scaling)."""
+
+
+class HFImportError(ValueError):
+    """A Hugging Face folder cannot start this run; the message names the folder, the field and the fix."""
+
+
+def read_hf_config(folder: str | Path) -> dict[str, Any]:
+    """config.json of a local transformers folder."""
+    path = Path(folder) / CONFIG_FILE
+    if not Path(folder).is_dir():
+        raise HFImportError(f"model.init_from={folder}: no such folder (a local transformers folder with config.json "
+                            "and *.safetensors; nothing is downloaded)")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise HFImportError(f"model.init_from={folder}: {path} does not exist: not a transformers model folder") from None
+    except (OSError, json.JSONDecodeError) as err:
+        raise HFImportError(f"{path} cannot be read ({err})") from None
+
+
+def model_fields(hf: dict[str, Any], folder: str | Path) -> dict[str, Any]:
+    """ModelConfig fields for an HF Llama config; HFImportError naming every feature ayumi does not support."""
+    where = Path(folder) / CONFIG_FILE
+    problems = unsupported(hf)
+    if problems:
+        raise HFImportError(f"{where}: " + "; ".join(problems) + ". ayumi trains plain Llama blocks; start from a "
+                            "model without these, or convert it first")
+    heads = int(hf["num_attention_heads"])
+    return {
+        "name": Path(folder).resolve().name,
+        "vocab_size": int(hf["vocab_size"]),
+        "hidden_size": int(hf["hidden_size"]),
+        "intermediate_size": int(hf["intermediate_size"]),
+        "num_layers": int(hf["num_hidden_layers"]),
+        "num_heads": heads,
+        "num_kv_heads": int(hf.get("num_key_value_heads") or heads),
+        "max_seq_len": int(hf["max_position_embeddings"]),
+        "rope_theta": float(rope_settings(hf).get("rope_theta", 10000.0)),
+        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "init_std": float(hf.get("initializer_range", 0.02)),
+        "qk_norm": False,
+    }
+
+
+def rope_settings(hf: dict[str, Any]) -> dict[str, Any]:
+    """RoPE parameters: transformers 5 keeps them in `rope_parameters`, 4.x in `rope_theta` + `rope_scaling`.
+
+    A scaling type in either place wins over "default" in the other (any scaling is then refused).
+    """
+    settings = dict(hf.get("rope_parameters") or {})
+    if "rope_theta" in hf:
+        settings.setdefault("rope_theta", hf["rope_theta"])
+    scaling = hf.get("rope_scaling") or {}
+    scaled = scaling.get("rope_type", scaling.get("type"))
+    if scaled not in ROPE_TYPES:
+        settings["rope_type"] = scaled
+    return settings
+
+
+def unsupported(hf: dict[str, Any]) -> list[str]:
+    """Every config.json setting whose network ayumi's Llama would compute differently, by name."""
+    problems = []
+    model_type = hf.get("model_type")
+    if model_type not in MODEL_TYPES:
+        problems.append(f"model_type={model_type!r} (supported: {', '.join(MODEL_TYPES)})")
+    if hf.get("sliding_window"):
+        problems.append(f"sliding_window={hf['sliding_window']} (ayumi attends over the whole sequence)")
+    if hf.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={hf['hidden_act']!r} (ayumi's MLP is SwiGLU with silu)")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            problems.append(f"{key}=true (ayumi's projections have no bias)")
+    rope_type = rope_settings(hf).get("rope_type")
+    if rope_type not in ROPE_TYPES:
+        problems.append(f"RoPE scaling {rope_type!r} (ayumi computes plain RoPE with rope_theta)")
+    heads, hidden = hf.get("num_attention_heads"), hf.get("hidden_size")
+    head_dim = hf.get("head_dim")
+    if head_dim is not None and heads and hidden and head_dim != hidden // heads:
+        problems.append(f"head_dim={head_dim} differs from hidden_size/num_attention_heads={hidden // heads}")
+    if hf.get("pretraining_tp", 1) != 1:
+        problems.append(f"pretraining_tp={hf['pretraining_tp']} (use a folder saved with pretraining_tp=1)")
+    missing = [key for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads", "max_position_embeddings") if key not in hf]
+    if missing:
+        problems.append(f"missing {', '.join(missing)}")
+    return problems
+
+
+def contradictions(fields: dict[str, Any], explicit: dict[str, Any]) -> list[str]:
+    """`model.*` values set on the command line that disagree with the folder's config.json."""
+    return [f"model.{key}={value} contradicts model.init_from's config.json ({key} = {fields[key]}); drop the "
+            f"override (the shape comes from the folder)" for key, value in sorted(explicit.items())
+            if key in fields and key != "name" and _differs(value, fields[key])]
+
+
+def _differs(given: Any, wanted: Any) -> bool:
+    if isinstance(wanted, bool):
+        return str(given).lower() not in (str(wanted).lower(),)
+    if isinstance(wanted, float):
+        return abs(float(given) - wanted) > 1e-12 * max(1.0, abs(wanted))
+    return str(given) != str(wanted)
+
+
+class HFWeights:
+    """The tensors of a folder's safetensors (`model.safetensors`, or shards listed in its index), read one at a time."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self.files = self._tensor_files()
+
+    def _tensor_files(self) -> dict[str, Path]:
+        index = self.folder / SAFETENSORS_INDEX
+        if index.is_file():
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            return {name: self.folder / file for name, file in weight_map.items()}
+        single = self.folder / SAFETENSORS_FILE
+        if single.is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(single), framework="pt") as handle:
+                return {name: single for name in handle.keys()}
+        other = sorted(p.name for p in self.folder.glob("*.bin")) + sorted(p.name for p in self.folder.glob("*.pt*"))
+        hint = (f" (it has {', '.join(other[:3])}: save it with safe_serialization=True, e.g. "
+                "`LlamaForCausalLM.from_pretrained(PATH).save_pretrained(NEW)`)") if other else ""
+        raise HFImportError(f"model.init_from={self.folder}: no {SAFETENSORS_FILE} or {SAFETENSORS_INDEX}{hint}")
+
+    def check(self, shapes: dict[str, tuple[int, ...]], tied: bool) -> None:
+        """Every parameter the model needs is there with its shape (a tied lm_head may be absent)."""
+        from safetensors import safe_open
+
+        needed = {name: shape for name, shape in shapes.items() if not (tied and name == "lm_head.weight")}
+        missing = sorted(set(needed) - set(self.files))
+        if missing:
+            raise HFImportError(f"model.init_from={self.folder}: tensors missing from its safetensors: "
+                                f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+        for name, shape in needed.items():
+            with safe_open(str(self.files[name]), framework="pt") as handle:
+                found = tuple(handle.get_slice(name).get_shape())
+            if found != tuple(shape):
+                raise HFImportError(f"model.init_from={self.folder}: {name} has shape {found}, the model needs {shape}")
+
+    def tensor(self, name: str):
+        """One tensor, as stored (the caller casts it into the parameter)."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.files[name]), framework="pt") as handle:
+            return handle.get_tensor(name)
