@@ -110,8 +110,9 @@ class DataPrepareConfig:
     data: DataConfig = field(default_factory=DataConfig)
     """The data set to prepare (pick a preset with `data=NAME`)."""
     tokenizer_dir: str = MISSING
-    """The tokenizer: an `ayumi tokenizer build` folder or a SentencePiece .model (either can tokenize corpus
-    inputs), or a Hugging Face tokenizer folder (Megatron domains only: it names what made their ids)."""
+    """The tokenizer: an `ayumi tokenizer build` folder, a SentencePiece .model, or a Hugging Face tokenizer folder
+    (tokenizer.json; e.g. the base model's, for continued pretraining). It tokenizes the text domains and is the
+    declared tokenizer of Megatron domains; shards record its identity either way."""
     workers: int = 2
     """Tokenizer worker processes; 0 = tokenize in this process. Output bytes are identical for any value."""
     strict: bool = False

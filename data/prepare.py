@@ -660,11 +660,6 @@ def _load_tokenizer(cfg: DataPrepareConfig):
 
     tokenizer = load_declared_tokenizer(cfg.tokenizer_dir)
     corpus = [name for name, domain in cfg.data.domains.items() if not domain.megatron]
-    if corpus and tokenizer.kind == "huggingface":
-        raise PrepareError(
-            f"tokenizer_dir={cfg.tokenizer_dir} is a Hugging Face tokenizer folder, which can declare what made "
-            f"Megatron data but cannot tokenize corpus text here (domains {', '.join(corpus)} have inputs). Fix: an "
-            "ayumi tokenizer folder or a SentencePiece .model, or prepare those domains in another data root")
     if corpus and (tokenizer.eod_id is None or tokenizer.eod_id < 0):
         raise PrepareError(
             f"tokenizer {cfg.tokenizer_dir} has no EOS piece; documents are separated by EOS. "
@@ -672,10 +667,10 @@ def _load_tokenizer(cfg: DataPrepareConfig):
     return tokenizer
 
 
-def _sentencepiece_model(tokenizer) -> str:
-    """The SentencePiece model file the workers encode with."""
+def _encoder_path(tokenizer) -> str:
+    """What the workers load: a SentencePiece model file, or a Hugging Face folder (data/workers.py)."""
     path = Path(tokenizer.path)
-    return str(path / "tokenizer.model" if path.is_dir() else path)
+    return str(path / "tokenizer.model" if tokenizer.kind == "ayumi" else path)
 
 
 def prepare(cfg: DataPrepareConfig) -> dict:
@@ -699,7 +694,7 @@ def prepare(cfg: DataPrepareConfig) -> dict:
         (root / MANIFEST_NAME).unlink(missing_ok=True)  # from here on, the root is not complete
         # Built before any progress bar: under `fork` the workers must start while this process
         # has no other thread (data/workers.py).
-        pool = ChunkPool(cfg.workers, _sentencepiece_model(info), cfg.encode_threads, info.eod_id, cfg.start_method)
+        pool = ChunkPool(cfg.workers, _encoder_path(info), cfg.encode_threads, info.eod_id, cfg.start_method)
         try:
             records.update(prepare_domains(jobs, pool, root, cfg, info))
         finally:

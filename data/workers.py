@@ -48,16 +48,30 @@ _worker: dict = {}  # per-process state, set once by init_worker
 
 
 def init_worker(model_path: str, encode_threads: int, eos_id: int, in_child: bool = False) -> None:
-    """Load the tokenizer into this process (a worker, or the parent when workers=0)."""
-    import sentencepiece as spm
-
+    """Load the tokenizer into this process (a worker, or the parent when workers=0): a SentencePiece
+    model file, or a Hugging Face tokenizer folder (its tokenizer.json, through `tokenizers`)."""
     if in_child:  # Ctrl-C reaches the whole process group: let the parent alone handle it
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         _exit_with_parent()
-    _worker["sp"] = spm.SentencePieceProcessor(model_file=model_path)
+    _worker["encode"] = _hf_encoder(model_path) if os.path.isdir(model_path) else _sp_encoder(model_path, encode_threads)
     _worker["threads"] = encode_threads
     _worker["eos"] = eos_id
     _worker["cleaners"] = {}
+
+
+def _sp_encoder(model_path: str, threads: int):
+    import sentencepiece as spm
+
+    processor = spm.SentencePieceProcessor(model_file=model_path)
+    return lambda texts: processor.encode(texts, out_type=int, num_threads=threads)
+
+
+def _hf_encoder(folder: str):
+    """Batch encode with the folder's tokenizer.json, no special tokens added (EOS is appended per document below)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+    return lambda texts: [encoding.ids for encoding in tokenizer.encode_batch(texts, add_special_tokens=False)]
 
 
 def _exit_with_parent(poll_seconds: float = 1.0) -> None:
@@ -138,7 +152,7 @@ def encode_chunk(clean: dict, texts: list[str]) -> ChunkResult:
                 keys.append(key)
                 kept_texts.append(cleaned)
         reasons.append(reason)
-    ids = _worker["sp"].encode(kept_texts, out_type=int, num_threads=_worker["threads"]) if kept_texts else []
+    ids = _worker["encode"](kept_texts) if kept_texts else []
     raw_lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
     flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=int(raw_lengths.sum()))
     tokens = np.insert(flat, np.cumsum(raw_lengths), _worker["eos"])  # EOS after every document

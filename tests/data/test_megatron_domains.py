@@ -14,7 +14,7 @@ from data.config import DomainConfig
 from data.domains import open_run_data
 from data.inspect import inspect_root
 from data.megatron import MegatronDataError, parse_prefixes
-from data.prepare import PrepareError, prepare
+from data.prepare import prepare
 from data.shards import ShardWriter
 from tests.data.helpers import domain, make_config, write_jsonl
 from tokenizer.declared import load_declared_tokenizer
@@ -118,11 +118,14 @@ def test_a_hugging_face_tokenizer_declares_megatron_data(tmp_path, tokenizer_dir
     manifest = prepare(make_config(root, hf, {"web": megatron(str(prefix))}))
     assert manifest["tokenizer"]["sha256"] == declared.sha256 != load_declared_tokenizer(tokenizer_dir).sha256
     assert en_texts[0][:30].replace("\n", "⏎") in inspect_root(root, samples=1, chars=30)
-    # An HF folder cannot tokenize text domains here: refused with the fix, before any work.
-    mixed = make_config(tmp_path / "mixed", hf, {"web": megatron(str(prefix)),
-                                                 "en": domain([write_jsonl(tmp_path / "en.jsonl", en_texts[:5])])})
-    with pytest.raises(PrepareError, match="Hugging Face tokenizer folder.*cannot tokenize corpus text"):
-        prepare(mixed)
+    # The HF folder also tokenizes text domains (through `tokenizers`, in the workers): the same shards, byte
+    # for byte, as the SentencePiece model it was exported from.
+    text = write_jsonl(tmp_path / "en.jsonl", en_texts[:40])
+    for name, tokenizer in (("hf", hf), ("sp", tokenizer_dir)):
+        prepare(make_config(tmp_path / name, tokenizer, {"en": domain([text], val_fraction=0.1)}, workers=1))
+    for split in ("train", "val"):
+        assert (tmp_path / "hf" / "en" / split / "part_00000.bin").read_bytes() == \
+            (tmp_path / "sp" / "en" / split / "part_00000.bin").read_bytes()
 
 
 def test_a_megatron_prefix_changed_after_registration_is_refused_at_start(tmp_path, tokenizer_dir, en_texts):
