@@ -1,9 +1,10 @@
-"""`ayumi tokenizer build | eval | sweep | export`.
+"""`ayumi tokenizer build | eval | sweep | export | expand`.
 
   build  [key=value ...]                     sample, train per domain, merge, export, evaluate
   eval   TOKENIZER_DIR --texts ja=F en=F ... [--compare NAME=PATH ...] [--json OUT]
   sweep  [key=a,b,c ...]                     build each combination, one comparison table
   export MODEL_FILE OUT_DIR                  exact HF files for a SentencePiece model
+  expand BASE SOURCE --vocab N --out DIR     a base tokenizer plus new pieces, base ids kept
 
 build/sweep take Hydra overrides over conf/tokenizer_build.yaml; `--cfg job` prints the resolved config.
 Every verb answers -h/--help with its usage and the config it reads, and starts nothing.
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from common.conf import asks_for_help, command_help, composed_from, config_help
 
-USAGE = "usage: ayumi tokenizer build | eval | sweep | export [ARGS]\n\n" + __doc__.split("\n", 2)[2]
+USAGE = "usage: ayumi tokenizer build | eval | sweep | export | expand [ARGS]\n\n" + __doc__.split("\n", 2)[2]
 
 VERB_HELP = {
     "build": ("ayumi tokenizer build [key=value ...] [--cfg job]",
@@ -237,7 +238,27 @@ def cmd_export(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"build": cmd_build, "eval": cmd_eval, "sweep": cmd_sweep, "export": cmd_export}
+def cmd_expand(argv: list[str]) -> int:
+    from tokenizer.expand import expand
+
+    parser = argparse.ArgumentParser(
+        prog="ayumi tokenizer expand", epilog=config_help(NO_CONFIG, overrides=False),
+        description="append a source model's best new pieces to a base SentencePiece tokenizer (every base id kept), "
+                    "for continued pretraining; writes tokenizer.model, tokenizer_meta.json and the exact HF files")
+    parser.add_argument("base", type=Path, help="the base tokenizer.model (Llama 2 / Mistral style), or a folder holding one")
+    parser.add_argument("source", type=Path, help="SentencePiece model to take pieces from (e.g. an ayumi domain model)")
+    parser.add_argument("--vocab", type=int, required=True, help="total size after expansion")
+    parser.add_argument("--out", type=Path, required=True, help="folder to write")
+    args = parser.parse_args(argv)
+    result = expand(args.base, args.source, args.vocab, args.out)
+    unreachable = f" ({result.skipped_unreachable} source pieces no merge could make were left out)" \
+        if result.skipped_unreachable else ""
+    print(f"{result.out_dir}: {result.base_size} base pieces (ids unchanged) + {result.added} new = "
+          f"{result.base_size + result.added}{unreachable}")
+    return 0
+
+
+COMMANDS = {"build": cmd_build, "eval": cmd_eval, "sweep": cmd_sweep, "export": cmd_export, "expand": cmd_expand}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     from omegaconf.errors import OmegaConfBaseException
 
     from tokenizer.build import BuildError
+    from tokenizer.expand import ExpandError
     from common.conf import ConfigCompositionError
     from tokenizer.config import TokenizerConfigError
     from tokenizer.merge import MergeError
@@ -262,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[argv[0]](argv[1:])
     except (TokenizerConfigError, CorpusError, SampleError, VocabTooLargeError, MergeError, BuildError,
-            FileNotFoundError) as err:
+            ExpandError, FileNotFoundError) as err:
         print(f"ayumi tokenizer {argv[0]}: {err}", file=sys.stderr)
         return 1
     except (ConfigCompositionError, HydraException, OmegaConfBaseException) as err:
