@@ -496,7 +496,7 @@ def config_from_args(args: list[str]) -> AyumiConfig | None:
     """
     overrides, print_cfg = split_cli_args(args)
     composed = compose_config(overrides)
-    if composed.model.get("init_from"):
+    if _init_from(composed):
         shape_from_hf_folder(composed, overrides)
     if print_cfg:
         print(OmegaConf.to_yaml(composed, resolve=True), end="")
@@ -504,10 +504,24 @@ def config_from_args(args: list[str]) -> AyumiConfig | None:
     return checked_config(composed)
 
 
+def _init_from(composed: DictConfig) -> str | None:
+    """model.init_from, resolved (an experiment may take it from an environment variable)."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    from common.conf import describe_error
+
+    try:
+        return composed.model.get("init_from")
+    except OmegaConfBaseException as err:
+        raise ConfigError(describe_error(err)) from None
+
+
 def shape_from_hf_folder(composed: DictConfig, overrides: list[str]) -> None:
     """model.* from model.init_from's config.json, in place; ConfigError for an unsupported folder or an
     override on the command line that contradicts it (a preset's value is simply replaced)."""
-    from pretrain.model.hf_import import HFImportError, contradictions, model_fields, read_hf_config
+    from pretrain.model.hf_import import (
+        HFImportError, contradictions, model_fields, padded_vocab, read_hf_config, tokenizer_vocab,
+    )
 
     folder = composed.model.init_from
     try:
@@ -522,6 +536,12 @@ def shape_from_hf_folder(composed: DictConfig, overrides: list[str]) -> None:
     problems = contradictions(fields, explicit)
     if problems:
         raise ConfigError("\n".join(problems))
+    if "vocab_size" in explicit:
+        fields["vocab_size"] = int(explicit["vocab_size"])  # equal, or larger: the vocabulary grows
+    else:  # an expanded tokenizer for the data: grow to it, padded for GPUs
+        pieces = tokenizer_vocab(composed.data.get("tokenizer_dir"))
+        if pieces and pieces > fields["vocab_size"]:
+            fields["vocab_size"] = padded_vocab(pieces)
     for key, value in fields.items():
         OmegaConf.update(composed, f"model.{key}", value, merge=False)
 

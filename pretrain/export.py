@@ -72,6 +72,8 @@ def export_hf(state_dict: dict[str, Tensor], cfg: ModelConfig, out_dir: Path, *,
               dtype: torch.dtype = torch.float32, overwrite: bool = False) -> Path:
     """Write a `from_pretrained`-loadable folder at out_dir, atomically; returns out_dir."""
     out_dir = Path(out_dir)
+    # SentencePiece says -1 for a special token it lacks (Llama 2 has no pad); HF wants None.
+    bos_id, eos_id, pad_id = (None if i is None or i < 0 else i for i in (bos_id, eos_id, pad_id))
     hf_config = to_hf_config(cfg, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, dtype=dtype)
     tensors = _hf_tensors(state_dict, cfg, dtype)
     tokenizer_files = _tokenizer_files(Path(tokenizer_dir)) if tokenizer_dir is not None else []

@@ -151,7 +151,7 @@ def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict) -> tuple[Tra
 
     torch.manual_seed(cfg.train.seed)  # same init on every rank
     model = build_model(lambda init_weights: Llama(cfg.model, init_weights=init_weights), cfg, dist,
-                        initial=None if start else hf_initial_weights(cfg.model))
+                        initial=None if start else hf_initial_weights(cfg))
     engine = TrainEngine(model, cfg, dist)
     checkpointer = Checkpointer(Path(cfg.checkpoint.dir), cfg.checkpoint.keep_last, dist.rank, barrier,
                                 dist.world_size, cfg.deepspeed.zero_stage, any_rank)
@@ -178,19 +178,47 @@ def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict) -> tuple[Tra
     return trainer, logger
 
 
-def hf_initial_weights(model_cfg):
+def hf_initial_weights(cfg: AyumiConfig):
     """model.init_from's tensor reader (checked against the model's shapes), or None for a random init.
 
-    A resumed run never reads it: its weights come from the checkpoint.
+    A resumed run never reads it: its weights come from the checkpoint. A vocabulary larger than the
+    folder's grows from the run's tokenizer (pretrain/model/resize.py).
     """
+    model_cfg = cfg.model
     if not model_cfg.init_from:
         return None
     from pretrain.model.flops import parameter_shapes
-    from pretrain.model.hf_import import HFWeights
+    from pretrain.model.hf_import import HFWeights, read_hf_config
 
     weights = HFWeights(model_cfg.init_from)
-    weights.check(parameter_shapes(model_cfg), model_cfg.tie_embeddings)
-    return weights.tensor
+    base_vocab = int(read_hf_config(model_cfg.init_from)["vocab_size"])
+    weights.check(parameter_shapes(model_cfg), model_cfg.tie_embeddings, grown_vocab=model_cfg.vocab_size > base_vocab)
+    if model_cfg.vocab_size == base_vocab:
+        return weights.tensor
+    return grown_weights(cfg, weights, base_vocab).tensor
+
+
+def grown_weights(cfg: AyumiConfig, weights, base_vocab: int):
+    """The folder's weights with the embedding and LM head grown to model.vocab_size (model.new_token_init)."""
+    from pretrain.model.hf_import import HFImportError
+    from pretrain.model.resize import GrownWeights, piece_texts, sentencepiece_encoder
+    from tokenizer.expand import expansion_record
+
+    model_cfg, tokenizer_dir = cfg.model, cfg.data.tokenizer_dir
+    new_model = Path(tokenizer_dir) / "tokenizer.model" if tokenizer_dir else None
+    pieces = piece_texts(str(new_model), base_vocab) if new_model and new_model.is_file() else []
+    base_model = Path(model_cfg.init_from) / "tokenizer.model"
+    record = expansion_record(tokenizer_dir) if tokenizer_dir else None
+    if not base_model.is_file() and record:
+        base_model = Path(record["base"])
+    if model_cfg.new_token_init == "base_mean" and not (pieces and base_model.is_file()):
+        raise HFImportError(
+            f"model.new_token_init=base_mean needs the new tokenizer's pieces (data.tokenizer_dir={tokenizer_dir}, a "
+            f"SentencePiece tokenizer folder) and the base tokenizer ({base_model}: the base folder's tokenizer.model, "
+            "or the base recorded by `ayumi tokenizer expand`). Fix: set those, or model.new_token_init=mean")
+    encode = sentencepiece_encoder(str(base_model)) if base_model.is_file() else None
+    return GrownWeights(weights, model_cfg.vocab_size, pieces, encode, model_cfg.new_token_init, model_cfg.init_std,
+                        cfg.train.seed)
 
 
 def settle_precision(cfg: AyumiConfig, dist: DistInfo, saved: str | None = None) -> PrecisionChoice:

@@ -51,7 +51,11 @@ class ModelConfig:
     """Attention kernel: sdpa (torch scaled_dot_product_attention; flash/efficient kernels on GPU) or eager."""
     init_from: str | None = None
     """A local Hugging Face Llama folder (config.json + safetensors) to start from: its config.json sets the shape
-    (a model.* override that contradicts it is an error), its weights replace the random init at step 0."""
+    (a model.* override that contradicts it is an error), its weights replace the random init at step 0. With a
+    larger tokenizer (data.tokenizer_dir from `ayumi tokenizer expand`) the vocabulary grows to it, padded to 64."""
+    new_token_init: str = "base_mean"
+    """Rows of a grown vocabulary: base_mean (mean of the base rows of the base tokenizer's split of the new piece,
+    as Swallow), mean (mean of all base rows) or random (normal, init_std)."""
 
     RANGES: ClassVar[dict[str, Range]] = {
         **{size: at_least(1) for size in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -70,6 +74,8 @@ def model_problems(cfg: ModelConfig, prefix: str = "model.") -> list[str]:
 def shape_problems(cfg: ModelConfig, prefix: str = "model.") -> list[str]:
     """The attention kernel, and the divisibility attention needs: heads split hidden, kv heads split heads, RoPE pairs."""
     problems = []
+    if cfg.new_token_init not in ("base_mean", "mean", "random"):
+        problems.append(f"{prefix}new_token_init={cfg.new_token_init!r}: choose one of base_mean, mean, random")
     if cfg.attention not in ATTENTION_KERNELS:
         problems.append(f"{prefix}attention={cfg.attention!r}: choose one of {', '.join(ATTENTION_KERNELS)}")
     if cfg.num_heads < 1 or cfg.num_kv_heads < 1 or cfg.hidden_size < 1:

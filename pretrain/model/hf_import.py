@@ -23,6 +23,14 @@ MODEL_TYPES = ("llama", "mistral")
 """config.json model types with Llama's architecture (Mistral only without a sliding window)."""
 ROPE_TYPES = ("default", None)
 """RoPE variants ayumi computes: plain RoPE with a base θ (no linear/dynamic/yarn/llama3 scaling)."""
+NEW_TOKEN_INITS = ("base_mean", "mean", "random")
+"""How rows of a grown vocabulary start (pretrain/model/resize.py)."""
+VOCAB_MULTIPLE = 64
+"""A vocabulary grown from the tokenizer is padded to a multiple of this (tensor-core friendly shapes on GPUs)."""
+
+
+def padded_vocab(size: int, multiple: int = VOCAB_MULTIPLE) -> int:
+    return -(-size // multiple) * multiple
 
 
 class HFImportError(ValueError):
@@ -113,10 +121,31 @@ def unsupported(hf: dict[str, Any]) -> list[str]:
 
 
 def contradictions(fields: dict[str, Any], explicit: dict[str, Any]) -> list[str]:
-    """`model.*` values set on the command line that disagree with the folder's config.json."""
-    return [f"model.{key}={value} contradicts model.init_from's config.json ({key} = {fields[key]}); drop the "
-            f"override (the shape comes from the folder)" for key, value in sorted(explicit.items())
-            if key in fields and key != "name" and _differs(value, fields[key])]
+    """`model.*` values set on the command line that disagree with the folder's config.json.
+
+    A larger vocab_size is not one: it grows the embedding for an expanded tokenizer.
+    """
+    problems = []
+    for key, value in sorted(explicit.items()):
+        if key not in fields or key == "name" or not _differs(value, fields[key]):
+            continue
+        if key == "vocab_size" and str(value).isdigit() and int(value) > fields[key]:
+            continue
+        problems.append(f"model.{key}={value} contradicts model.init_from's config.json ({key} = {fields[key]}); "
+                        + ("the vocabulary can only grow" if key == "vocab_size" else
+                           "drop the override (the shape comes from the folder)"))
+    return problems
+
+
+def tokenizer_vocab(tokenizer_dir: str | None) -> int | None:
+    """Pieces of an ayumi tokenizer folder (its tokenizer_meta.json; no library needed), else None."""
+    if not tokenizer_dir:
+        return None
+    meta = Path(tokenizer_dir) / "tokenizer_meta.json"
+    try:
+        return int(json.loads(meta.read_text(encoding="utf-8"))["vocab_size"])
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def _differs(given: Any, wanted: Any) -> bool:
@@ -150,8 +179,9 @@ class HFWeights:
                 "`LlamaForCausalLM.from_pretrained(PATH).save_pretrained(NEW)`)") if other else ""
         raise HFImportError(f"model.init_from={self.folder}: no {SAFETENSORS_FILE} or {SAFETENSORS_INDEX}{hint}")
 
-    def check(self, shapes: dict[str, tuple[int, ...]], tied: bool) -> None:
-        """Every parameter the model needs is there with its shape (a tied lm_head may be absent)."""
+    def check(self, shapes: dict[str, tuple[int, ...]], tied: bool, grown_vocab: bool = False) -> None:
+        """Every parameter the model needs is there with its shape (a tied lm_head may be absent; with
+        `grown_vocab`, the embedding and LM head may have fewer rows: they grow, pretrain/model/resize.py)."""
         from safetensors import safe_open
 
         needed = {name: shape for name, shape in shapes.items() if not (tied and name == "lm_head.weight")}
@@ -162,7 +192,9 @@ class HFWeights:
         for name, shape in needed.items():
             with safe_open(str(self.files[name]), framework="pt") as handle:
                 found = tuple(handle.get_slice(name).get_shape())
-            if found != tuple(shape):
+            grows = grown_vocab and name in ("model.embed_tokens.weight", "lm_head.weight") \
+                and found[1:] == tuple(shape)[1:] and found[0] <= shape[0]
+            if found != tuple(shape) and not grows:
                 raise HFImportError(f"model.init_from={self.folder}: {name} has shape {found}, the model needs {shape}")
 
     def tensor(self, name: str):
