@@ -11,9 +11,24 @@ from common.conf import CONF_DIR
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 
 
+STARTS_FROM_A_MODEL = {"continue_ja"}
+"""Experiments whose shape comes from model.init_from's config.json (a base model folder)."""
+
+
 @pytest.mark.parametrize("name", EXPERIMENTS)
-def test_every_experiment_composes_and_checks(name):
-    cfg = to_object(compose_config([f"experiment={name}"]))
+def test_every_experiment_composes_and_checks(name, tmp_path):
+    if name in STARTS_FROM_A_MODEL:
+        from transformers import LlamaConfig
+
+        from pretrain.config import config_from_args
+
+        LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=4, max_position_embeddings=4096).save_pretrained(tmp_path / "base")
+        cfg = config_from_args([f"experiment={name}", f"model.init_from={tmp_path / 'base'}",
+                                f"data.tokenizer_dir={tmp_path / 'no_tokenizer_yet'}"])
+        assert cfg.model.max_seq_len == 4096 and cfg.model.vocab_size == 32000
+    else:
+        cfg = to_object(compose_config([f"experiment={name}"]))
     assert isinstance(cfg, AyumiConfig)
     check_config(cfg)
     assert cfg.name and total_steps(cfg.train) > 0
