@@ -118,14 +118,17 @@ def test_a_hugging_face_tokenizer_declares_megatron_data(tmp_path, tokenizer_dir
     manifest = prepare(make_config(root, hf, {"web": megatron(str(prefix))}))
     assert manifest["tokenizer"]["sha256"] == declared.sha256 != load_declared_tokenizer(tokenizer_dir).sha256
     assert en_texts[0][:30].replace("\n", "⏎") in inspect_root(root, samples=1, chars=30)
-    # The HF folder also tokenizes text domains (through `tokenizers`, in the workers): the same shards, byte
-    # for byte, as the SentencePiece model it was exported from.
+    # The HF folder, and the bare .model, also tokenize text domains (through `tokenizers` / sentencepiece, in the
+    # workers): the same shards, byte for byte, as the ayumi folder they come from; each root records its tokenizer.
     text = write_jsonl(tmp_path / "en.jsonl", en_texts[:40])
-    for name, tokenizer in (("hf", hf), ("sp", tokenizer_dir)):
-        prepare(make_config(tmp_path / name, tokenizer, {"en": domain([text], val_fraction=0.1)}, workers=1))
-    for split in ("train", "val"):
-        assert (tmp_path / "hf" / "en" / split / "part_00000.bin").read_bytes() == \
-            (tmp_path / "sp" / "en" / split / "part_00000.bin").read_bytes()
+    model = tokenizer_dir / "tokenizer.model"
+    for name, tokenizer in (("hf", hf), ("model", model), ("ayumi", tokenizer_dir)):
+        made = prepare(make_config(tmp_path / name, tokenizer, {"en": domain([text], val_fraction=0.1)}, workers=1))
+        assert made["tokenizer"]["sha256"] == load_declared_tokenizer(tokenizer).sha256
+    for name in ("hf", "model"):
+        for split in ("train", "val"):
+            assert (tmp_path / name / "en" / split / "part_00000.bin").read_bytes() == \
+                (tmp_path / "ayumi" / "en" / split / "part_00000.bin").read_bytes()
 
 
 def test_a_megatron_prefix_changed_after_registration_is_refused_at_start(tmp_path, tokenizer_dir, en_texts):
