@@ -49,6 +49,9 @@ class ModelConfig:
     """GLM-130B embedding-gradient shrink: emb = a*emb + (1-a)*emb.detach(); 1.0 = off, 0.1 as in GLM-130B."""
     attention: str = "sdpa"
     """Attention kernel: sdpa (torch scaled_dot_product_attention; flash/efficient kernels on GPU) or eager."""
+    loss_chunk_tokens: int = 0
+    """LM head + cross-entropy in chunks of this many tokens, recomputed in backward, so the whole
+    [tokens x vocab] fp32 logits never exist (pretrain/model/chunked_loss.py); 0 = one pass (fastest when it fits)."""
     init_from: str | None = None
     """A local Hugging Face Llama folder (config.json + safetensors) to start from: its config.json sets the shape
     (a model.* override that contradicts it is an error), its weights replace the random init at step 0. With a
@@ -62,6 +65,7 @@ class ModelConfig:
                                           "num_heads", "num_kv_heads", "max_seq_len")},
         "rope_theta": above(0), "norm_eps": above(0), "init_std": above(0), "z_loss": at_least(0, "0 = off"),
         "embedding_grad_alpha": between(0, 1, low_open=True, note="1.0 = off"),
+        "loss_chunk_tokens": at_least(0, "0 = one pass"),
     }
     """Allowed values (pretrain/ranges.py); shapes must also divide, see model_problems."""
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from pretrain.model.chunked_loss import LMHead
 from pretrain.model.config import ModelConfig, validate_config
 from pretrain.model.layers import Block, RMSNorm, RotaryEmbedding
 
@@ -60,7 +61,7 @@ class Llama(nn.Module):
         validate_config(cfg)
         self.cfg = cfg
         self.model = Decoder(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.activation_checkpointing = False
@@ -101,7 +102,12 @@ class Llama(nn.Module):
                 h = checkpoint(block, h, cos, sin, use_reentrant=False)
             else:
                 h = block(h, cos, sin)
-        logits = self.lm_head(self.model.norm(h))
+        h = self.model.norm(h)
+        chunk = self.cfg.loss_chunk_tokens
+        if labels is not None and chunk > 0 and not return_logits:
+            token_ce, token_lse = self.lm_head(h, labels, chunk)  # never the whole [B, T, vocab] logits
+            return self.loss_from_tokens(token_ce, token_lse, labels)
+        logits = self.lm_head(h)
         if labels is None:
             return LlamaOutput(loss=None, logits=logits)
         out = self.compute_loss(logits, labels)
@@ -120,15 +126,23 @@ class Llama(nn.Module):
         mask = labels != IGNORE_INDEX
         token_ce = F.cross_entropy(logits32.flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX,
                                    reduction="none").view_as(labels)  # 0 where ignored
+        token_lse = None
+        if self.cfg.z_loss > 0:
+            # log Z = CE + target logit (only the z-loss needs it).
+            target = labels.masked_fill(~mask, 0).unsqueeze(-1)
+            token_lse = token_ce + logits32.gather(-1, target).squeeze(-1)
+        del logits32
+        return self.loss_from_tokens(token_ce, token_lse, labels)
+
+    def loss_from_tokens(self, token_ce: Tensor, token_lse: Tensor | None, labels: Tensor) -> LlamaOutput:
+        """Mean loss, z-loss and per-sample losses from per-token CE and log Z (0 where ignored) of either path."""
+        mask = labels != IGNORE_INDEX
         tokens = mask.sum()
         ce = token_ce.sum() / tokens.clamp(min=1)  # all-ignored batch: loss 0, not NaN
         loss = ce
         if self.cfg.z_loss > 0:
             # PaLM z-loss: pulls log Z toward 0 so the softmax normaliser cannot drift.
-            target = labels.masked_fill(~mask, 0).unsqueeze(-1)
-            lse = token_ce + logits32.gather(-1, target).squeeze(-1)
-            loss = ce + self.cfg.z_loss * (lse.square() * mask).sum() / tokens.clamp(min=1)
-        del logits32
+            loss = ce + self.cfg.z_loss * (token_lse.square() * mask).sum() / tokens.clamp(min=1)
         sample_tokens = mask.sum(dim=1)
         sample_loss = token_ce.sum(dim=1).detach() / sample_tokens.clamp(min=1)
         return LlamaOutput(loss=loss, ce_loss=ce.detach(), sample_loss=sample_loss, sample_tokens=sample_tokens)
