@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from curriculum.config import CurriculumConfig
-from pretrain.model.config import ModelConfig, shape_problems
+from pretrain.model.config import ModelConfig, checkpointing_plan, shape_problems
 from pretrain.ranges import Range, above, at_least, between, range_problems
 from pretrain.stability.config import StabilityConfig, StabilityConfigError, check_stability_config
 from common.conf import (
@@ -99,8 +99,10 @@ class DeepSpeedConfig:
     """fp16: the scale never drops below this; DeepSpeed raises if an overflow happens here."""
     bf16_skip_nonfinite: bool = True
     """bf16: skip a step whose gradients hold inf/NaN (otherwise DeepSpeed applies it and the model is lost)."""
-    activation_checkpointing: bool = False
-    """Recompute each block's activations in backward: less memory, ~30% more compute."""
+    activation_checkpointing: str = "none"
+    """Activations recomputed in backward instead of stored: none; full (every block: least memory, ~30% more
+    compute); every_K (every K-th block, e.g. every_2); attention or mlp (that half of every block). true/false
+    mean full/none."""
     overlap_comm: bool = True
     """ZeRO 1-3: overlap gradient reduction with the backward pass."""
     reduce_bucket_size: int = 500_000_000
@@ -454,6 +456,10 @@ def check_config(cfg: AyumiConfig) -> None:
         raise ConfigError("deepspeed.offload_param needs deepspeed.zero_stage=3")
     if cfg.deepspeed.offload_optimizer and cfg.deepspeed.zero_stage == 0:
         raise ConfigError("deepspeed.offload_optimizer needs deepspeed.zero_stage >= 1")
+    try:
+        checkpointing_plan(cfg.deepspeed.activation_checkpointing, cfg.model.num_layers)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     if cfg.data.verify not in ("auto", "full", "sizes"):
         raise ConfigError(f"data.verify must be auto, full or sizes, got {cfg.data.verify!r}")
     if cfg.optim.schedule not in ("cosine", "linear", "constant", "wsd"):

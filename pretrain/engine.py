@@ -300,8 +300,7 @@ class TrainEngine:
         self.cfg = cfg
         self.dist = dist_info
         self.ds_config = render_ds_config(cfg, dist_info.world_size)
-        if cfg.deepspeed.activation_checkpointing:
-            model.set_activation_checkpointing(True)
+        model.set_activation_checkpointing(cfg.deepspeed.activation_checkpointing)
         optimizer = build_optimizer(model, cfg, dist_info.device)
         self.client_optimizer = optimizer  # ours (SkippableAdamW), under DeepSpeed's wrapper
         model_parameters = None

@@ -5,6 +5,7 @@ checks them before any rank starts, and the model checks them again when it is b
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -107,3 +108,25 @@ def validate_config(cfg: ModelConfig) -> None:
     problems = model_problems(cfg)
     if problems:
         raise ModelConfigError("\n".join(problems))
+
+
+CHECKPOINTING_POLICIES = ("none", "full", "every_K", "attention", "mlp")
+"""deepspeed.activation_checkpointing: none; full (every block); every_K (blocks 0, K, 2K, ...); attention or mlp
+(that half of every block). Memory falls and recompute grows from none to full (torchtitan's selective AC)."""
+
+
+def checkpointing_plan(policy: str | bool, num_layers: int) -> list[str]:
+    """Per block: "" (keep activations), "block", "attention" or "mlp"; ValueError for an unknown policy."""
+    policy = {"true": "full", "false": "none"}.get(str(policy).lower(), str(policy))
+    if policy == "none":
+        return [""] * num_layers
+    if policy == "full":
+        return ["block"] * num_layers
+    if policy in ("attention", "mlp"):
+        return [policy] * num_layers
+    match = re.fullmatch(r"every_(\d+)", policy)
+    if match and int(match.group(1)) >= 1:
+        every = int(match.group(1))
+        return ["block" if index % every == 0 else "" for index in range(num_layers)]
+    raise ValueError(f"deepspeed.activation_checkpointing={policy!r}: choose none, full, every_K (K >= 1, e.g. every_2), "
+                     "attention or mlp")

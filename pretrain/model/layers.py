@@ -12,6 +12,7 @@ import re
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from pretrain.model.config import ModelConfig
 
@@ -155,6 +156,13 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, recompute: str = "") -> Tensor:
+        """`recompute` "attention" or "mlp": that half keeps no activations and is recomputed in backward."""
+        def attention(y: Tensor) -> Tensor:
+            return self.self_attn(self.input_layernorm(y), cos, sin)
+
+        def mlp(y: Tensor) -> Tensor:
+            return self.mlp(self.post_attention_layernorm(y))
+
+        x = x + (checkpoint(attention, x, use_reentrant=False) if recompute == "attention" else attention(x))
+        return x + (checkpoint(mlp, x, use_reentrant=False) if recompute == "mlp" else mlp(x))

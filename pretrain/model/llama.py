@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from pretrain.model.chunked_loss import LMHead
-from pretrain.model.config import ModelConfig, validate_config
+from pretrain.model.config import ModelConfig, checkpointing_plan, validate_config
 from pretrain.model.layers import Block, RMSNorm, RotaryEmbedding
 
 IGNORE_INDEX = -100
@@ -64,7 +64,7 @@ class Llama(nn.Module):
         self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.activation_checkpointing = False
+        self.recompute = [""] * cfg.num_layers  # per block: "", "block", "attention" or "mlp"
         if init_weights:
             self.init_weights()
 
@@ -85,9 +85,10 @@ class Llama(nn.Module):
         else:
             p.normal_(0.0, self.cfg.init_std)
 
-    def set_activation_checkpointing(self, enabled: bool) -> None:
-        """Recompute each block in backward instead of storing its activations."""
-        self.activation_checkpointing = enabled
+    def set_activation_checkpointing(self, policy: str | bool) -> None:
+        """Which activations to recompute in backward instead of storing (checkpointing_plan's policies;
+        True/False: every block / none)."""
+        self.recompute = checkpointing_plan(policy, self.cfg.num_layers)
 
     def forward(self, input_ids: Tensor, labels: Tensor | None = None, return_logits: bool = False) -> LlamaOutput:
         """input_ids, labels: [B, T]; labels are already shifted (labels[:, t] is the target at t)."""
@@ -97,11 +98,11 @@ class Llama(nn.Module):
             # GLM-130B's a*h + (1-a)*h.detach(), written so the forward value is bit-identical to h.
             h = h.detach() + alpha * (h - h.detach())
         cos, sin = self.model.rotary_emb(input_ids.shape[1])
-        for block in self.model.layers:
-            if self.activation_checkpointing and self.training:
+        for block, recompute in zip(self.model.layers, self.recompute):
+            if recompute == "block" and self.training:
                 h = checkpoint(block, h, cos, sin, use_reentrant=False)
             else:
-                h = block(h, cos, sin)
+                h = block(h, cos, sin, recompute if self.training else "")
         h = self.model.norm(h)
         chunk = self.cfg.loss_chunk_tokens
         if labels is not None and chunk > 0 and not return_logits:
