@@ -301,6 +301,7 @@ class TrainEngine:
         self.dist = dist_info
         self.ds_config = render_ds_config(cfg, dist_info.world_size)
         model.set_activation_checkpointing(cfg.deepspeed.activation_checkpointing)
+        self.compiled = model.compile_for(cfg.model.compile, dist_info.device.type)
         optimizer = build_optimizer(model, cfg, dist_info.device)
         self.client_optimizer = optimizer  # ours (SkippableAdamW), under DeepSpeed's wrapper
         model_parameters = None

@@ -12,6 +12,7 @@ from typing import ClassVar
 from pretrain.ranges import Range, above, at_least, between, range_problems
 
 ATTENTION_KERNELS = ("sdpa", "eager")
+COMPILE_MODES = ("auto", "off", "blocks", "full")
 
 
 @dataclass
@@ -50,6 +51,10 @@ class ModelConfig:
     """GLM-130B embedding-gradient shrink: emb = a*emb + (1-a)*emb.detach(); 1.0 = off, 0.1 as in GLM-130B."""
     attention: str = "sdpa"
     """Attention kernel: sdpa (torch scaled_dot_product_attention; flash/efficient kernels on GPU) or eager."""
+    compile: str = "auto"
+    """torch.compile: blocks (each decoder block, static shapes), full (the whole model), off; auto = blocks on
+    CUDA, off on CPU (where compiling costs more than it saves on small runs). A recompile happens only when a
+    shape changes (another micro batch or sequence length, e.g. a last partial batch) or the checkpointing policy does."""
     loss_chunk_tokens: int = 0
     """LM head + cross-entropy in chunks of this many tokens, recomputed in backward, so the whole
     [tokens x vocab] fp32 logits never exist (pretrain/model/chunked_loss.py); 0 = one pass (fastest when it fits)."""
@@ -81,6 +86,8 @@ def shape_problems(cfg: ModelConfig, prefix: str = "model.") -> list[str]:
     problems = []
     if cfg.new_token_init not in ("base_mean", "mean", "random"):
         problems.append(f"{prefix}new_token_init={cfg.new_token_init!r}: choose one of base_mean, mean, random")
+    if cfg.compile not in COMPILE_MODES:
+        problems.append(f"{prefix}compile={cfg.compile!r}: choose one of {', '.join(COMPILE_MODES)}")
     if cfg.attention not in ATTENTION_KERNELS:
         problems.append(f"{prefix}attention={cfg.attention!r}: choose one of {', '.join(ATTENTION_KERNELS)}")
     if cfg.num_heads < 1 or cfg.num_kv_heads < 1 or cfg.hidden_size < 1:

@@ -85,6 +85,21 @@ class Llama(nn.Module):
         else:
             p.normal_(0.0, self.cfg.init_std)
 
+    def compile_for(self, mode: str, device_type: str) -> str:
+        """Apply model.compile in place (parameter names unchanged); returns what was done: off, blocks or full.
+
+        `dynamic=False`: shapes are static in training (micro batch x seq_len), so each block compiles
+        once; a different shape (an eval batch of another size) compiles one more variant.
+        """
+        if mode == "auto":
+            mode = "blocks" if device_type == "cuda" else "off"
+        if mode == "blocks":
+            for block in self.model.layers:
+                block.compile(dynamic=False)
+        elif mode == "full":
+            self.compile(dynamic=False)
+        return mode
+
     def set_activation_checkpointing(self, policy: str | bool) -> None:
         """Which activations to recompute in backward instead of storing (checkpointing_plan's policies;
         True/False: every block / none)."""
