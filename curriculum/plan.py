@@ -50,7 +50,7 @@ class PlanProblem:
     """One reason to refuse a plan."""
 
     kind: str
-    """config | data | budget | repetition | disk."""
+    """config | data | budget | repetition | disk | memory (added by pretrain.plan)."""
     message: str
     """What is wrong and how to fix it."""
 
@@ -398,8 +398,9 @@ def _limit(epochs: float) -> str:
     return "-" if math.isinf(epochs) else f"{epochs:g}x"
 
 
-def format_plan(plan: Plan) -> str:
-    """The human-readable plan: header, stage x domain table, totals, checkpoints, problems."""
+def format_plan(plan: Plan, sections: list[str] = ()) -> str:
+    """The human-readable plan: header, stage x domain table, totals, checkpoints, the callers' `sections`
+    (pretrain.plan's memory breakdown), problems."""
     run = plan.run
     lines = [f"plan: curriculum {plan.curriculum!r}: {human_count(run.train_tokens)} tokens, seq_len {run.seq_len}, "
              f"global batch {run.global_batch} = {human_count(run.tokens_per_step)} tokens/step, "
@@ -423,6 +424,7 @@ def format_plan(plan: Plan) -> str:
                                                     if plan.existing_checkpoint_bytes else ""))
     if plan.wall_time_s is not None:
         lines.append(f"estimated wall time: {human_duration(plan.wall_time_s)} at the given throughput")
+    lines += list(sections)
     lines += [f"warning: {w}" for w in plan.warnings]
     if plan.problems:
         lines += ["", "REFUSED:"] + [f"  [{p.kind}] {p.message}" for p in plan.problems]

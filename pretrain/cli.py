@@ -16,7 +16,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "export": ("pretrain.export", "main", "export hf CHECKPOINT_DIR OUT_DIR: a transformers LlamaForCausalLM folder"),
     "tokenizer": ("tokenizer.cli", "main", "build | eval | sweep | export: the merged SentencePiece tokenizer"),
     "data": ("data.cli", "main", "prepare | inspect | verify: corpus to Megatron .bin/.idx token shards"),
-    "plan": ("curriculum.cli", "main", "stage table, repetition, steps and disk for an experiment"),
+    "plan": ("pretrain.plan", "main", "stage table, repetition, steps, disk and per-GPU memory for an experiment"),
     "report": ("pretrain.report", "main", "plots and a summary of a run dir"),
     "doctor": ("pretrain.doctor", "main", "versions, devices, DeepSpeed ops, disk and W&B mode"),
 }

@@ -172,6 +172,12 @@ class TrainConfig:
     """Stop after this many steps even if tokens remain (smoke tests); 0 = no limit. Never use it to set run length."""
     device: str = "auto"
     """auto (CUDA if available, else CPU) | cpu | cuda."""
+    num_gpus: int = 0
+    """GPUs the run will train on (its data-parallel size), for plans made away from the job (`ayumi plan` on a
+    login node): ZeRO cuts states by it. 0 = the GPUs visible where the plan runs, else 1; the trainer uses its own."""
+    gpu_memory_gib: float = 0.0
+    """Memory of each GPU (GiB) the memory plan checks against where no GPU is visible (`ayumi plan` on a login
+    node; e.g. 80 for an H100 80GB); 0 = only a visible GPU's own memory (torch.cuda), which always wins."""
 
     RANGES: ClassVar[dict[str, Range]] = {
         "tokens": at_least(1), "seq_len": at_least(1), "micro_batch_size": at_least(1),
@@ -179,6 +185,7 @@ class TrainConfig:
         "seed": at_least(0), "eval_interval": at_least(0, "0 = only at the end"),
         "eval_dense_interval": at_least(0, "0 = off"), "eval_dense_until": at_least(0), "eval_samples": at_least(1),
         "log_interval": at_least(1), "max_steps": at_least(0, "0 = no limit"),
+        "num_gpus": at_least(0, "0 = the GPUs visible, else 1"), "gpu_memory_gib": at_least(0, "0 = a visible GPU's own"),
     }
     """Allowed values, checked before any rank starts (pretrain/ranges.py)."""
 

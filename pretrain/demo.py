@@ -102,7 +102,7 @@ def training_overrides(shards: Path, tokenizer_dir: Path, runs: Path) -> list[st
 
 
 def show_plan(overrides: list[str]) -> None:
-    from curriculum.cli import main as plan_main
+    from pretrain.plan import main as plan_main
 
     check(plan_main(overrides), "ayumi plan")
 

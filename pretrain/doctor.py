@@ -264,7 +264,25 @@ def check_plan(overrides: list[str]) -> tuple[list[Check], object | None]:
     ring_note = f" + {ring} in the recovery ring" if ring else ""
     detail = (f"{cfg.name}: {parameters / 1e6:,.1f} M parameters, {one / GIB:.2f} GiB per checkpoint x "
               f"{regular}{ring_note} at peak = {peak / GIB:.2f} GiB in {ckpt_dir} ({free / GIB:.1f} GiB free)")
-    return [Check("plan", "checkpoints", status, detail, fix)], cfg
+    return [Check("plan", "checkpoints", status, detail, fix), check_memory(cfg, parameters)], cfg
+
+
+def check_memory(cfg, parameters: int) -> Check:
+    """The per-GPU memory estimate (pretrain/memory.py) against the GPUs here or train.gpu_memory_gib."""
+    from pretrain.memory import memory_problem
+    from pretrain.plan import planned_hardware, run_plan
+
+    hardware = planned_hardware(cfg)
+    memory = run_plan(cfg, parameters, hardware).memory
+    detail = (f"{memory.required / GIB:.1f} GiB per GPU needed ({memory.model_states / GIB:.1f} model states, "
+              f"{memory.term('activations') / GIB:.1f} activations) with {hardware.data_parallel} data-parallel ranks")
+    if not hardware.gpu_bytes:
+        return Check("plan", "memory", INFO, f"{detail}; not checked: {hardware.where}")
+    problem = memory_problem(memory, hardware.gpu_bytes, cfg.train.global_batch_size, hardware.where)
+    if problem:
+        return Check("plan", "memory", FAIL, f"{detail}, {hardware.where} has {hardware.gpu_bytes / GIB:.1f} GiB",
+                     problem.split("; ", 1)[-1])
+    return Check("plan", "memory", OK, f"{detail}, {hardware.where} has {hardware.gpu_bytes / GIB:.1f} GiB")
 
 
 # ---- W&B ------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@
   gives bitwise-equal losses (shared/DEEPSPEED_CPU.md); `--launcher deepspeed` picks the latter.
 
 The whole config is composed and checked here first (types, ranges, names, the batch over the
-ranks about to start, and the plan: data present, stage budgets, repetition, checkpoint disk),
+ranks about to start, and the plan: data present, stage budgets, repetition, checkpoint disk, GPU memory),
 without importing torch or DeepSpeed: a mistake exits with status 2 and one line per problem
 before any process starts, and `--dry-run` prints the command only for a valid config (it skips
 the plan: the data may live on the cluster). Multi-node and SLURM launches are the scripts under launch/.
@@ -39,17 +39,20 @@ def _nvidia_present() -> bool:
     return shutil.which("nvidia-smi") is not None or bool(glob.glob("/dev/nvidia[0-9]*"))
 
 
-def preflight_plan(cfg) -> None:
-    """The plan's checks (data present, budgets, repetition, checkpoint disk) before any rank starts.
+def preflight_plan(cfg, nproc: int, gpus: int) -> None:
+    """The plan's checks (data present, budgets, repetition, checkpoint disk, GPU memory) before any rank starts.
 
     The ranks run the same checks (pretrain.train.build_data); here they cost no process start and
     a refusal is printed once, not once per rank under the launcher's own error report. Raises
-    PlanRefused listing the problems. Imports no torch.
+    PlanRefused listing the problems. Imports torch only where GPUs are visible (their memory).
     """
-    from curriculum.plan import plan_from_config, raise_if_refused
+    from curriculum.plan import raise_if_refused
     from pretrain.model.flops import count_parameters
+    from pretrain.plan import Hardware, planned_hardware, run_plan
 
-    raise_if_refused(plan_from_config(cfg, count_parameters(cfg.model)))
+    # On the CPU the ranks train in host memory: no GPU figure to check against.
+    hardware = planned_hardware(cfg, data_parallel=nproc) if gpus else Hardware(nproc, None, "CPU")
+    raise_if_refused(run_plan(cfg, count_parameters(cfg.model), hardware).plan)
 
 
 def launcher_command(launcher: str, nproc: int, overrides: list[str], master_port: int | None = None) -> list[str]:
@@ -116,7 +119,7 @@ def main(argv: list[str]) -> int:
         nproc = args.nproc or (gpus if gpus else 2)
         data_parallel_grad_accum(cfg.train, nproc)  # the global batch must divide over the ranks about to start
         if not args.dry_run:  # a dry run shows the command; its data may live elsewhere
-            preflight_plan(cfg)
+            preflight_plan(cfg, nproc, gpus)
     except (ConfigError, PlanRefused) as err:
         print_config_error(PROG, err)
         return EXIT_CONFIG_ERROR

@@ -46,7 +46,7 @@ from omegaconf import OmegaConf
 
 from curriculum.config import enabled as curriculum_enabled
 from curriculum.mixer import Mixer
-from curriculum.plan import PlanRefused, plan_from_config, raise_if_refused
+from curriculum.plan import PlanRefused, raise_if_refused
 from data.domains import open_run_data
 from data.manifest import MANIFEST_NAME, ManifestError, check_manifest_tokenizer, load_manifest
 from data.packed import CorruptShardError, DataChangedError, PackedSamples, ShuffledDomains
@@ -61,6 +61,8 @@ from pretrain.engine import (
     save_ds_config,
 )
 from pretrain.loader import BatchLoader
+from pretrain.memory import format_memory
+from pretrain.plan import Hardware, run_plan
 from pretrain.metrics import MetricsLogger, NullLogger
 from pretrain.model.flops import count_parameters
 from pretrain.model.hf_import import HFImportError
@@ -103,7 +105,16 @@ def load_tokenizer_identity(tokenizer_dir: str | None) -> dict:
             "pad_id": None}
 
 
-def build_data(cfg: AyumiConfig, tokenizer: dict) -> tuple[ShuffledDomains | Mixer, dict[str, PackedSamples]]:
+def job_hardware(dist: DistInfo) -> Hardware:
+    """The job's own size and GPU for the memory plan (on the CPU, memory is not checked)."""
+    if dist.device.type != "cuda":
+        return Hardware(dist.world_size, None, "CPU training: GPU memory not checked")
+    props = torch.cuda.get_device_properties(dist.device)
+    return Hardware(dist.world_size, int(props.total_memory), f"this {props.name}")
+
+
+def build_data(cfg: AyumiConfig, tokenizer: dict,
+               hardware: Hardware | None = None) -> tuple[ShuffledDomains | Mixer, dict[str, PackedSamples]]:
     """The training stream (the curriculum's mixer, or all domains shuffled) and per-domain validation sets.
 
     Every shard comes from what the data root's manifest lists, checked against it (data/integrity.py);
@@ -114,8 +125,12 @@ def build_data(cfg: AyumiConfig, tokenizer: dict) -> tuple[ShuffledDomains | Mix
     check_vocabulary(cfg, manifest, tokenizer, root)
     _, train, val = open_run_data(root, cfg.data.domains or None, cfg.train.seq_len, cfg.model.vocab_size,
                                   cfg.data.verify, cfg.data.validation)
-    # The same checks as `ayumi plan`: budgets vs run length, repetition, disk. Refuse before step 1.
-    raise_if_refused(plan_from_config(cfg, count_parameters(cfg.model), domains=train))
+    # The same checks as `ayumi plan`: budgets vs run length, repetition, disk, GPU memory. Refuse before step 1.
+    hardware = hardware or Hardware(1, None, "not checked")
+    plan = run_plan(cfg, count_parameters(cfg.model), hardware, domains=train)
+    raise_if_refused(plan.plan)
+    if hardware.gpu_bytes and int(os.environ.get("RANK", 0)) == 0:
+        print(format_memory(plan.memory, hardware.gpu_bytes, hardware.where), flush=True)
     if curriculum_enabled(cfg.curriculum):
         return Mixer(cfg.curriculum, train, cfg.train.seq_len, cfg.train.global_batch_size, cfg.train.seed), val
     return ShuffledDomains(train, seed=cfg.train.seed), val
@@ -147,7 +162,7 @@ def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict) -> tuple[Tra
     start = _checkpoint_meta(cfg)  # the checkpoint this run starts from ({} for a fresh run)
     precision = settle_precision(cfg, dist, start.get("precision"))
     tokenizer = load_tokenizer_identity(cfg.data.tokenizer_dir)
-    source, val_sets = build_data(cfg, tokenizer)
+    source, val_sets = build_data(cfg, tokenizer, job_hardware(dist))
 
     torch.manual_seed(cfg.train.seed)  # same init on every rank
     model = build_model(lambda init_weights: Llama(cfg.model, init_weights=init_weights), cfg, dist,

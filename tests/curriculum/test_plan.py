@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import curriculum.cli as plan_cli
+import pretrain.plan as plan_cli
 from curriculum.config import CurriculumConfig, Stage
 from data.packed import PackedSamples
 from curriculum.plan import (
