@@ -1,0 +1,230 @@
+"""Benchmark: ayumi's training speed and memory on one GPU, against the anchors and against its own memory plan.
+
+For each model shape x `model.compile` (off, blocks) x activation checkpointing (none, full) one fresh
+process trains with ayumi's own trainer (`pretrain.train.build_trainer`, exactly as a run builds it;
+bf16, ZeRO-1 on one rank, fp32 gradient accumulation, evaluation and checkpoints off, metrics on), and
+reports after warm-up steps (compilation included there):
+- tokens/s per GPU and MFU: the trainer's own FLOP count (`pretrain.model.flops.flops_per_token`, 6N +
+  attention, PaLM's convention) against the GPU's dense bf16 peak (`pretrain.trainer.PEAK_BF16_FLOPS`);
+- `torch.cuda.max_memory_allocated()` against the plan's `peak_allocated` (pretrain/memory.py).
+
+Shapes: the 125m and 1b presets at seq 2048, and `7b_short`: Llama-2-7B's layers (hidden 4096, 32
+heads, MLP 11008), 4 of them, so it fits one GPU. The micro batch per shape is the largest power of
+two (up to 16) that the memory plan says fits this GPU without checkpointing (`--micro-batch N` to pin
+it); a global batch of 4 micro batches (grad accum 4).
+
+    python bench/gpu_speed.py [--shapes 125m,1b,7b_short] [--compile off,blocks] [--checkpointing none,full]
+                              [--steps 20] [--warmup 8] [--micro-batch auto]
+    python bench/gpu_speed.py --cpu-smoke      # the whole path on the CPU with a tiny shape (CI); figures meaningless
+
+Without a CUDA device (and without --cpu-smoke) it says so and measures nothing. Ends with, per combination:
+  RESULT gpu_speed_<shape>_<compile>_<ckpt>_mfu ours=<pct>% baseline=<anchor>% ratio=<r> target=>=45% ok=<bool>
+  RESULT gpu_speed_<shape>_<compile>_<ckpt>_memory ours=<plan GiB>GiB baseline=<measured GiB>GiB ratio=<r> target=0.90..1.10 ok=<bool>
+The MFU baseline is OLMo-core's published H100 figure for its size (1B: 40%, 7B: 47%; 125m compared with the
+1B figure); the 45% target applies to 1b only (issue 13), the others print ok=true when measured.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+ANCHOR_MFU = {"125m": 0.40, "1b": 0.40, "7b_short": 0.47}
+"""OLMo-core on H100, bf16: 1B 39-41%, 7B 47-48% (the issue's anchors)."""
+TARGET_MFU_1B = 0.45
+MEMORY_BAND = (0.90, 1.10)
+SHAPES = {
+    "125m": ["model=125m"],
+    "1b": ["model=1b"],
+    "7b_short": ["model=7b", "model.num_layers=4"],
+    "tiny": ["model=debug", "model.vocab_size=1024", "model.max_seq_len=64"],  # --cpu-smoke
+}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="125m,1b,7b_short")
+    p.add_argument("--compile", default="off,blocks", help="model.compile values to try")
+    p.add_argument("--checkpointing", default="none,full", help="deepspeed.activation_checkpointing values to try")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--micro-batch", default="auto", help="auto: the largest power of two the memory plan fits")
+    p.add_argument("--grad-accum", type=int, default=4)
+    p.add_argument("--steps", type=int, default=20, help="timed optimizer steps")
+    p.add_argument("--warmup", type=int, default=8, help="untimed steps first (compilation happens here)")
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny shape on the CPU: checks the path, not the speed")
+    p.add_argument("--work", default=None, help="keep the corpus, runs and results here")
+    p.add_argument("--timeout", type=int, default=1800)
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# -- launcher side --------------------------------------------------------------------------------
+def combinations(args: argparse.Namespace) -> list[tuple[str, str, str]]:
+    shapes = ["tiny"] if args.cpu_smoke else [s for s in args.shapes.split(",") if s]
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        raise SystemExit(f"gpu_speed: unknown shape(s) {unknown}; choose from {', '.join(s for s in SHAPES if s != 'tiny')}")
+    return [(shape, comp, ckpt) for shape in shapes for comp in args.compile.split(",") for ckpt in args.checkpointing.split(",")]
+
+
+def result_lines(shape: str, comp: str, ckpt: str, res: dict) -> list[str]:
+    name = f"gpu_speed_{shape}_{comp}_{ckpt}"
+    anchor = ANCHOR_MFU.get(shape, 0.40)
+    lines = []
+    if res.get("mfu") is not None:
+        mfu = res["mfu"]
+        ok = mfu >= TARGET_MFU_1B if shape == "1b" else True
+        lines.append(f"RESULT {name}_mfu ours={100 * mfu:.1f}% baseline={100 * anchor:.1f}% ratio={mfu / anchor:.3f} "
+                     f"target=>={100 * TARGET_MFU_1B:.0f}% ok={str(ok).lower()}")
+    measured, planned = res["max_allocated"], res["planned_peak"]
+    ratio = planned / measured if measured else float("nan")
+    ok = MEMORY_BAND[0] <= ratio <= MEMORY_BAND[1]
+    lines.append(f"RESULT {name}_memory ours={planned / 2**30:.2f}GiB baseline={measured / 2**30:.2f}GiB "
+                 f"ratio={ratio:.3f} target={MEMORY_BAND[0]:.2f}..{MEMORY_BAND[1]:.2f} ok={str(ok).lower()}")
+    return lines
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker(args)
+    if not args.cpu_smoke:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("[gpu_speed] no CUDA device visible: nothing measured (use --cpu-smoke to check the path on the CPU)")
+            return 0
+    work = Path(args.work or tempfile.mkdtemp(prefix="ayumi_gpu_speed_")).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    lines, status = [], 0
+    for shape, comp, ckpt in combinations(args):
+        out, log = work / f"{shape}_{comp}_{ckpt}.json", work / f"{shape}_{comp}_{ckpt}.log"
+        cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--work", str(work),
+               "--worker", json.dumps({"shape": shape, "compile": comp, "checkpointing": ckpt, "out": str(out)})]
+        env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(29500 + os.getpid() % 1000), WANDB_MODE="offline", WANDB_SILENT="true",
+                   PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        if args.cpu_smoke:
+            env["DS_ACCELERATOR"] = "cpu"
+        print(f"[gpu_speed] {shape}, compile {comp}, checkpointing {ckpt}: log {log}", flush=True)
+        with open(log, "w") as handle:
+            rc = subprocess.call(cmd, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=args.timeout)
+        if rc != 0 or not out.exists():
+            print(f"[gpu_speed] {shape}/{comp}/{ckpt} failed (exit {rc}); last lines of {log}:\n" + log.read_text()[-3000:])
+            status = 1
+            continue
+        res = json.loads(out.read_text())
+        print(f"[gpu_speed] {shape}/{comp}/{ckpt}: micro batch {res['micro_batch']}, {res['tokens_per_s']:,.0f} tok/s"
+              + (f", MFU {100 * res['mfu']:.1f}%" if res.get("mfu") is not None else "")
+              + f", max allocated {res['max_allocated'] / 2**30:.2f} GiB vs plan {res['planned_peak'] / 2**30:.2f} GiB"
+              + (f" ({res['device']})" if res.get("device") else ""), flush=True)
+        if not args.cpu_smoke:
+            lines += result_lines(shape, comp, ckpt, res)
+    if args.cpu_smoke:
+        lines.append("[gpu_speed] --cpu-smoke: every combination ran through the trainer; no RESULT (nothing measured on a GPU)")
+    print("\n".join(lines))
+    return status
+
+
+# -- worker side: one combination, one process, one GPU ------------------------------------------
+def pick_micro_batch(overrides: list[str], requested: str, seq: int, gpu_bytes: int | None) -> int:
+    """The pinned micro batch, or the largest power of two <= 16 whose plan fits without checkpointing."""
+    if requested != "auto":
+        return int(requested)
+    if not gpu_bytes:
+        return 2
+    from pretrain.config import compose_config, to_object
+    from pretrain.memory import estimate_memory, memory_shape
+
+    best = 1
+    for micro in (1, 2, 4, 8, 16):
+        cfg = to_object(compose_config([*overrides, f"train.micro_batch_size={micro}", f"train.seq_len={seq}",
+                                        "deepspeed.activation_checkpointing=none"]))
+        if estimate_memory(memory_shape(cfg, 1)).required <= gpu_bytes:
+            best = micro
+    return best
+
+
+def worker(args: argparse.Namespace) -> int:
+    import torch
+
+    from bench.step_overhead import write_corpus
+    from pretrain.config import compose_config, to_object
+    from pretrain.engine import finalize_distributed, init_distributed
+    from pretrain.memory import estimate_memory, memory_shape
+    from pretrain.train import build_trainer, settle_precision  # noqa: F401  (settled inside build_trainer)
+    from pretrain.trainer import peak_flops
+    from omegaconf import OmegaConf
+
+    spec = json.loads(args.worker)
+    work = Path(args.work)
+    seq = 64 if args.cpu_smoke else args.seq
+    shape = spec["shape"]
+    cuda = torch.cuda.is_available() and not args.cpu_smoke
+    gpu_bytes = torch.cuda.get_device_properties(0).total_memory if cuda else None
+    base = [*SHAPES[shape], f"model.max_seq_len={max(seq, 64)}", "deepspeed=zero1",
+            "deepspeed.precision=" + ("bf16" if cuda else "fp32")]
+    micro = pick_micro_batch(base, args.micro_batch, seq, gpu_bytes)
+    cfg0 = to_object(compose_config(base))
+    data_root = write_corpus(work / f"corpus_{cfg0.model.vocab_size}", cfg0.model.vocab_size,
+                             min_tokens=(args.warmup + args.steps) * micro * args.grad_accum * (seq + 1) + 10**5)
+    overrides = [
+        *base, f"name=gpu_speed_{shape}_{spec['compile']}_{spec['checkpointing']}", f"run_root={work / 'runs'}",
+        f"data.root={data_root}", f"model.compile={spec['compile']}",
+        f"deepspeed.activation_checkpointing={spec['checkpointing']}", f"train.seq_len={seq}",
+        f"train.micro_batch_size={micro}", f"train.grad_accum={args.grad_accum}",
+        f"train.global_batch_size={micro * args.grad_accum}", "train.tokens=1000000000",
+        "curriculum.default_max_repetition=inf", "train.eval_interval=0", "data.validation=false",
+        "checkpoint.interval=0", "checkpoint.save_final=false", "checkpoint.resume=false",
+        "checkpoint.save_on_signal=false", "stability.recovery.ring_interval=0", "logging=none",
+        "logging.console=false", "optim.warmup_steps=10",
+    ]
+    if not cuda:
+        overrides.append("train.device=cpu")
+    cfg = to_object(compose_config(overrides))
+    resolved = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    dinfo = init_distributed(cfg.train.device)
+    trainer, logger = build_trainer(cfg, dinfo, resolved)
+    trainer.engine.train()
+    trainer.refresh_checkpoint_steps()
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            outcome = trainer.step_once()
+            if outcome.rolled_back or outcome.stability_stop or outcome.signal_stop:
+                raise RuntimeError(f"the run rolled back or stopped at step {trainer.state.step}: {outcome}")
+
+    steps(args.warmup)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    steps(args.steps)
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    tokens_per_s = args.steps * cfg.train.global_batch_size * seq / seconds
+    peak = peak_flops(dinfo.device)
+    # Measured after the warm-up: the peak of steady training, as the plan describes it.
+    max_allocated = torch.cuda.max_memory_allocated() if cuda else 0
+    planned = estimate_memory(memory_shape(cfg, dinfo.world_size, gqa_kernel=cuda)).peak_allocated
+    result = {"micro_batch": micro, "tokens_per_s": tokens_per_s, "seconds": seconds,
+              "mfu": tokens_per_s * trainer.flops_per_token / peak if peak else None,
+              "max_allocated": max_allocated, "planned_peak": planned,
+              "device": torch.cuda.get_device_name(0) if cuda else "cpu", "compiled": trainer.engine.compiled}
+    Path(spec["out"]).write_text(json.dumps(result))
+    logger.close()
+    finalize_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
