@@ -379,6 +379,7 @@ class Trainer:
         lr = self.begin_step(step)
         start = time.perf_counter()
         batches = self.loader.next_step()
+        self.note_stage_switch_ahead(step)
         self.corrupt_batches(step, batches)
         num_domains = len(self.domain_names)
         # Per-domain [loss sum, sample count], plus the total loss sum and the stop flag: one
@@ -441,8 +442,8 @@ class Trainer:
         for index, name in enumerate(self.domain_names):
             if counts[index] > 0:
                 metrics[f"train/loss/{name}"] = float(reduced[1 + index] / counts[index])
-        if self.mixer is not None:
-            self.log_curriculum_events(self.mixer.advance(self.loader.consumed_samples))
+        if self.mixer is not None:  # the switch's grace period began before this step was judged
+            self.log_curriculum_events(self.mixer.advance(self.loader.consumed_samples), grace_noted=True)
             metrics.update(self.mixer.metrics())
         for event in events:
             self.log_stability_event(event)
@@ -520,10 +521,18 @@ class Trainer:
         if overrides:
             self.engine.set_adam_hparams(eps=overrides.get("eps"), beta1=overrides.get("beta1"))
 
-    def log_curriculum_events(self, events) -> None:
+    def note_stage_switch_ahead(self, step: int) -> None:
+        """Start a stage switch's grace period before the step that trains the new stage's first samples is
+        judged: the loss jumps at a switch and settles quickly, so no spike verdicts on it for a while. (The
+        mixer's own event comes after the step, when it advances over the samples the step consumed.)"""
+        if self.mixer is not None and self.mixer.stages_beginning(self.mixer.position, self.loader.consumed_samples):
+            self.stability.detector.note_stage_switch(step)
+
+    def log_curriculum_events(self, events, grace_noted: bool = False) -> None:
+        """Log the mixer's events; a switch reached by skipping batches starts its grace period here
+        (one reached by training already did, in note_stage_switch_ahead)."""
         for event in events:
-            if event.kind == "stage_switch":
-                # The loss jumps at a switch and settles quickly: no spike verdicts on it for a grace period.
+            if event.kind == "stage_switch" and not grace_noted:
                 self.stability.detector.note_stage_switch(self.state.step)
             self.logger.event(event.kind, self.state.step, self.state.tokens, event.message, **event.fields)
 
