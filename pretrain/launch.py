@@ -18,6 +18,7 @@ import glob
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -82,7 +83,70 @@ def launch_env(gpus: int) -> dict[str, str]:
     if gpus == 0:
         env.setdefault("DS_ACCELERATOR", "cpu")
         env.setdefault("OMP_NUM_THREADS", "1")
+    # A SIGTERM that reaches torchrun itself is passed on to the ranks, which then need time to save:
+    # torchrun's own default before SIGKILL is 30 s.
+    env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_GRACE_S))
     return env
+
+
+SHUTDOWN_GRACE_S = 600
+"""Seconds a launcher lets the ranks finish their step and save after a SIGTERM before killing them."""
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+"""Signals `ayumi train` passes to every rank (SIGUSR1: a SLURM `--signal=USR1@T` choice)."""
+
+
+def rank_processes(launcher_pid: int) -> list:
+    """The training processes under the launcher: `pretrain.train` in their command line and a RANK in
+    their environment (the launchers themselves name the module too, but have no rank)."""
+    import psutil
+
+    try:
+        children = psutil.Process(launcher_pid).children(recursive=True)
+    except psutil.Error:
+        return []
+    ranks = []
+    for child in children:
+        try:
+            if "pretrain.train" in " ".join(child.cmdline()) and "RANK" in child.environ():
+                ranks.append(child)
+        except psutil.Error:
+            pass
+    return ranks
+
+
+def run_launcher(cmd: list[str], env: dict[str, str]) -> int:
+    """Run the launcher and return its exit status, delivering SIGTERM/SIGINT/SIGUSR1 to every rank.
+
+    The launcher starts in a session of its own, so a terminal's Ctrl-C or a scheduler's signal to this
+    process reaches the ranks only through here: each rank gets the signal directly (the launchers
+    would otherwise die of it, or kill the ranks 30 s later), finishes its step, saves and exits 0, and
+    the launcher then exits 0 too. Before any rank exists the launcher itself gets it. If this process
+    is killed outright, the ranks notice their launcher is gone (pretrain/launcher_watch.py).
+    """
+    import psutil
+
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+
+    def forward(signum, frame) -> None:
+        targets = rank_processes(proc.pid) or [psutil.Process(proc.pid)]
+        print(f"{PROG}: {signal.Signals(signum).name} passed to {len(targets)} training process(es): "
+              "they finish the step, save and exit", file=sys.stderr, flush=True)
+        for target in targets:
+            try:
+                target.send_signal(SIGUSR1_AS.get(signum, signum))
+            except psutil.Error:
+                pass
+
+    previous = {signum: signal.signal(signum, forward) for signum in FORWARDED_SIGNALS}
+    try:
+        return proc.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+SIGUSR1_AS = {signal.SIGUSR1: signal.SIGTERM}
+"""The ranks save on SIGTERM; SLURM's `--signal=USR1@T` (early warning) means the same here."""
 
 
 PROG = "ayumi train"
@@ -105,6 +169,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: list[str]) -> int:
     from curriculum.plan import PlanRefused
+    from pretrain.run_lock import check_unlocked
     from pretrain.config import (
         CHECKED_BY_LAUNCHER_ENV, EXIT_CONFIG_ERROR, ConfigError, config_from_args, data_parallel_grad_accum,
         default_run_notice, print_config_error,
@@ -120,6 +185,9 @@ def main(argv: list[str]) -> int:
         data_parallel_grad_accum(cfg.train, nproc)  # the global batch must divide over the ranks about to start
         if not args.dry_run:  # a dry run shows the command; its data may live elsewhere
             preflight_plan(cfg, nproc, gpus)
+            in_use = check_unlocked(cfg.run_dir)  # the ranks lock it; say it here once, before any starts
+            if in_use:
+                raise ConfigError(in_use)
     except (ConfigError, PlanRefused) as err:
         print_config_error(PROG, err)
         return EXIT_CONFIG_ERROR
@@ -135,4 +203,4 @@ def main(argv: list[str]) -> int:
     print("+ " + " ".join(shlex.quote(part) for part in cmd), flush=True)
     if args.dry_run:
         return 0
-    return subprocess.call(cmd, env=env)
+    return run_launcher(cmd, env)

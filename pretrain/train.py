@@ -57,8 +57,8 @@ from pretrain.config import (
     config_from_args, data_parallel_grad_accum, default_run_notice, print_config_error, total_steps,
 )
 from pretrain.engine import (
-    DistInfo, TrainEngine, all_reduce_tensor, any_rank, barrier, build_model, finalize_distributed, init_distributed,
-    save_ds_config,
+    DistInfo, TrainEngine, all_reduce_tensor, any_rank, barrier, broadcast_object, build_model, finalize_distributed,
+    init_distributed, save_ds_config,
 )
 from pretrain.loader import BatchLoader
 from pretrain.memory import format_memory
@@ -67,6 +67,7 @@ from pretrain.metrics import MetricsLogger, NullLogger
 from pretrain.model.flops import count_parameters
 from pretrain.model.hf_import import HFImportError
 from pretrain.model.llama import Llama
+from pretrain.run_lock import RunDirLock, RunDirLocked
 from pretrain.precision import CAPABILITY_ORDER, PrecisionChoice, agreed, kept_from_checkpoint, resolve_precision
 from pretrain.trainer import Trainer, TrainResult
 from common.files import write_text_atomic
@@ -77,7 +78,7 @@ from tokenizer.info import TokenizerNotFoundError
 warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
 
 INPUT_ERRORS = (ConfigError, PlanRefused, ShardFormatError, TokenizerMismatchError, ManifestError,
-                TokenizerNotFoundError, CheckpointError, DataChangedError, HFImportError)
+                TokenizerNotFoundError, CheckpointError, DataChangedError, HFImportError, RunDirLocked)
 """Mistakes in what the run was given (config, plan, shards, tokenizer, checkpoint): a clear line and status 2."""
 
 EXIT_STABILITY_STOP = 3
@@ -265,11 +266,29 @@ def _checkpoint_meta(cfg: AyumiConfig) -> dict:
     return json.loads((root / tag / "ayumi.json").read_text())
 
 
+def lock_run_dir(cfg: AyumiConfig, dist: DistInfo) -> RunDirLock | None:
+    """Rank 0 locks the run dir for this job (pretrain/run_lock.py); every rank hears a refusal."""
+    lock, refusal = None, None
+    if dist.is_main:
+        try:
+            lock = RunDirLock(Path(cfg.run_dir)).acquire()
+            if lock.note:
+                print(f"{PROG}: {lock.note}", file=sys.stderr, flush=True)
+        except RunDirLocked as err:
+            refusal = str(err)
+    refusal = broadcast_object(refusal)
+    if refusal:
+        raise RunDirLocked(refusal)
+    return lock
+
+
 def run(cfg: AyumiConfig, resolved: dict) -> TrainResult:
     check_config(cfg)
     dist = init_distributed(cfg.train.device)
     logger: NullLogger = NullLogger()
+    lock = None
     try:
+        lock = lock_run_dir(cfg, dist)
         trainer, logger = build_trainer(cfg, dist, resolved)
         result = trainer.run()
         logger.summary({"final/steps": result.steps, "final/tokens": result.tokens,
@@ -285,6 +304,8 @@ def run(cfg: AyumiConfig, resolved: dict) -> TrainResult:
     finally:
         logger.close()
         finalize_distributed()
+        if lock is not None:
+            lock.release()
 
 
 def main(argv: list[str] | None = None) -> int:

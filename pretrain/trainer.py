@@ -27,6 +27,7 @@ from pretrain.engine import DistInfo, TrainEngine, all_reduce_tensor, any_rank, 
 from pretrain.loader import BatchLoader
 from pretrain.metrics import NullLogger, format_count
 from pretrain.model.flops import flops_per_token
+from pretrain.launcher_watch import LauncherWatch
 from pretrain.model.llama import layer_groups
 from pretrain.optim import lr_at
 from pretrain.stability.policy import Action, ring_checkpoints_to_delete
@@ -88,22 +89,38 @@ class StepOutcome:
 
 
 class StopSignal:
-    """Records SIGTERM/SIGINT; the trainer finishes the step, saves, and exits 0."""
+    """Records SIGTERM/SIGINT (or a launcher gone, pretrain/launcher_watch.py); the trainer finishes the
+    step, saves, and exits 0."""
 
     def __init__(self) -> None:
         self.received: int | None = None
+        self.reason = ""
+        """Why the stop was requested, for the event."""
         self._previous: dict[int, Any] = {}
+        self._watch: LauncherWatch | None = None
 
-    def install(self) -> None:
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            self._previous[signum] = signal.signal(signum, self._handle)
+    def install(self, handle_signals: bool = True) -> None:
+        """Watch the launcher always; take over SIGTERM/SIGINT when `handle_signals` (checkpoint.save_on_signal)."""
+        if handle_signals:
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        self._watch = LauncherWatch(self.request).start()
 
     def _handle(self, signum, frame) -> None:
         if self.received is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C means "now"
         self.received = signum
+        self.reason = f"{signal.Signals(signum).name} received"
+
+    def request(self, reason: str) -> None:
+        """Stop as on SIGTERM, for `reason` (called from the launcher watch's thread)."""
+        if self.received is None:
+            self.received = signal.SIGTERM
+            self.reason = reason
 
     def restore(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
 
@@ -234,8 +251,7 @@ class Trainer:
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> TrainResult:
         self.announce()
-        if self.cfg.checkpoint.save_on_signal:
-            self.stop.install()
+        self.stop.install(handle_signals=self.cfg.checkpoint.save_on_signal)
         self.logger.set_progress(self.total_steps, self.state.step)
         self.refresh_checkpoint_steps()
         self.engine.train()
@@ -290,7 +306,8 @@ class Trainer:
         if self.should_evaluate(step):
             self.evaluate()
         if stop_requested:
-            self.logger.event("signal_stop", step, self.state.tokens, "stop requested by signal: saving and exiting cleanly")
+            why = self.stop.reason or "asked on another rank: a signal, or its launcher is gone"
+            self.logger.event("signal_stop", step, self.state.tokens, f"stop requested ({why}): saving and exiting cleanly")
             self.save("signal")
             outcome.signal_stop = True
             return outcome

@@ -177,7 +177,7 @@ def test_sigterm_saves_and_resume_continues(corpus, tmp_path):
     proc.wait(timeout=120)
     log.close()
     output = (tmp_path / "log.txt").read_text()
-    assert "(signal" in output, output[-4000:]
+    assert "stop requested (SIGTERM received)" in output, output[-4000:]
     events = read_jsonl(runs / "cpu_tiny" / "events.jsonl")
     stop = [e for e in events if e["event"] == "signal_stop"]
     assert len(stop) == 1
