@@ -8,6 +8,7 @@ The help helpers below make every command answer -h/--help alike: its usage and 
 from __future__ import annotations
 
 import os
+import re
 import textwrap
 from pathlib import Path
 from typing import Callable, Iterable
@@ -52,6 +53,47 @@ def describe_error(err: BaseException) -> str:
             parts.append(text)
         err = err.__cause__ or err.__context__
     return "invalid configuration: " + "\n  ".join(parts)
+
+
+ENV_ONLY = re.compile(r"\$\{oc\.env:([A-Za-z_][A-Za-z0-9_]*)\}")
+"""An environment variable without a default (`${oc.env:NAME}`): the value must come from somewhere."""
+
+
+def unset_environment(cfg) -> list[str]:
+    """One line per value of a composed config taken from an environment variable that is not set.
+
+    An experiment may name a required path as `${oc.env:NAME}` (conf/experiment/continue_ja.yaml);
+    left unset, OmegaConf reports it as a KeyError, once per chained exception, without the key.
+    Checked before anything resolves, so the user reads which key to give and which variable.
+    """
+    from omegaconf import OmegaConf
+
+    problems: list[str] = []
+
+    def walk(node, key: str) -> None:
+        if isinstance(node, dict):
+            for name, value in node.items():
+                walk(value, f"{key}.{name}" if key else str(name))
+        elif isinstance(node, list):
+            for index, value in enumerate(node):
+                walk(value, f"{key}[{index}]")
+        elif isinstance(node, str):
+            for name in ENV_ONLY.findall(node):
+                if name not in os.environ:
+                    hint = _placeholder(key)
+                    problems.append(f"{key} is not set: give {key}={hint} on the command line, or set the "
+                                    f"environment variable {name} (export {name}={hint})")
+
+    walk(OmegaConf.to_container(cfg, resolve=False), "")
+    return problems
+
+
+def _placeholder(key: str) -> str:
+    """How a message names the value to give: DIR for a *_dir key, PATH for other paths, else VALUE."""
+    leaf = key.rsplit(".", 1)[-1]
+    if leaf.endswith("_dir"):
+        return "DIR"
+    return "PATH" if leaf.endswith(("_from", "_path", "_file", "root")) else "VALUE"
 
 
 # -- help: every `ayumi` command answers -h/--help alike, and says which config it reads ----------

@@ -28,7 +28,7 @@ from pretrain.model.config import ModelConfig, checkpointing_plan, shape_problem
 from pretrain.ranges import Range, above, at_least, between, range_problems
 from pretrain.stability.config import StabilityConfig, StabilityConfigError, check_stability_config
 from common.conf import (
-    CONF_DIR, ConfigCompositionError, compose, composed_from, conf_label, config_help, group_options,
+    CONF_DIR, ConfigCompositionError, compose, composed_from, conf_label, config_help, group_options, unset_environment,
 )
 
 
@@ -509,6 +509,9 @@ def config_from_args(args: list[str]) -> AyumiConfig | None:
     """
     overrides, print_cfg = split_cli_args(args)
     composed = compose_config(overrides)
+    unset = unset_environment(composed)
+    if unset:
+        raise ConfigError("\n".join(unset))
     if _init_from(composed):
         shape_from_hf_folder(composed, overrides)
     if print_cfg:

@@ -156,6 +156,12 @@ def check_vocabulary(cfg: AyumiConfig, manifest: dict, tokenizer: dict, root: Pa
             "(a multiple of 64 is fastest)")
 
 
+def data_vocab_size(cfg: AyumiConfig) -> int:
+    """The vocabulary of the tokenizer that made the run's data (its manifest's record; check_vocabulary
+    has held it equal to data.tokenizer_dir's): the ids that can occur in training."""
+    return int(load_manifest(Path(cfg.data.root))["tokenizer"]["vocab_size"])
+
+
 def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict) -> tuple[Trainer, NullLogger]:
     """Everything the loop needs, in data-flow order: data, model, engine, checkpoints, metrics."""
     grad_accum = data_parallel_grad_accum(cfg.train, dist.world_size)
@@ -167,7 +173,7 @@ def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict) -> tuple[Tra
 
     torch.manual_seed(cfg.train.seed)  # same init on every rank
     model = build_model(lambda init_weights: Llama(cfg.model, init_weights=init_weights), cfg, dist,
-                        initial=None if start else hf_initial_weights(cfg))
+                        initial=None if start else hf_initial_weights(cfg, data_vocab_size(cfg)))
     engine = TrainEngine(model, cfg, dist)
     checkpointer = Checkpointer(Path(cfg.checkpoint.dir), cfg.checkpoint.keep_last, dist.rank, barrier,
                                 dist.world_size, cfg.deepspeed.zero_stage, any_rank)
@@ -194,11 +200,12 @@ def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict) -> tuple[Tra
     return trainer, logger
 
 
-def hf_initial_weights(cfg: AyumiConfig):
+def hf_initial_weights(cfg: AyumiConfig, data_vocab: int):
     """model.init_from's tensor reader (checked against the model's shapes), or None for a random init.
 
     A resumed run never reads it: its weights come from the checkpoint. A vocabulary larger than the
-    folder's grows from the run's tokenizer (pretrain/model/resize.py).
+    folder's grows (pretrain/model/resize.py): ids below `data_vocab` (the vocabulary of the tokenizer
+    that made the data) are new pieces, the rows above it padding.
     """
     model_cfg = cfg.model
     if not model_cfg.init_from:
@@ -211,30 +218,47 @@ def hf_initial_weights(cfg: AyumiConfig):
     weights.check(parameter_shapes(model_cfg), model_cfg.tie_embeddings, grown_vocab=model_cfg.vocab_size > base_vocab)
     if model_cfg.vocab_size == base_vocab:
         return weights.tensor
-    return grown_weights(cfg, weights, base_vocab).tensor
+    new_count = max(0, min(data_vocab, model_cfg.vocab_size) - base_vocab)
+    return grown_weights(cfg, weights, base_vocab, new_count).tensor
 
 
-def grown_weights(cfg: AyumiConfig, weights, base_vocab: int):
-    """The folder's weights with the embedding and LM head grown to model.vocab_size (model.new_token_init)."""
-    from pretrain.model.hf_import import HFImportError
-    from pretrain.model.resize import GrownWeights, piece_texts, sentencepiece_encoder
+def grown_weights(cfg: AyumiConfig, weights, base_vocab: int, new_count: int):
+    """The folder's weights with the embedding and LM head grown to model.vocab_size: `new_count` rows for
+    the tokenizer's new pieces (model.new_token_init), the rest padding (the mean of the base rows)."""
+    from pretrain.model.resize import GrownWeights, base_splits
+
+    model_cfg = cfg.model
+    splits: list[list[int]] = []
+    if model_cfg.new_token_init == "base_mean" and new_count:  # padding rows need no pieces
+        new_model, base_model = base_mean_tokenizers(cfg)
+        splits = base_splits(new_model, base_model, base_vocab)
+        if len(splits) < new_count:
+            raise HFImportError(
+                f"{new_model} has {base_vocab + len(splits)} pieces, but the data's tokenizer has {base_vocab + new_count} "
+                "ids: model.new_token_init=base_mean cannot split the others. Fix: data.tokenizer_dir = the "
+                "tokenizer that made the data, or model.new_token_init=mean")
+    return GrownWeights(weights, model_cfg.vocab_size, new_count, model_cfg.new_token_init, model_cfg.init_std,
+                        cfg.train.seed, splits)
+
+
+def base_mean_tokenizers(cfg: AyumiConfig) -> tuple[Path, Path]:
+    """(the new tokenizer's SentencePiece model, the base's) that base_mean splits new pieces with."""
     from tokenizer.expand import expansion_record
 
-    model_cfg, tokenizer_dir = cfg.model, cfg.data.tokenizer_dir
-    new_model = Path(tokenizer_dir) / "tokenizer.model" if tokenizer_dir else None
-    pieces = piece_texts(str(new_model), base_vocab) if new_model and new_model.is_file() else []
-    base_model = Path(model_cfg.init_from) / "tokenizer.model"
-    record = expansion_record(tokenizer_dir) if tokenizer_dir else None
+    tokenizer_dir = cfg.data.tokenizer_dir
+    new_model = None
+    if tokenizer_dir:  # an ayumi or Hugging Face folder holding tokenizer.model, or a bare SentencePiece .model
+        new_model = Path(tokenizer_dir) if Path(tokenizer_dir).is_file() else Path(tokenizer_dir) / "tokenizer.model"
+    base_model = Path(cfg.model.init_from) / "tokenizer.model"
+    record = expansion_record(tokenizer_dir) if tokenizer_dir and Path(tokenizer_dir).is_dir() else None
     if not base_model.is_file() and record:
         base_model = Path(record["base"])
-    if model_cfg.new_token_init == "base_mean" and not (pieces and base_model.is_file()):
+    if new_model is None or not new_model.is_file() or not base_model.is_file():
         raise HFImportError(
             f"model.new_token_init=base_mean needs the new tokenizer's pieces (data.tokenizer_dir={tokenizer_dir}, a "
             f"SentencePiece tokenizer folder) and the base tokenizer ({base_model}: the base folder's tokenizer.model, "
             "or the base recorded by `ayumi tokenizer expand`). Fix: set those, or model.new_token_init=mean")
-    encode = sentencepiece_encoder(str(base_model)) if base_model.is_file() else None
-    return GrownWeights(weights, model_cfg.vocab_size, pieces, encode, model_cfg.new_token_init, model_cfg.init_std,
-                        cfg.train.seed)
+    return new_model, base_model
 
 
 def settle_precision(cfg: AyumiConfig, dist: DistInfo, saved: str | None = None) -> PrecisionChoice:

@@ -3,10 +3,13 @@ a tiny random transformers Llama with an English BPE tokenizer -> `ayumi tokeniz
 model -> `ayumi data prepare` -> 20 steps (ZeRO-3, the 2-stage curriculum) -> `ayumi export hf`.
 
 Checked: the vocabulary grew to the expanded tokenizer padded to 64; at step 0 the base rows are the base
-model's and a new row is the mean of the base rows of its base-tokenizer split (Swallow); after training,
-transformers' logits of the export equal ayumi's own forward pass on base-vocabulary text."""
+model's, each new row is the mean of the base rows of its base-tokenizer split (Swallow) and the padding rows
+the mean of all base rows, the splits built from byte pieces, not by encoding (a mid-word piece gets no ▁
+row); the curriculum switched stage where its budget says; after training, transformers' logits of the
+export equal ayumi's forward pass with the step-20 checkpoint's own weights on base-vocabulary text."""
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -15,7 +18,7 @@ import pytest
 import torch
 
 from tests.data.helpers import JA_PARAGRAPHS, english_texts, write_jsonl
-from tests.helpers import REPO, cpu_env, run_training, train_losses
+from tests.helpers import REPO, cpu_env, read_jsonl, run_training, train_losses
 from tests.tokenizer.test_expand import FIXTURES, train
 
 pytestmark = pytest.mark.slow
@@ -73,23 +76,44 @@ def test_continue_ja_from_a_transformers_llama(tmp_path):
     assert torch.equal(start["model.layers.1.mlp.down_proj.weight"], base_weights["model.layers.1.mlp.down_proj.weight"])
     expanded = spm.SentencePieceProcessor(model_file=str(tmp_path / "tok" / "tokenizer.model"))
     base_tok = spm.SentencePieceProcessor(model_file=str(base_sp))
-    piece = expanded.id_to_piece(650).replace("\u2581", " ")
-    split = base_tok.encode(piece)
-    assert len(split) >= 1
-    torch.testing.assert_close(embed[650], base_weights["model.embed_tokens.weight"][split].mean(dim=0))
+    base_embed = base_weights["model.embed_tokens.weight"]
+    checked = 0
+    for new_id in range(600, 900):
+        piece = expanded.id_to_piece(new_id)
+        initial = piece.startswith("\u2581")
+        body = piece[1:] if initial else piece
+        if body and all(base_tok.piece_to_id(ch) == base_tok.unk_id() for ch in body):  # Japanese the base never saw
+            # The base reads it as its UTF-8 bytes, with one ▁ only if the piece starts a word.
+            split = [base_tok.piece_to_id("\u2581")] * initial + [
+                base_tok.piece_to_id(f"<0x{byte:02X}>") for byte in body.encode("utf-8")]
+            torch.testing.assert_close(embed[new_id], base_embed[split].mean(dim=0), msg=piece)
+            checked += 1
+    assert checked >= 250
+    for pad_id in range(900, 960):
+        torch.testing.assert_close(embed[pad_id], base_embed.mean(dim=0))
     assert torch.equal(start["lm_head.weight"][:600], base_weights["lm_head.weight"])
+
+    events = read_jsonl(tmp_path / "runs" / "continue_ja" / "events.jsonl")
+    # Stage 1 is 8,192 tokens = 128 samples of 64 = 16 steps of 8 samples: stage 2 starts at step 17.
+    assert [(e["step"], e["stage"], e["stage_name"]) for e in events if e["event"] == "stage_switch"] == [
+        (1, 1, "japanese"), (17, 2, "mix_back")]
 
     ayumi("export", "hf", str(checkpoints / "step_0000020"), str(tmp_path / "final"))
     hf = LlamaForCausalLM.from_pretrained(tmp_path / "final").eval()
-    from pretrain.model.config import ModelConfig
+    from pretrain.checkpoint import META, model_config_from_meta
+    from pretrain.engine import consolidated_state_dict
     from pretrain.model.llama import Llama
 
-    ours = Llama(ModelConfig(vocab_size=960, hidden_size=64, intermediate_size=176, num_layers=2, num_heads=4,
-                             num_kv_heads=2, max_seq_len=128, norm_eps=1e-6), init_weights=False)
-    ours.load_state_dict(load_file(tmp_path / "final" / "model.safetensors"), strict=False)
+    meta = json.loads((checkpoints / "step_0000020" / META).read_text())
+    ours = Llama(model_config_from_meta(meta), init_weights=False)
+    trained = consolidated_state_dict(checkpoints, "step_0000020")  # the run's own weights, not the export
+    assert not torch.equal(trained["model.embed_tokens.weight"][:600], base_embed)  # 20 steps moved them
+    ours.load_state_dict(trained)
     ours.eval()
     ids = torch.tensor([base_tok.encode(" ".join(english[-3:]))[:60]])  # not in the training data
+    assert int(ids.max()) < 600
     with torch.no_grad():
         theirs = hf(input_ids=ids).logits
         mine = ours(ids, return_logits=True).logits
+    assert mine.shape == theirs.shape == (1, 60, 960)
     torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)

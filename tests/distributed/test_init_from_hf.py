@@ -1,6 +1,7 @@
 """Continued pretraining's start: 2 ranks (torchrun) begin from a random transformers LlamaForCausalLM folder
-under ZeRO-0 and ZeRO-3 (partitioned as built). The first step's loss equals transformers' loss on the same
-global batch (fp32, 1e-5 relative), and `ayumi export hf` of the step-0 checkpoint gives back its tensors."""
+under ZeRO-0, 1, 2 and 3 (ZeRO-3 partitioned as built; ZeRO-2 from a folder saved in shards, with
+model.safetensors.index.json). The first step's loss equals transformers' loss on the same global batch
+(fp32, 1e-5 relative), and `ayumi export hf` of the step-0 checkpoint gives back its tensors."""
 from __future__ import annotations
 
 import subprocess
@@ -36,9 +37,12 @@ def transformers_loss(model, corpus: Path, overrides: list[str]) -> float:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1)).item()
 
 
-@pytest.mark.parametrize("zero", ["zero0", "zero3"])
+@pytest.mark.parametrize("zero", ["zero0", "zero1", "zero2", "zero3"])
 def test_first_step_matches_transformers_and_step_0_exports_the_same_tensors(corpus, tmp_path, zero):
-    model = save_random_llama(tmp_path / "base", tie=(zero == "zero3"), seed=7)
+    sharded = {"max_shard_size": "100KB"} if zero == "zero2" else {}  # several files + an index, as large models ship
+    model = save_random_llama(tmp_path / "base", tie=(zero == "zero3"), seed=7, **sharded)
+    files = sorted(p.name for p in (tmp_path / "base").glob("*.safetensors"))
+    assert (len(files) > 1) == bool(sharded) == (tmp_path / "base" / "model.safetensors.index.json").is_file(), files
     overrides = tiny_overrides(corpus, tmp_path / "runs", f"deepspeed={zero}", "deepspeed.precision=fp32",
                                f"model.init_from={tmp_path / 'base'}", "model.z_loss=0", "train.max_steps=1",
                                "train.eval_interval=0", "checkpoint.save_initial=true")

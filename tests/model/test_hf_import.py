@@ -36,6 +36,8 @@ def test_config_json_becomes_the_model_shape(tmp_path):
 @pytest.mark.parametrize("change, named", [
     ({"model_type": "qwen2"}, "model_type='qwen2'"),
     ({"attention_bias": True}, "attention_bias=true"),
+    ({"mlp_bias": True}, "mlp_bias=true"),
+    ({"pretraining_tp": 2}, "pretraining_tp=2"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "RoPE scaling 'yarn'"),
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "RoPE scaling 'llama3'"),
