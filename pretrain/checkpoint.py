@@ -15,6 +15,7 @@ checkpoint; such folders are never loaded and are removed by the next save. *Whe
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -38,6 +39,38 @@ UNIVERSAL_DIR = "universal"  # under a checkpoint root: converted copies, while 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, or does not fit this run."""
+
+
+class CheckpointDiskFull(CheckpointError):
+    """No room for the next checkpoint, found before any rank wrote (every rank raises it alike)."""
+
+
+class CheckpointWriteFailed(CheckpointError):
+    """Writing failed on this rank mid-save (e.g. the disk filled): its partial files are gone, the last
+    complete checkpoint and `latest` are intact. Other ranks may be waiting in DeepSpeed's barrier, so
+    the rank must leave at once rather than meet them in a collective (pretrain.train.run)."""
+
+
+def _human(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _free_bytes(path: Path) -> int:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def _looks_like_a_full_disk(err: BaseException, root: Path, needed: int) -> bool:
+    """ENOSPC, or torch's C++ writer's way of saying it ("iostream error", "unexpected pos") with little room left."""
+    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+        return True
+    text = str(err)
+    return ("iostream error" in text or "unexpected pos" in text or "No space left" in text) and \
+        _free_bytes(root) < max(needed, 1 << 20)
 
 
 def tag_for(step: int) -> str:
@@ -106,7 +139,9 @@ class Checkpointer:
     """
 
     def __init__(self, root: Path, keep_last: int, rank: int, barrier, world_size: int = 1, zero_stage: int = 0,
-                 any_rank=lambda flag: flag):
+                 any_rank=lambda flag: flag, expected_bytes: int = 0):
+        self.expected_bytes = expected_bytes
+        """About what one checkpoint of this run takes on disk (curriculum.plan.checkpoint_size); 0 = unknown."""
         self.root = Path(root)
         self.keep_last = keep_last
         self.rank = rank
@@ -122,19 +157,54 @@ class Checkpointer:
             self.root.mkdir(parents=True, exist_ok=True)
             if tag_dir.exists():  # left by a crash mid-save, or a re-save of the same step
                 shutil.rmtree(tag_dir)
+        self._check_room(step)
         self._barrier()
-        engine.save(self.root, tag, client_state={"ayumi_step": step})
-        atomic_torch_save(capture_rng(), tag_dir / rank_state_name(self.rank))
-        if self.rank == 0:
-            atomic_torch_save(shared_state, tag_dir / SHARED_STATE)
+        try:
+            engine.save(self.root, tag, client_state={"ayumi_step": step})
+            atomic_torch_save(capture_rng(), tag_dir / rank_state_name(self.rank))
+            if self.rank == 0:
+                atomic_torch_save(shared_state, tag_dir / SHARED_STATE)
+        except (OSError, RuntimeError) as err:
+            raise self._write_failed(tag_dir, step, err) from err
         self._barrier()  # every rank's files are on disk before the folder is declared complete
         if self.rank == 0:
             meta = {**meta, "step": step, "tag": tag, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
-            write_text_atomic(tag_dir / META, json.dumps(meta, indent=2, default=str) + "\n")
-            write_text_atomic(self.root / LATEST, tag + "\n")
+            try:
+                write_text_atomic(tag_dir / META, json.dumps(meta, indent=2, default=str) + "\n")
+                write_text_atomic(self.root / LATEST, tag + "\n")
+            except OSError as err:
+                raise self._write_failed(tag_dir, step, err) from err
             self._prune()
         self._barrier()
         return tag_dir
+
+    def _full_disk_advice(self, step: int) -> str:
+        last = latest_tag(self.root)
+        kept = f"{self.root / last} is the last good checkpoint" if last else "no checkpoint of this run exists yet"
+        resume = f"it resumes from {last}" if last else "it starts again from step 0"
+        return (f"nothing of step {step} was kept and {kept}. Fix: free space there (old runs, other files) or point "
+                f"checkpoint.dir at a larger disk, then start the job again: {resume}")
+
+    def _check_room(self, step: int) -> None:
+        """Refuse on every rank alike, before anything is written, when the disk cannot hold the checkpoint."""
+        free = _free_bytes(self.root)
+        short = self.expected_bytes > 0 and free < self.expected_bytes
+        if self._any_rank(short):
+            raise CheckpointDiskFull(
+                f"the disk at {self.root} is full: {_human(free)} free, a checkpoint of this run needs about "
+                f"{_human(self.expected_bytes)}; {self._full_disk_advice(step)}")
+
+    def _write_failed(self, tag_dir: Path, step: int, err: BaseException) -> CheckpointWriteFailed:
+        """Remove what this rank left of the failed save and say what happened."""
+        for leftover in tag_dir.glob(".*.tmp*"):
+            leftover.unlink(missing_ok=True)
+        if self.rank == 0:
+            shutil.rmtree(tag_dir, ignore_errors=True)
+        if _looks_like_a_full_disk(err, self.root, self.expected_bytes // max(1, self.world_size)):
+            return CheckpointWriteFailed(
+                f"the disk at {self.root} is full ({_human(_free_bytes(self.root))} free) while saving step {step} "
+                f"on rank {self.rank}; {self._full_disk_advice(step)}")
+        return CheckpointWriteFailed(f"saving {tag_dir} failed on rank {self.rank}: {err}; {self._full_disk_advice(step)}")
 
     def _prune(self) -> None:
         """Drop old complete checkpoints beyond keep_last and any incomplete leftovers."""

@@ -46,12 +46,12 @@ from omegaconf import OmegaConf
 
 from curriculum.config import enabled as curriculum_enabled
 from curriculum.mixer import Mixer
-from curriculum.plan import PlanRefused, raise_if_refused
+from curriculum.plan import PlanRefused, checkpoint_shape, raise_if_refused
 from data.domains import open_run_data
 from data.manifest import MANIFEST_NAME, ManifestError, check_manifest_tokenizer, load_manifest
 from data.packed import CorruptShardError, DataChangedError, PackedSamples, ShuffledDomains
 from data.shards import ShardFormatError, TokenizerMismatchError
-from pretrain.checkpoint import CheckpointError, Checkpointer, latest_tag, resolve_checkpoint
+from pretrain.checkpoint import CheckpointError, Checkpointer, CheckpointWriteFailed, latest_tag, resolve_checkpoint
 from pretrain.config import (
     CHECKED_BY_LAUNCHER_ENV, EXIT_CONFIG_ERROR, AyumiConfig, ConfigError, check_config, config_as_yaml,
     config_from_args, data_parallel_grad_accum, default_run_notice, print_config_error, total_steps,
@@ -176,7 +176,8 @@ def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict) -> tuple[Tra
                         initial=None if start else hf_initial_weights(cfg, data_vocab_size(cfg)))
     engine = TrainEngine(model, cfg, dist)
     checkpointer = Checkpointer(Path(cfg.checkpoint.dir), cfg.checkpoint.keep_last, dist.rank, barrier,
-                                dist.world_size, cfg.deepspeed.zero_stage, any_rank)
+                                dist.world_size, cfg.deepspeed.zero_stage, any_rank,
+                                expected_bytes=checkpoint_shape(cfg, count_parameters(cfg.model)).size)
     # Each rank gets its own stream of randomness (dropout-free today, but user code may add it).
     torch.manual_seed(cfg.train.seed + 1000 * dist.rank)
 
@@ -318,7 +319,7 @@ def run(cfg: AyumiConfig, resolved: dict) -> TrainResult:
         logger.summary({"final/steps": result.steps, "final/tokens": result.tokens,
                         **{f"final/val/{k}/loss": v for k, v in result.val_losses.items()}})
         return result
-    except CorruptShardError as err:
+    except (CorruptShardError, CheckpointWriteFailed) as err:
         # Only this rank read the damaged sample; the others wait for it in a collective, so the
         # barrier below would hang until the process-group timeout. Say why and leave at once: the
         # launcher sees the exit and stops the other ranks.

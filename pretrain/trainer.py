@@ -158,7 +158,8 @@ class Trainer:
             stab = replace(stab, recovery=replace(stab.recovery, reset_loss_scale=False))
         self.stability = StabilityMonitor(stab, cfg.optim.grad_clip, cfg.deepspeed.min_loss_scale, knobs=_knobs(cfg))
         self.ring = Checkpointer(Path(cfg.checkpoint.dir) / "recovery", keep_last=0, rank=dist.rank, barrier=barrier,
-                                 world_size=dist.world_size, zero_stage=cfg.deepspeed.zero_stage, any_rank=any_rank)
+                                 world_size=dist.world_size, zero_stage=cfg.deepspeed.zero_stage, any_rank=any_rank,
+                                 expected_bytes=checkpointer.expected_bytes)
         self._pending: tuple[int, float] | None = None  # (step, all-reduced loss) for the update gate
         if stab.enabled:
             engine.set_update_gate(self._update_gate)
