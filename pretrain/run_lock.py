@@ -88,8 +88,10 @@ class RunDirLock:
         """What happened to a stale lock this one replaced (empty when none)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._created_dir = False
 
     def acquire(self) -> "RunDirLock":
+        self._created_dir = not self.run_dir.exists()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         for _ in range(3):  # a stale lock removed by us or another starter: try again
             try:
@@ -121,6 +123,8 @@ class RunDirLock:
         holder = read_lock(self.run_dir)
         if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
             self.path.unlink(missing_ok=True)
+            if self._created_dir and not any(self.run_dir.iterdir()):
+                self.run_dir.rmdir()  # a start refused before anything was written leaves nothing behind
 
     def __enter__(self) -> "RunDirLock":
         return self.acquire()
