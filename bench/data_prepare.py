@@ -1,6 +1,6 @@
 """Benchmark: `ayumi data prepare` throughput vs a plain sentencepiece encode loop, same run, same text.
 
-    .venv/bin/python bench/data_prepare.py [--work /tmp/ayumi_bench] [--repeat 2] [--mb 0]
+    .venv/bin/python bench/data_prepare.py [--work /tmp/ayumi_bench_data] [--repeat 2] [--vocab 8000]
 
 Corpus (real text, ../shared/CORPORA.md): Debian packages manpages-ja (Japanese man pages,
 rendered with groff), r-cran-janeaustenr (Jane Austen's novels, read from R's lazy-load

@@ -4,13 +4,25 @@
 config). A curriculum with no stages means "no curriculum": every domain in one shuffled stream
 (`data.packed.ShuffledDomains`), as `conf/curriculum/none.yaml` selects.
 
+A curriculum may also bring its own domains (`domains:`): existing Megatron `.bin/.idx` prefixes
+named in the curriculum file, in the same forms as a `megatron:` domain of conf/data. They are
+registered into the data root when a run is planned or started (curriculum/declared.py); the stages
+weight them like any prepared domain.
+
 Configs hold values; `config_problems` / `validate` hold the checks that need no data (weights,
-budgets vs `train.tokens`, domain names against the prepared data when those are known).
+budgets vs `train.tokens`, the declared domains' fields, domain names against the prepared data
+when those are known).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Iterable
+
+from data.config import ConfigError as DataConfigError
+from data.config import DomainConfig, check_domain_config, check_domain_name, domain_config
+
+DECLARED = "curriculum.domains"
+"""Where a curriculum's own domains live in the training config (named in every message about them)."""
 
 
 class CurriculumError(ValueError):
@@ -56,6 +68,12 @@ class CurriculumConfig:
     default_max_repetition: float = 4.0
     """Epochs of any domain allowed by a stage's end unless the stage's max_repetition names it; without
     stages, the epochs every domain may be read in the shuffled run (raise it only on purpose)."""
+    domains: dict[str, Any] = field(default_factory=dict)
+    """This curriculum's own domains, by name: existing Megatron data, each with `megatron` (prefixes as in
+    Megatron's --data-path: `"PREFIX ..."`, `"0.7 PREFIX 0.3 PREFIX"`, or a folder) and optionally
+    `megatron_val` and `append_eod` (the fields of data/config.py's DomainConfig). Checked against
+    data.tokenizer_dir (the tokenizer they were made with) and registered into data.root when `ayumi plan` or
+    `ayumi train` starts, never copied; stages weight them like prepared domains."""
 
 
 def enabled(cfg: CurriculumConfig | None) -> bool:
@@ -77,10 +95,43 @@ def domains_used(cfg: CurriculumConfig) -> list[str]:
     return names
 
 
+def declared_domains(cfg: CurriculumConfig) -> dict[str, DomainConfig]:
+    """The curriculum's own domains as checked DomainConfigs; CurriculumError listing every problem."""
+    domains, problems = _declared(cfg)
+    if problems:
+        raise CurriculumError(f"curriculum {cfg.name!r} is invalid:\n  " + "\n  ".join(problems))
+    return domains
+
+
+def _declared(cfg: CurriculumConfig) -> tuple[dict[str, DomainConfig], list[str]]:
+    """(the domains that passed, one problem per domain that did not), by data/config.py's checks."""
+    domains: dict[str, DomainConfig] = {}
+    problems: list[str] = []
+    for name, node in (cfg.domains or {}).items():
+        name, key = str(name), f"{DECLARED}.{name}"
+        try:
+            check_domain_name(name, DECLARED)
+            domain = domain_config(name, node, DECLARED)
+            if domain.inputs:
+                raise DataConfigError(f"{key}.inputs: a curriculum declares existing Megatron data only. Fix: prepare "
+                                      "corpus files from conf/data (`ayumi data prepare`) and weight that domain here")
+            if not domain.megatron:
+                raise DataConfigError(
+                    f"{key}.megatron is not set: a curriculum declares existing Megatron data only. Fix: "
+                    f"{key}.megatron='0.7 /data/a_text_document 0.3 /data/b_text_document' (Megatron's --data-path "
+                    "form, or a folder of prefixes)")
+            check_domain_config(name, domain, DECLARED)
+        except DataConfigError as err:
+            problems.append(str(err))
+            continue
+        domains[name] = domain
+    return domains, problems
+
+
 def config_problems(cfg: CurriculumConfig, train_tokens: int | None = None,
                     known_domains: Iterable[str] | None = None) -> list[str]:
     """Every problem of a curriculum that can be seen without reading data, each a full sentence."""
-    problems: list[str] = []
+    problems: list[str] = _declared(cfg)[1]
     if cfg.default_max_repetition <= 0:
         problems.append(f"curriculum.default_max_repetition={cfg.default_max_repetition} must be > 0")
     seen_names: set[str] = set()
@@ -108,7 +159,8 @@ def config_problems(cfg: CurriculumConfig, train_tokens: int | None = None,
             if unknown:
                 problems.append(
                     f"curriculum.stages[{index}] ({stage.name!r}).weights: unknown domain(s) {', '.join(unknown)}; "
-                    f"the prepared data has {', '.join(known) or 'no domains'} (fix the name or run `ayumi data prepare` for it)"
+                    f"the prepared data has {', '.join(known) or 'no domains'} (fix the name, run `ayumi data prepare` for it, "
+                    f"or declare its Megatron data under {DECLARED})"
                 )
     if train_tokens is not None and cfg.stages:
         total = sum(stage.tokens for stage in cfg.stages)

@@ -26,13 +26,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from curriculum.config import CurriculumConfig, config_problems, domains_used, enabled, max_repetition
+from curriculum.config import CurriculumConfig, CurriculumError, config_problems, domains_used, enabled, max_repetition
+from curriculum.declared import register_curriculum_domains
 from curriculum.mixer import MixtureSchedule
 from curriculum.repetition import repetition_problems, shuffled_epochs, shuffled_repetition_problems
 from data.domains import open_run_data
 from data.manifest import ManifestError
 from data.packed import PackedSamples
-from data.shards import ShardFormatError
+from data.shards import ShardFormatError, TokenizerMismatchError
+from tokenizer.info import TokenizerNotFoundError
+
+DATA_ERRORS = (ShardFormatError, ManifestError, TokenizerMismatchError, TokenizerNotFoundError)
+"""What reading (or registering) a run's data can raise: each names the file or key and the fix."""
 
 BYTES_PER_PARAM = {  # (ZeRO stage, precision) -> checkpoint bytes per parameter (module doc)
     **{(0, p): 2 + 4 + 8 for p in ("bf16", "fp16")}, (0, "fp32"): 4 + 8,
@@ -351,7 +356,8 @@ def plan_from_config(cfg: Any, num_parameters: int, tokens_per_s: float | None =
 
     Reads `curriculum` (absent or without stages: no curriculum), `train`, `checkpoint`, `data.root`,
     `deepspeed.precision` and `.zero_stage`, and `stability.recovery` (the ring). The trainer passes the train `domains` it has already opened; without
-    them the shards under data.root are counted. A missing data root is a `data` problem, not an exception.
+    them the curriculum's own domains are registered (curriculum/declared.py) and the shards under data.root
+    counted. A missing data root is a `data` problem, not an exception.
     """
     curriculum = getattr(cfg, "curriculum", None)
     train = cfg.train
@@ -362,8 +368,11 @@ def plan_from_config(cfg: Any, num_parameters: int, tokens_per_s: float | None =
         counts = {name: len(samples) for name, samples in domains.items()}
     else:
         try:
+            register_curriculum_domains(cfg)
             tokens, counts = available_samples(cfg.data.root, train.seq_len)
-        except (ShardFormatError, ManifestError) as err:
+        except CurriculumError:  # a misdeclared domain of the curriculum: make_plan lists it with the config problems
+            return make_plan(curriculum, run, None, None, shape, tokens_per_s, free_bytes)
+        except DATA_ERRORS as err:
             plan = make_plan(curriculum, run, None, None, shape, tokens_per_s, free_bytes)
             plan.problems.insert(0, PlanProblem("data", f"{err} (per-domain availability and repetition are unchecked)"))
             return plan

@@ -139,19 +139,20 @@ def register_configs() -> None:
     store.store(group="data_domain", name="schema", node=DomainConfig)
 
 
-def domain_config(name: str, node: Any) -> DomainConfig:
+def domain_config(name: str, node: Any, where: str = "data.domains") -> DomainConfig:
     """One entry of `data.domains` (a dict or DictConfig) as a DomainConfig, defaults filled in.
 
     `domains` is typed as a plain dict so that new domains can be added from the command line
     (`+data.domains.NAME.inputs=[...]`; OmegaConf cannot add keys under a dict of dataclasses);
-    this is where each entry gets its schema check, with errors naming the full key.
+    this is where each entry gets its schema check, with errors naming the full key (under `where`:
+    a curriculum's own domains are `curriculum.domains`).
     """
     try:
         merged = OmegaConf.merge(OmegaConf.structured(DomainConfig), node if node is not None else {})
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         full_key = getattr(err, "full_key", None) or ""
-        key = f"data.domains.{name}{'.' + full_key if full_key else ''}"
+        key = f"{where}.{name}{'.' + full_key if full_key else ''}"
         message = str(err).splitlines()[0]
         fix = f"set it, e.g. {key}=['/data/{name}/*.jsonl']" if "Missing mandatory" in message \
             else "see the fields of DomainConfig / CleanConfig in data/config.py"
@@ -170,9 +171,9 @@ def prepare_config(cfg: Any) -> DataPrepareConfig:
     return result
 
 
-def check_domain_config(name: str, domain: DomainConfig) -> None:
+def check_domain_config(name: str, domain: DomainConfig, where: str = "data.domains") -> None:
     """Raise ConfigError for values Hydra's type check cannot catch (ranges, choices, exclusive options)."""
-    key = f"data.domains.{name}"
+    key = f"{where}.{name}"
     if domain.megatron and domain.inputs:
         raise ConfigError(f"{key}: set inputs (corpus files to tokenize) or megatron (existing Megatron shards), not both.")
     if domain.megatron_val and (domain.val_fraction > 0 or domain.val_count > 0):
@@ -230,9 +231,14 @@ def check_prepare_config(cfg: DataPrepareConfig) -> None:
         raise ConfigError(f"encode_threads={cfg.encode_threads} must be >= 1.")
     _choice("start_method", cfg.start_method, START_METHODS)
     for name, domain in cfg.data.domains.items():
-        if not name or "/" in name or name.startswith("."):
-            raise ConfigError(f"data.domains: {name!r} cannot be a folder name. Fix: use letters, digits, _ or -.")
+        check_domain_name(name)
         check_domain_config(name, domain)
+
+
+def check_domain_name(name: str, where: str = "data.domains") -> None:
+    """A domain's name becomes its folder under DATA_ROOT."""
+    if not name or "/" in name or name.startswith("."):
+        raise ConfigError(f"{where}: {name!r} cannot be a folder name. Fix: use letters, digits, _ or -.")
 
 
 def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -63,8 +63,7 @@ def open_run_data(root: str | Path, names: list[str] | None, seq_len: int, vocab
     val_names = [name for name in chosen if validation and "val" in records[name]["splits"]]
     checksum = wants_checksum(verify, [(records[n], "train") for n in chosen] + [(records[n], "val") for n in val_names])
     for name, record in records.items():
-        if record.get("source") != "megatron":
-            check_domain_record(root, name, record)
+        check_domain_record(root, name, record)
         if "train" not in record["splits"]:
             raise ShardFormatError(f"domain {name!r} of {root} has no training split")
     train = {name: open_domain(root, name, records[name], "train", seq_len, vocab_size, checksum) for name in chosen}

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from data.integrity import repair_hint
 from data.manifest import load_manifest, shard_prefix
 from data.shards import ShardReader
 
@@ -76,7 +77,8 @@ def sample_lines(root: Path, manifest: dict, samples: int, chars: int, tokenizer
         for split, info in record["splits"].items():
             if not info["shards"]:
                 continue
-            reader = ShardReader(shard_prefix(root, name, split, info["shards"][0]))
+            first = info["shards"][0]
+            reader = ShardReader(shard_prefix(root, name, split, first), repair_hint(record, first))
             for index in range(min(samples, len(reader))):
                 ids = reader[index].tolist()
                 has_eos = bool(ids) and ids[-1] == eos

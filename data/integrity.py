@@ -8,6 +8,12 @@ fails alike, with one message naming the file and the fix):
 - with `verify` `full` (or `auto` on up to AUTO_FULL_BYTES of shards), each `.bin`'s sha256.
 Damage the checks above cannot see cheaply on big data (bytes overwritten in place) is caught
 per sample by PackedSamples before the model sees an id, and in full by `ayumi data verify`.
+Registered Megatron prefixes over FULL_CHECK_BYTES (data/megatron.py) have no recorded sha256: for
+them an in-place overwrite that keeps every id in the vocabulary goes unseen (`ayumi data verify`
+lists them).
+
+Every message ends with its fix (`repair_hint`): ayumi's own shards are remade by `ayumi data
+prepare`; a registered Megatron prefix lives outside the data root, so only its owner can restore it.
 """
 from __future__ import annotations
 
@@ -21,6 +27,21 @@ AUTO_FULL_BYTES = 1 << 30
 """`verify=auto` checksums every shard when the run reads at most this many bytes of shards."""
 
 
+def repair_hint(record: dict, shard: dict) -> str:
+    """How to repair a listed shard that is missing, changed or damaged (the `Fix:` of the messages here)."""
+    if not shard.get("prefix"):
+        return "re-run `ayumi data prepare` for this data root"
+    return f"restore or re-preprocess {shard['prefix']}, then re-run {register_again(record)}"
+
+
+def register_again(record: dict) -> str:
+    """The command that rewrites a domain's record: `ayumi data prepare`, or for a domain declared in a
+    curriculum file (data/register.py) the plan or training start with that curriculum."""
+    if record.get("curriculum"):
+        return f"`ayumi plan` or `ayumi train` with curriculum {record['curriculum']!r} (it registers the domain again)"
+    return "`ayumi data prepare` for this data root"
+
+
 def check_domain_record(root: Path, name: str, record: dict) -> None:
     """A prepared domain's `domain.json` must be there, unedited, and agree with the manifest's copy."""
     path = Path(root) / name / DOMAIN_RECORD_NAME
@@ -28,7 +49,7 @@ def check_domain_record(root: Path, name: str, record: dict) -> None:
     check_seal(on_disk, path)
     if on_disk != record:
         raise ManifestError(f"{path} differs from the record of {name!r} in {Path(root) / 'manifest.json'}: the domain "
-                            "was re-prepared or changed without the rest of the root. Fix: re-run `ayumi data prepare`")
+                            f"was re-prepared or changed without the rest of the root. Fix: re-run {register_again(record)}")
 
 
 def open_listed_shards(root: Path, name: str, record: dict, split: str, checksum: bool) -> list[ShardReader]:
@@ -37,18 +58,19 @@ def open_listed_shards(root: Path, name: str, record: dict, split: str, checksum
     vocab = record["tokenizer"]["vocab_size"]
     for shard in record["splits"][split]["shards"]:
         prefix = shard_prefix(root, name, split, shard)
-        reader = ShardReader(prefix)  # missing files, a .bin of the wrong size, a corrupt index
+        fix = repair_hint(record, shard)
+        reader = ShardReader(prefix, fix)  # missing files, a .bin of the wrong size, a corrupt index
         problem = _mismatch(reader, shard)
         if problem:
             raise ShardFormatError(f"{reader.idx_path}: {problem} than {name}/{DOMAIN_RECORD_NAME} records; the shard "
-                                   "was replaced or damaged. Fix: re-run `ayumi data prepare` for this data root")
+                                   f"was replaced or damaged. Fix: {fix}")
         if shard.get("max_id", -1) >= vocab:
             raise ShardFormatError(
                 f"{Path(root) / name / DOMAIN_RECORD_NAME}: shard {shard['name']} holds id {shard['max_id']}, but the "
                 f"record says the tokenizer has {vocab} ids: the record was edited or damaged. Fix: re-run "
-                "`ayumi data prepare` for this data root")
+                f"{register_again(record)}")
         if checksum and shard.get("sha256"):
-            check_checksum(reader, shard)
+            check_checksum(reader, shard, fix)
         readers.append(reader)
     return readers
 
@@ -61,12 +83,12 @@ def _mismatch(reader: ShardReader, shard: dict) -> str:
     return ""
 
 
-def check_checksum(reader: ShardReader, shard: dict) -> None:
+def check_checksum(reader: ShardReader, shard: dict, fix: str) -> None:
     actual = file_sha256(reader.bin_path)
     if actual != shard["sha256"]:
         raise ShardFormatError(f"{reader.bin_path}: sha256 {actual[:12]}… is not the recorded {shard['sha256'][:12]}…: "
-                               "the token bytes changed after the shard was written. Fix: re-run `ayumi data prepare` "
-                               "for this data root (a damaged disk? check it first)")
+                               f"the token bytes changed after the shard was written. Fix: {fix} "
+                               "(a damaged disk? check it first)")
 
 
 def wants_checksum(mode: str, records: list[tuple[dict, str]]) -> bool:
@@ -87,11 +109,10 @@ def verify_root(root: str | Path, manifest: dict) -> list[str]:
     root = Path(root)
     problems = []
     for name, record in manifest["domains"].items():
-        if record.get("source") != "megatron":
-            try:
-                check_domain_record(root, name, record)
-            except ManifestError as err:
-                problems.append(str(err))
+        try:
+            check_domain_record(root, name, record)
+        except ManifestError as err:
+            problems.append(str(err))
         vocab = record["tokenizer"]["vocab_size"]
         for split, info in record["splits"].items():
             for shard in info["shards"]:
@@ -108,5 +129,11 @@ def _verify_shard(root: Path, name: str, record: dict, split: str, shard: dict, 
     low, high = reader.min_id(), reader.max_id()
     if low < 0 or high >= vocab:
         return [f"{reader.bin_path}: holds id {high if high >= vocab else low}, outside the vocabulary [0, {vocab}); "
-                "the token bytes are damaged. Fix: re-run `ayumi data prepare` for this data root"]
+                f"the token bytes are damaged. Fix: {repair_hint(record, shard)}"]
     return []
+
+
+def unchecksummed_prefixes(manifest: dict) -> list[str]:
+    """Registered Megatron prefixes without a recorded sha256 (over FULL_CHECK_BYTES when registered), in order."""
+    return [shard["prefix"] for record in manifest["domains"].values() for info in record["splits"].values()
+            for shard in info["shards"] if shard.get("prefix") and not shard.get("sha256")]

@@ -10,7 +10,10 @@ Layout of DATA_ROOT::
     .partial/<domain>/             a domain being written; never read, removed on the next run
 
 A domain made from existing Megatron data (data/megatron.py) has only its `domain.json`: its
-shards stay where they are and the record names each prefix.
+shards stay where they are and the record names each prefix. So does the validation split of a
+text domain that takes it from Megatron prefixes (`megatron_val`): that domain has `train/` and no
+`val/` folder, and its record's val shards name their prefixes. A Megatron domain declared in a
+curriculum file (data/register.py) also records the curriculum's name (`curriculum`).
 
 The records are the shards' sidecar: Megatron's format has no room for a tokenizer, so each
 record holds the tokenizer's identity (sha256, vocabulary size, EOS id), and each shard's

@@ -5,6 +5,9 @@ GPT-NeoX or datatrove. `ayumi data prepare` registers such a domain (`megatron: 
 config) without copying or re-tokenizing anything: it reads each prefix, checks what it can
 without trusting the user, and writes the domain's record (`domain.json`) naming each prefix.
 Training, `ayumi plan`, the curriculum and `ayumi data inspect` then treat it like any domain.
+A curriculum file can declare such a domain too (`domains:` in conf/curriculum); data/register.py
+registers it with the same checks. `where` names the config section a domain came from
+(`data.domains` or `curriculum.domains`), so every message names the key the user wrote.
 
 What is checked, per prefix, against the declared tokenizer (`tokenizer_dir`):
 - the index is well formed and the `.bin` has exactly the bytes it describes (data/shards.py);
@@ -13,7 +16,9 @@ What is checked, per prefix, against the declared tokenizer (`tokenizer_dir`):
 - documents end with the tokenizer's EOS (checked on up to EOD_SAMPLE documents), unless the
   domain says `append_eod: true` (prepared without --append-eod: training then reads an EOS after
   each document); a mix of both is refused;
-- the sha256 of files up to FULL_CHECK_BYTES, so training and `ayumi data verify` notice changes.
+- the sha256 of files up to FULL_CHECK_BYTES, so training and `ayumi data verify` notice changes;
+  a larger prefix is recorded without one (`sha256: null`): only its size, counts and ids are checked
+  later, and `ayumi data verify` says so.
 """
 from __future__ import annotations
 
@@ -77,12 +82,16 @@ def _prefix(path: Path) -> Path:
     return bin_path.with_suffix("").resolve()
 
 
-def domain_fingerprint(name: str, domain: DomainConfig, tokenizer_sha256: str, pipeline_version: int) -> str:
-    """sha256 over the config, the tokenizer and every listed file's size and mtime: a changed prefix is re-checked."""
+def domain_fingerprint(name: str, domain: DomainConfig, tokenizer_sha256: str, pipeline_version: int,
+                       where: str = "data.domains") -> str:
+    """sha256 over the config, the tokenizer and every listed file's size and mtime: a changed prefix is re-checked.
+
+    `where` only names the key in errors: the same prefixes declared in conf/data or a curriculum have one fingerprint.
+    """
     files = []
-    for spec in (domain.megatron, domain.megatron_val):
+    for spec, key in ((domain.megatron, "megatron"), (domain.megatron_val, "megatron_val")):
         if spec:
-            for _, prefix in parse_prefixes(spec, f"data.domains.{name}.megatron"):
+            for _, prefix in parse_prefixes(spec, f"{where}.{name}.{key}"):
                 for path in shard_paths(prefix):
                     stat = path.stat() if path.exists() else None
                     files.append([str(path), stat.st_size if stat else -1, stat.st_mtime_ns if stat else -1])
@@ -91,9 +100,10 @@ def domain_fingerprint(name: str, domain: DomainConfig, tokenizer_sha256: str, p
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode("utf-8")).hexdigest()
 
 
-def megatron_record(name: str, domain: DomainConfig, tokenizer: Any, fingerprint: str) -> dict:
+def megatron_record(name: str, domain: DomainConfig, tokenizer: Any, fingerprint: str,
+                    where: str = "data.domains") -> dict:
     """Check the domain's prefixes against the tokenizer and return its record (as data/prepare.py writes it)."""
-    splits = {split: megatron_split(name, spec, key, tokenizer, domain.append_eod)
+    splits = {split: megatron_split(name, spec, key, tokenizer, domain.append_eod, where)
               for split, spec, key in (("train", domain.megatron, "megatron"), ("val", domain.megatron_val, "megatron_val"))
               if spec}
     docs = sum(split["docs"] for split in splits.values())
@@ -107,15 +117,16 @@ def megatron_record(name: str, domain: DomainConfig, tokenizer: Any, fingerprint
     }
 
 
-def megatron_split(name: str, spec: str, key: str, tokenizer: Any, append_eod: bool) -> dict:
-    """One split's record from Megatron prefixes (`data.domains.NAME.KEY`), each checked against the tokenizer.
+def megatron_split(name: str, spec: str, key: str, tokenizer: Any, append_eod: bool,
+                   where: str = "data.domains") -> dict:
+    """One split's record from Megatron prefixes (`WHERE.NAME.KEY`), each checked against the tokenizer.
 
     Also how a text domain takes its validation set from Megatron data (`megatron_val` beside `inputs`).
     """
     eod = getattr(tokenizer, "eod_id", None)
     if eod is None:
         eod = getattr(tokenizer, "eos_id", None)
-    full_key = f"data.domains.{name}.{key}"
+    full_key = f"{where}.{name}.{key}"
     shards = [_check_prefix(prefix, weight, tokenizer, eod, append_eod, full_key)
               for weight, prefix in parse_prefixes(spec, full_key)]
     return {"docs": sum(s["docs"] for s in shards), "tokens": sum(s["tokens"] for s in shards),
@@ -125,7 +136,7 @@ def megatron_split(name: str, spec: str, key: str, tokenizer: Any, append_eod: b
 def _check_prefix(prefix: Path, weight: float | None, tokenizer: Any, eod: int | None, append_eod: bool,
                   key: str) -> dict:
     try:
-        reader = ShardReader(prefix)
+        reader = ShardReader(prefix, fix=f"check the prefix in {key}, or restore or re-preprocess {prefix}")
     except ShardFormatError as err:
         raise MegatronDataError(f"{key}: {err}") from None
     if reader.num_docs == 0 or reader.num_tokens == 0:

@@ -1,6 +1,8 @@
 """Fixed-length training samples cut from token shards, and a deterministic global sample order.
 
-Documents in a shard already end with EOS, so a domain's shards form one token stream. Sample i
+Documents in a shard end with EOS, so a domain's shards form one token stream: ayumi writes one
+after every document, and Megatron data prepared without --append-eod (a domain with
+`append_eod: true`) is read through `EodAppended`, which supplies one after each document. Sample i
 is tokens[i*L : i*L + L + 1] (L = sequence length): inputs are its first L tokens, labels its
 last L, and neighbouring samples share one token, as in Megatron's GPT dataset.
 
@@ -90,7 +92,7 @@ class PackedSamples:
         raise CorruptShardError(
             f"{reader.bin_path}: token {position - int(self._starts[shard]):,} of the stream is id {int(tokens[bad])}, "
             f"outside the vocabulary [0, {self.vocab_size}) of domain {self.name!r}; the file was damaged after it was "
-            "written. Fix: `ayumi data verify DATA_ROOT` lists every damaged shard; re-run `ayumi data prepare` for it"
+            "written. Fix: `ayumi data verify DATA_ROOT` lists every damaged shard, each with how to remake it"
         )
 
 

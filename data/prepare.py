@@ -593,7 +593,7 @@ def _log_domain(name: str, domain: DomainConfig, record: dict) -> None:
                     record["docs_kept"], name)
 
 
-def _finished_record(out: Path, fingerprint: str) -> dict | None:
+def finished_record(out: Path, fingerprint: str) -> dict | None:
     """The record of a finished domain folder with this fingerprint whose files are all there, else None."""
     record = read_domain_record(out)
     if record is None or record.get("fingerprint") != fingerprint or not shards_intact(out, record):
@@ -710,12 +710,20 @@ def prepare(cfg: DataPrepareConfig) -> dict:
     return manifest
 
 
-def register_megatron_domain(root: Path, name: str, domain: DomainConfig, tokenizer, fingerprint: str) -> dict:
-    """Check a Megatron domain's prefixes and publish its folder (just domain.json); returns its record."""
+def register_megatron_domain(root: Path, name: str, domain: DomainConfig, tokenizer, fingerprint: str,
+                             where: str = "data.domains", curriculum: str | None = None) -> dict:
+    """Check a Megatron domain's prefixes and publish its folder (just domain.json); returns its record.
+
+    `where` names the config section in messages; `curriculum` (data/register.py) records which curriculum
+    file declared the domain, so fixes name the command that registers it again.
+    """
     from data.megatron import megatron_record
 
     started = time.monotonic()
-    record = seal(megatron_record(name, domain, tokenizer, fingerprint))
+    record = megatron_record(name, domain, tokenizer, fingerprint, where)
+    if curriculum is not None:
+        record["curriculum"] = curriculum
+    record = seal(record)
     partial = root / PARTIAL_DIR / name
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
@@ -745,7 +753,7 @@ def _plan(cfg: DataPrepareConfig, root: Path, info) -> dict[str, tuple]:
             if domain.megatron_val:  # a changed validation prefix redoes the domain too
                 fingerprint = hashlib.sha256((fingerprint + megatron.domain_fingerprint(
                     name, domain, info.sha256, PIPELINE_VERSION)).encode("ascii")).hexdigest()
-        record = None if cfg.force else _finished_record(root / name, fingerprint)
+        record = None if cfg.force else finished_record(root / name, fingerprint)
         plan[name] = (files, inputs, fingerprint, record)
     return plan
 

@@ -28,6 +28,10 @@ The format carries no tokenizer identity: that lives in the domain's record (`do
 Writing is atomic: both files are written under temporary names and renamed `.bin` first, then
 `.idx`, so an `.idx` on disk always describes a complete `.bin`; a crash leaves only `*.tmp`
 files, which readers never look at.
+
+A reader's errors say what is wrong with which file, then `Fix: ...`: the reader cannot know who
+made the shard, so its caller says how to remake it (`ShardReader(prefix, fix=...)`: ayumi's own
+shards are remade by `ayumi data prepare`; registered Megatron data only by whoever owns the prefix).
 """
 from __future__ import annotations
 
@@ -56,6 +60,10 @@ _CHUNK = 1 << 23  # elements per pass when scanning large arrays: bounded memory
 
 class ShardFormatError(ValueError):
     """A shard file is missing, truncated, corrupt, or not in this format; the message names the file."""
+
+
+REMAKE = "re-run the data preparation that wrote it"
+"""A reader's default fix, for shards whose maker it is not told (tests, benchmarks, `from_directory`)."""
 
 
 class TokenizerMismatchError(ValueError):
@@ -189,10 +197,11 @@ class ShardReader:
     index's documents (for ayumi's shards, one sequence each).
     """
 
-    def __init__(self, prefix: str | os.PathLike):
+    def __init__(self, prefix: str | os.PathLike, fix: str = REMAKE):
+        """`fix`: how to remake this shard, the end of every error it raises (module doc)."""
         self.bin_path, self.idx_path = shard_paths(prefix)
         self.prefix = self.bin_path.with_suffix("")
-        index = _read_index(self.idx_path)
+        index = _read_index(self.idx_path, fix)
         self.dtype = index.dtype
         self.sequence_lengths = index.lengths
         self.sequence_pointers = index.pointers
@@ -200,7 +209,7 @@ class ShardReader:
         self.num_sequences = index.lengths.size
         self.num_docs = index.documents.size - 1
         self.num_tokens = index.num_tokens
-        self.tokens = _map_tokens(self.bin_path, self.dtype, self.num_tokens)
+        self.tokens = _map_tokens(self.bin_path, self.dtype, self.num_tokens, fix)
 
     @cached_property
     def doc_offsets(self) -> np.ndarray:
@@ -258,79 +267,80 @@ class _Index(NamedTuple):
     num_tokens: int
 
 
-def _read_index(idx_path: Path) -> _Index:
+def _read_index(idx_path: Path, fix: str) -> _Index:
     if not idx_path.exists():
-        hint = " (a .bin without its .idx is an unfinished or damaged shard: re-run data preparation)" \
-            if idx_path.with_suffix(".bin").exists() else ""
-        raise ShardFormatError(f"shard index {idx_path} does not exist{hint}")
+        hint = " (its .bin does: an unfinished or damaged shard)" if idx_path.with_suffix(".bin").exists() else ""
+        raise ShardFormatError(f"shard index {idx_path} does not exist{hint}. Fix: {fix}")
     size = idx_path.stat().st_size
     with open(idx_path, "rb") as handle:
         head = handle.read(HEADER_SIZE)
-    if head.startswith(LEGACY_MAGIC):
+    if head.startswith(LEGACY_MAGIC):  # only ayumi ever wrote these: its own fix, whoever asks
         raise ShardFormatError(
             f"{idx_path}: written by an older ayumi in its own index format (AYUMIIDX); shards are now "
             "Megatron's format. Fix: re-run `ayumi data prepare` with the same config (it rewrites every domain)"
         )
     if len(head) < HEADER_SIZE:
-        raise ShardFormatError(f"{idx_path}: truncated index ({size} bytes, the header alone is {HEADER_SIZE}); "
-                               "re-run data preparation for this shard")
+        raise ShardFormatError(f"{idx_path}: truncated index ({size} bytes, the header alone is {HEADER_SIZE}). "
+                               f"Fix: {fix}")
     magic, version, code, sequences, documents = _PREAMBLE.unpack(head)
     if magic != MAGIC:
-        raise ShardFormatError(f"{idx_path}: not a Megatron indexed-dataset index (magic {magic!r}, expected {MAGIC!r})")
+        raise ShardFormatError(f"{idx_path}: not a Megatron indexed-dataset index (magic {magic!r}, expected {MAGIC!r}). "
+                               f"Fix: {fix}")
     if version != VERSION:
-        raise ShardFormatError(f"{idx_path}: index version {version}, only version {VERSION} is known")
+        raise ShardFormatError(f"{idx_path}: index version {version}, only version {VERSION} is known. Fix: {fix}")
     if code not in _DTYPES:
         raise ShardFormatError(f"{idx_path}: token dtype code {code} is not an integer type "
-                               f"(known: {', '.join(f'{c}={d.name}' for c, d in sorted(_DTYPES.items()))})")
+                               f"(known: {', '.join(f'{c}={d.name}' for c, d in sorted(_DTYPES.items()))}). Fix: {fix}")
     expected = HEADER_SIZE + 12 * sequences + 8 * documents
     if size != expected:
         extra = " (one mode byte per sequence: a multimodal index, which ayumi does not train on)" \
             if size == expected + sequences and sequences else ""
         raise ShardFormatError(f"{idx_path}: {size} bytes, but {sequences} sequences and {documents} document "
-                               f"indices need {expected}{extra}; the file is truncated or corrupt: re-run data preparation")
+                               f"indices need {expected}{extra}; the file is truncated or corrupt. Fix: {fix}")
     if documents < 1:
-        raise ShardFormatError(f"{idx_path}: no document indices (a valid index has at least one)")
+        raise ShardFormatError(f"{idx_path}: no document indices (a valid index has at least one). Fix: {fix}")
     mapped = np.memmap(idx_path, mode="r", dtype=np.uint8)
     lengths = mapped[HEADER_SIZE:HEADER_SIZE + 4 * sequences].view("<i4")
     pointers = mapped[HEADER_SIZE + 4 * sequences:HEADER_SIZE + 12 * sequences].view("<i8")
     document_indices = mapped[HEADER_SIZE + 12 * sequences:expected].view("<i8")
     dtype = _DTYPES[code]
-    num_tokens = _check_layout(idx_path, dtype, lengths, pointers, document_indices)
+    num_tokens = _check_layout(idx_path, dtype, lengths, pointers, document_indices, fix)
     return _Index(dtype, lengths, pointers, document_indices, num_tokens)
 
 
-def _check_layout(idx_path: Path, dtype: np.dtype, lengths: np.ndarray, pointers: np.ndarray, documents: np.ndarray) -> int:
+def _check_layout(idx_path: Path, dtype: np.dtype, lengths: np.ndarray, pointers: np.ndarray, documents: np.ndarray,
+                  fix: str) -> int:
     """Sequences must lie back to back from byte 0 (as every Megatron writer lays them out) and
     document indices must rise from 0 to the sequence count; returns the token count."""
     sequences = lengths.size
     if documents[0] != 0 or documents[-1] != sequences:
         raise ShardFormatError(f"{idx_path}: document indices run from {documents[0]} to {documents[-1]}, "
-                               f"expected 0 to {sequences}; the index is corrupt")
+                               f"expected 0 to {sequences}; the index is corrupt. Fix: {fix}")
     expected_pointer = 0
     for start in range(0, sequences, _CHUNK):
         chunk = lengths[start:start + _CHUNK].astype(np.int64)
         if chunk.size and chunk.min() < 0:
-            raise ShardFormatError(f"{idx_path}: negative sequence length; the index is corrupt")
+            raise ShardFormatError(f"{idx_path}: negative sequence length; the index is corrupt. Fix: {fix}")
         ends = expected_pointer + np.cumsum(chunk * dtype.itemsize)
         starts = np.concatenate(([expected_pointer], ends[:-1]))
         if not np.array_equal(starts, pointers[start:start + _CHUNK]):
             raise ShardFormatError(f"{idx_path}: sequences are not stored back to back in the .bin "
-                                   "(pointers disagree with lengths); ayumi reads only contiguous shards")
+                                   f"(pointers disagree with lengths); ayumi reads only contiguous shards. Fix: {fix}")
         expected_pointer = int(ends[-1]) if ends.size else expected_pointer
     for start in range(0, documents.size - 1, _CHUNK):
         if np.any(np.diff(documents[start:start + _CHUNK + 1]) < 0):
-            raise ShardFormatError(f"{idx_path}: document indices decrease; the index is corrupt")
+            raise ShardFormatError(f"{idx_path}: document indices decrease; the index is corrupt. Fix: {fix}")
     return expected_pointer // dtype.itemsize
 
 
-def _map_tokens(bin_path: Path, dtype: np.dtype, num_tokens: int) -> np.ndarray:
+def _map_tokens(bin_path: Path, dtype: np.dtype, num_tokens: int, fix: str) -> np.ndarray:
     if not bin_path.exists():
-        raise ShardFormatError(f"shard data {bin_path} does not exist (its .idx does): re-run data preparation")
+        raise ShardFormatError(f"shard data {bin_path} does not exist (its .idx does). Fix: {fix}")
     size = bin_path.stat().st_size
     if size != num_tokens * dtype.itemsize:
         raise ShardFormatError(
             f"{bin_path}: {size} bytes, but its index says {num_tokens} tokens of {dtype.itemsize} bytes "
-            f"({num_tokens * dtype.itemsize} bytes); the file is truncated or corrupt: re-run data preparation"
+            f"({num_tokens * dtype.itemsize} bytes); the file is truncated or corrupt. Fix: {fix}"
         )
     if num_tokens == 0:
         return np.zeros(0, dtype=dtype)

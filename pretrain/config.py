@@ -5,7 +5,8 @@ logging, stability, experiment). Hydra merges every YAML into the dataclasses be
 unknown key or a wrongly typed value fails at composition with the key's full name.
 
 Configs hold values only; each dataclass lists the allowed range of its numeric fields in
-`RANGES` (pretrain/ranges.py), and `config_problems` (ranges, names, model shapes) and
+`RANGES` (pretrain/ranges.py), and `config_problems` (ranges, names, model shapes, the declared
+data's tokenizer) and
 `check_config` (cross-field checks) run in the launching process before any rank starts, and
 again in every rank before distributed init. A ConfigError names the field, the value and the fix.
 """
@@ -24,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from curriculum.config import CurriculumConfig
+from curriculum.declared import tokenizer_missing
 from pretrain.model.config import ModelConfig, checkpointing_plan, shape_problems
 from pretrain.ranges import Range, above, at_least, between, range_problems
 from pretrain.stability.config import StabilityConfig, StabilityConfigError, check_stability_config
@@ -439,7 +441,14 @@ def config_problems(cfg: AyumiConfig) -> list[str]:
     The run name, every field's range (each section's RANGES, pretrain/ranges.py) and the model's
     shape rules. check_config reports them all at once before its cross-field checks.
     """
-    return name_problems(cfg.name) + range_problems(cfg) + shape_problems(cfg.model)
+    return name_problems(cfg.name) + range_problems(cfg) + shape_problems(cfg.model) + declared_data_problems(cfg)
+
+
+def declared_data_problems(cfg: AyumiConfig) -> list[str]:
+    """A curriculum that declares Megatron data needs data.tokenizer_dir: its ids are checked against that tokenizer."""
+    if cfg.curriculum.domains and not cfg.data.tokenizer_dir:
+        return [tokenizer_missing([str(name) for name in cfg.curriculum.domains])]
+    return []
 
 
 def check_config(cfg: AyumiConfig) -> None:

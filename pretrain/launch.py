@@ -6,10 +6,10 @@
   gives bitwise-equal losses (shared/DEEPSPEED_CPU.md); `--launcher deepspeed` picks the latter.
 
 The whole config is composed and checked here first (types, ranges, names, the batch over the
-ranks about to start, and the plan: data present, stage budgets, repetition, checkpoint disk, GPU memory),
-without importing torch or DeepSpeed: a mistake exits with status 2 and one line per problem
-before any process starts, and `--dry-run` prints the command only for a valid config (it skips
-the plan: the data may live on the cluster). Multi-node and SLURM launches are the scripts under launch/.
+ranks about to start, the data as the ranks will open it, and the plan: stage budgets, repetition,
+checkpoint disk, GPU memory), without importing torch or DeepSpeed: a mistake exits with status 2
+and one line per problem before any process starts, and `--dry-run` prints the command only for a
+valid config (it skips the data and the plan: the data may live on the cluster). Multi-node and SLURM launches are the scripts under launch/.
 """
 from __future__ import annotations
 
@@ -41,19 +41,27 @@ def _nvidia_present() -> bool:
 
 
 def preflight_plan(cfg, nproc: int, gpus: int) -> None:
-    """The plan's checks (data present, budgets, repetition, checkpoint disk, GPU memory) before any rank starts.
+    """The ranks' data checks and the plan's (budgets, repetition, checkpoint disk, GPU memory) before any rank starts.
 
     The ranks run the same checks (pretrain.train.build_data); here they cost no process start and
-    a refusal is printed once, not once per rank under the launcher's own error report. Raises
-    PlanRefused listing the problems. Imports torch only where GPUs are visible (their memory).
+    a refusal is printed once, not once per rank under the launcher's own error report. The data is
+    opened as the ranks open it (the curriculum's own domains registered first; sizes and records,
+    no checksums), so a missing or damaged shard raises its own error, one line naming the file and
+    the fix; the plan's problems raise PlanRefused listing them. Imports torch only where GPUs are
+    visible (their memory).
     """
+    from curriculum.declared import register_curriculum_domains
     from curriculum.plan import raise_if_refused
+    from data.domains import open_run_data
     from pretrain.model.flops import count_parameters
     from pretrain.plan import Hardware, planned_hardware, run_plan
 
+    register_curriculum_domains(cfg)
+    _, train, _ = open_run_data(cfg.data.root, cfg.data.domains or None, cfg.train.seq_len, verify="sizes",
+                                validation=cfg.data.validation)
     # On the CPU the ranks train in host memory: no GPU figure to check against.
     hardware = planned_hardware(cfg, data_parallel=nproc) if gpus else Hardware(nproc, None, "CPU")
-    raise_if_refused(run_plan(cfg, count_parameters(cfg.model), hardware).plan)
+    raise_if_refused(run_plan(cfg, count_parameters(cfg.model), hardware, domains=train).plan)
 
 
 def launcher_command(launcher: str, nproc: int, overrides: list[str], master_port: int | None = None) -> list[str]:
@@ -168,7 +176,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def main(argv: list[str]) -> int:
-    from curriculum.plan import PlanRefused
+    from curriculum.config import CurriculumError
+    from curriculum.plan import DATA_ERRORS, PlanRefused
     from pretrain.run_lock import check_unlocked
     from pretrain.config import (
         CHECKED_BY_LAUNCHER_ENV, EXIT_CONFIG_ERROR, ConfigError, config_from_args, data_parallel_grad_accum,
@@ -188,7 +197,7 @@ def main(argv: list[str]) -> int:
             in_use = check_unlocked(cfg.run_dir)  # the ranks lock it; say it here once, before any starts
             if in_use:
                 raise ConfigError(in_use)
-    except (ConfigError, PlanRefused) as err:
+    except (ConfigError, PlanRefused, CurriculumError, *DATA_ERRORS) as err:  # the ranks' INPUT_ERRORS, before they start
         print_config_error(PROG, err)
         return EXIT_CONFIG_ERROR
     notice = default_run_notice(PROG, overrides, cfg)

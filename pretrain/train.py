@@ -44,7 +44,9 @@ if __name__ == "__main__" and asks_for_help(sys.argv[1:]):
 import torch
 from omegaconf import OmegaConf
 
+from curriculum.config import CurriculumError
 from curriculum.config import enabled as curriculum_enabled
+from curriculum.declared import register_curriculum_domains
 from curriculum.mixer import Mixer
 from curriculum.plan import PlanRefused, checkpoint_shape, raise_if_refused
 from data.domains import open_run_data
@@ -77,7 +79,7 @@ from tokenizer.info import TokenizerNotFoundError
 # DeepSpeed's ZeRO calls a torch collective that torch now deprecates, once per step and rank.
 warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
 
-INPUT_ERRORS = (ConfigError, PlanRefused, ShardFormatError, TokenizerMismatchError, ManifestError,
+INPUT_ERRORS = (ConfigError, PlanRefused, CurriculumError, ShardFormatError, TokenizerMismatchError, ManifestError,
                 TokenizerNotFoundError, CheckpointError, DataChangedError, HFImportError, RunDirLocked)
 """Mistakes in what the run was given (config, plan, shards, tokenizer, checkpoint): a clear line and status 2."""
 
@@ -137,6 +139,26 @@ def build_data(cfg: AyumiConfig, tokenizer: dict,
     return ShuffledDomains(train, seed=cfg.train.seed), val
 
 
+def register_declared_data(cfg: AyumiConfig, dist: DistInfo) -> None:
+    """The curriculum's own Megatron domains into data.root before any rank reads its manifest.
+
+    Rank 0 checks and writes (nothing when the root is up to date, as after `ayumi train`'s own check)
+    while the others wait for its answer, so no two processes write one root. A refusal stops every
+    rank: rank 0's error names the prefix or key and the fix (and is the one printed); the others
+    raise a stand-in that main() does not print.
+    """
+    if not cfg.curriculum.domains:
+        return
+    error: Exception | None = None
+    if dist.is_main:
+        try:
+            register_curriculum_domains(cfg)
+        except INPUT_ERRORS as err:
+            error = err
+    if any_rank(error is not None):
+        raise error or ShardFormatError("rank 0 refused the curriculum's declared domains (it says why)")
+
+
 def check_vocabulary(cfg: AyumiConfig, manifest: dict, tokenizer: dict, root: Path) -> None:
     """The data root's tokenizer must be the run's, its record must agree with that tokenizer, and the
     model must have an embedding row for every id."""
@@ -169,6 +191,7 @@ def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict) -> tuple[Tra
     start = _checkpoint_meta(cfg)  # the checkpoint this run starts from ({} for a fresh run)
     precision = settle_precision(cfg, dist, start.get("precision"))
     tokenizer = load_tokenizer_identity(cfg.data.tokenizer_dir)
+    register_declared_data(cfg, dist)
     source, val_sets = build_data(cfg, tokenizer, job_hardware(dist))
 
     torch.manual_seed(cfg.train.seed)  # same init on every rank

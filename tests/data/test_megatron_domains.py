@@ -1,19 +1,27 @@
 """Existing Megatron data registered as a domain by `ayumi data prepare`: the checks that do not trust the
 declaration, weights and folders of prefixes, append_eod, validation prefixes, a declared Hugging Face
-tokenizer, and the commands downstream (inspect, plan) treating the domain like any other."""
+tokenizer, the commands downstream (inspect, plan) treating the domain like any other, the sampled id check of
+large prefixes, and fixes that send a damaged prefix back to whoever owns it."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from curriculum.config import CurriculumConfig
+from curriculum.declared import register_curriculum_domains
 from curriculum.plan import available_samples
+from data.cli import verify_main
 from data.config import DomainConfig
 from data.domains import open_run_data
 from data.inspect import inspect_root
+from data.integrity import verify_root
 from data.megatron import MegatronDataError, parse_prefixes
+from data.packed import CorruptShardError
 from data.prepare import prepare
 from data.shards import ShardWriter
 from tests.data.helpers import domain, make_config, write_jsonl
@@ -154,3 +162,65 @@ def test_a_text_domain_can_validate_on_a_megatron_prefix(tmp_path, tokenizer_dir
     cfg.data.domains["en"].val_fraction = 0.1
     with pytest.raises(Exception, match="megatron_val is this domain's validation set"):
         prepare(cfg)
+
+
+def test_a_damaged_prefix_names_its_owners_fix_not_only_ayumi_data_prepare(tmp_path, tokenizer_dir, en_texts):
+    """A registered prefix lives outside the data root: `ayumi data prepare` cannot remake it, its owner can."""
+    prefix = write_prefix(tmp_path / "web_text_document", encoded(tokenizer_dir, en_texts[:10]))
+    root = tmp_path / "root"
+    manifest = prepare(make_config(root, tokenizer_dir, {"web": megatron(str(prefix))}))
+    bin_path = Path(f"{prefix}.bin")
+    raw = bytearray(bin_path.read_bytes())
+    raw[0:2] = (int.from_bytes(raw[0:2], "little") + 1).to_bytes(2, "little")  # another id, still in the vocabulary
+    bin_path.write_bytes(bytes(raw))
+    fix = (f"Fix: restore or re-preprocess {prefix}, then re-run `ayumi data prepare` for this data root (a damaged "
+           "disk? check it first)")
+    with pytest.raises(Exception, match=rf"^{re.escape(str(bin_path))}: sha256 .* is not the recorded .*\. {re.escape(fix)}$"):
+        open_run_data(root, None, seq_len=16, vocab_size=640, verify="full")
+    assert verify_root(root, manifest)[0].endswith(fix)
+    # Declared in a curriculum file instead: the curriculum's plan or training start registers it again.
+    other = tmp_path / "other"
+    declared = CurriculumConfig(name="mine", domains={"web": {"megatron": str(prefix)}})
+    register_curriculum_domains(SimpleNamespace(curriculum=declared,
+                                                data=SimpleNamespace(root=str(other), tokenizer_dir=str(tokenizer_dir))))
+    Path(f"{prefix}.idx").unlink()
+    with pytest.raises(Exception) as refused:
+        open_run_data(other, None, seq_len=16, vocab_size=640)
+    assert str(refused.value) == (
+        f"shard index {prefix}.idx does not exist (its .bin does: an unfinished or damaged shard). Fix: restore or "
+        f"re-preprocess {prefix}, then re-run `ayumi plan` or `ayumi train` with curriculum 'mine' (it registers the "
+        "domain again)")
+
+
+def test_large_prefixes_are_checked_on_sampled_windows_and_verify_says_so(tmp_path, tokenizer_dir, monkeypatch, capsys):
+    """Beyond FULL_CHECK_BYTES a prefix's ids are checked on evenly spaced windows and no sha256 is recorded: an id
+    inside a window is refused at registration; one between windows is caught by the per-sample check and by
+    `ayumi data verify`, which also lists the prefixes it could check by size, counts and ids only."""
+    monkeypatch.setattr("data.megatron.FULL_CHECK_BYTES", 1024)  # the 2,000-byte prefixes below are "large"
+    monkeypatch.setattr("data.megatron.WINDOW_TOKENS", 10)
+    monkeypatch.setattr("data.megatron.SAMPLE_WINDOWS", 4)  # windows at tokens [0, 10), [330, 340), [660, 670), [990, 1000)
+
+    def hundred_documents(name: str, bad_at: int | None = None) -> Path:
+        tokens = [5, 6, 7, 8, 9, 10, 11, 12, 13, EOS] * 100
+        if bad_at is not None:
+            tokens[bad_at] = 650
+        return write_prefix(tmp_path / name, [tokens[i:i + 10] for i in range(0, 1000, 10)], vocab=1000)
+
+    in_window = hundred_documents("windowed_text_document", bad_at=335)
+    with pytest.raises(MegatronDataError, match=rf"{in_window}\.bin holds id 650, outside the vocabulary \[0, 600\)"):
+        prepare(make_config(tmp_path / "refused", tokenizer_dir, {"web": megatron(str(in_window))}))
+
+    clean, between = hundred_documents("clean_text_document"), hundred_documents("between_text_document", bad_at=500)
+    root = tmp_path / "root"
+    manifest = prepare(make_config(root, tokenizer_dir, {"clean": megatron(str(clean)), "holed": megatron(str(between))}))
+    shard = manifest["domains"]["holed"]["splits"]["train"]["shards"][0]
+    assert (shard["ids_checked"], shard["sha256"], shard["max_id"]) == ("sampled 4 windows", None, 13)
+    _, train, _ = open_run_data(root, None, seq_len=16, vocab_size=640)
+    train["holed"].sample(30)  # tokens 480..496: clean
+    with pytest.raises(CorruptShardError, match=rf"{between}\.bin: token 500 of the stream is id 650"):
+        train["holed"].sample(31)  # tokens 496..512
+    assert verify_main([str(root)]) == 1
+    out, err = capsys.readouterr()
+    assert f"{between}.bin: holds id 650" in err and "1 problem(s)" in err
+    assert (f"ayumi data verify: 2 Megatron prefix(es) checked by size, counts and ids only, not by sha256 "
+            f"(over 0.000976562 MiB when registered") in out and out.rstrip().endswith(f": {clean}, {between}")

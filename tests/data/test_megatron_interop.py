@@ -3,6 +3,7 @@ trains on shards its `IndexedDatasetBuilder` wrote, registered through `ayumi da
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import warnings
@@ -77,14 +78,15 @@ def write_with_megatron(prefix: Path, documents: list[list[np.ndarray]], vocab: 
     builder.finalize(str(prefix) + ".idx")
 
 
-def encoded_documents(tokenizer_dir: Path, texts: list[str], eos: int = 2) -> list[list[np.ndarray]]:
-    """Real text through the real SentencePiece model: each document split in two sequences, EOS at its end."""
+def encoded_documents(tokenizer_dir: Path, texts: list[str], eos: int | None = 2) -> list[list[np.ndarray]]:
+    """Real text through the real SentencePiece model: each document split in two sequences, EOS at its end
+    (none with `eos=None`: preprocessed without --append-eod)."""
     import sentencepiece as spm
 
     processor = spm.SentencePieceProcessor(model_file=str(tokenizer_dir / "tokenizer.model"))
     documents = []
     for text in texts:
-        ids = processor.encode(text) + [eos]
+        ids = processor.encode(text) + ([eos] if eos is not None else [])
         half = max(1, len(ids) // 2)
         documents.append([np.array(ids[:half]), np.array(ids[half:])])
     return documents
@@ -131,3 +133,64 @@ def test_train_20_steps_on_megatron_core_shards(tmp_path, tokenizer_dir, en_text
     losses = [m["train/loss"] for m in metrics if "train/loss" in m]
     assert len(losses) == 20 and losses[-1] < losses[0]
     assert any("val/web/loss" in m for m in metrics)
+
+
+@pytest.mark.slow
+def test_a_curriculum_file_declares_megatron_core_shards_and_trains_on_them(tmp_path, tokenizer_dir, en_texts):
+    """One curriculum file, in a site conf dir as users keep their own, names megatron-core-built prefixes as two
+    domains (weighted prefixes with a validation prefix; a folder of prefixes made without --append-eod). `ayumi plan`
+    registers and counts them; 2 training ranks on a fresh root register them themselves, switch stages, train."""
+    meg, third = tmp_path / "meg", len(en_texts) // 3
+    write_with_megatron(meg / "a_text_document", encoded_documents(tokenizer_dir, en_texts[:third]), 600)
+    write_with_megatron(meg / "b_text_document", encoded_documents(tokenizer_dir, en_texts[third:2 * third]), 600)
+    write_with_megatron(meg / "val_text_document", encoded_documents(tokenizer_dir, en_texts[-30:]), 600)
+    rest = en_texts[2 * third:-30]
+    for index, part in enumerate((rest[:len(rest) // 2], rest[len(rest) // 2:])):
+        write_with_megatron(meg / "docs" / f"part{index}_text_document", encoded_documents(tokenizer_dir, part, None), 600)
+    conf = tmp_path / "conf"
+    shutil.copytree(REPO / "conf", conf)
+    (conf / "curriculum" / "mine.yaml").write_text(f"""\
+name: mine
+default_max_repetition: 100.0
+domains:
+  web:
+    megatron: "0.7 {meg / 'a_text_document'} 0.3 {meg / 'b_text_document'}"
+    megatron_val: {meg / 'val_text_document'}
+  docs:
+    megatron: {meg / 'docs'}
+    append_eod: true
+stages:
+  - name: web_first
+    tokens: 8000
+    weights: {{web: 0.8, docs: 0.2}}
+  - name: docs_more
+    tokens: 57536
+    weights: {{web: 0.3, docs: 0.7}}
+""")
+    env = cpu_env(AYUMI_CONF_DIR=str(conf))
+    common = ["curriculum=mine", f"data.tokenizer_dir={tokenizer_dir}", "model.vocab_size=640"]
+    planned = subprocess.run([sys.executable, "-m", "pretrain.cli", "plan",
+                              *tiny_overrides(tmp_path / "planned", tmp_path / "runs", *common)],
+                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert planned.returncode == 0, planned.stdout
+    rows = [line.split() for line in planned.stdout.splitlines() if line.split()[:1] in (["web"], ["docs"])]
+    assert [row[:2] for row in rows] == [["web", "0.800"], ["docs", "0.200"], ["web", "0.300"], ["docs", "0.700"]]
+    assert "plan ok" in planned.stdout
+    manifest = json.loads((tmp_path / "planned" / "manifest.json").read_text())
+    assert {name: record["curriculum"] for name, record in manifest["domains"].items()} == {"web": "mine", "docs": "mine"}
+    docs = manifest["domains"]["docs"]["splits"]["train"]["shards"]
+    assert [Path(s["prefix"]).name for s in docs] == ["part0_text_document", "part1_text_document"]
+    assert all(s["append_eod"] for s in docs)
+
+    root = tmp_path / "fresh"  # not planned: the ranks register the curriculum's domains (rank 0 writes)
+    run = run_training(tiny_overrides(root, tmp_path / "runs", *common, "train.max_steps=24", "train.eval_interval=12"),
+                       nproc=2, env=env)
+    assert run.returncode == 0, run.stdout[-4000:]
+    assert json.loads((root / "manifest.json").read_text())["domains"] == manifest["domains"]
+    run_dir = tmp_path / "runs" / "cpu_tiny"
+    switches = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "stage_switch"]
+    assert [(e["step"], e["stage"]) for e in switches] == [(1, 1), (16, 2)]  # 8,000 tokens = sample 125, in step 16
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    losses = [m["train/loss"] for m in metrics if "train/loss" in m]
+    assert len(losses) == 24 and losses[-1] < losses[0]
+    assert any("train/loss/docs" in m for m in metrics) and any("val/web/loss" in m for m in metrics)

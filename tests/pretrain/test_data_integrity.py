@@ -44,14 +44,38 @@ def overwrite_token(bin_path: Path, index: int, value: int) -> None:
     bin_path.write_bytes(bytes(raw))
 
 
-@pytest.mark.parametrize("remove", [("part_00000.bin", "part_00000.idx"), ("part_00000.idx",)])
-def test_a_listed_shard_deleted_is_refused_before_any_rank_starts(corpus, tmp_path, remove):
+@pytest.mark.parametrize("remove, hint", [(("part_00000.bin", "part_00000.idx"), ""),
+                                          (("part_00000.idx",), " (its .bin does: an unfinished or damaged shard)")])
+def test_a_listed_shard_deleted_is_refused_before_any_rank_starts(corpus, tmp_path, remove, hint):
+    """The data error itself, one line naming the file and the fix (not a plan problem around it)."""
     for name in remove:
         (corpus / "en" / "train" / name).unlink()
     proc = ayumi("train", *tiny_overrides(corpus, tmp_path / "runs", *SHORT))
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert str(corpus / "en" / "train" / "part_00000.idx") in proc.stderr and "does not exist" in proc.stderr
-    assert "Traceback" not in proc.stderr and not (tmp_path / "runs").exists()
+    assert proc.stderr.splitlines() == [
+        f"ayumi train: shard index {corpus / 'en' / 'train' / 'part_00000.idx'} does not exist{hint}. "
+        "Fix: re-run `ayumi data prepare` for this data root"]
+    assert proc.stdout == "" and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("reseal", [False, True])
+def test_an_edited_domain_record_is_refused_with_one_line(corpus, tmp_path, reseal):
+    """domain.json, not the manifest: edited by hand (its checksum no longer matches), or edited and re-sealed
+    (then it disagrees with the manifest's copy of it)."""
+    from data.manifest import seal
+
+    path = corpus / "en" / "domain.json"
+    record = json.loads(path.read_text())
+    record["splits"]["train"]["shards"][0]["tokens"] += 1
+    path.write_text(json.dumps(seal(record) if reseal else record))
+    proc = ayumi("train", *tiny_overrides(corpus, tmp_path / "runs", *SHORT))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    why = (f"differs from the record of 'en' in {corpus / 'manifest.json'}" if reseal
+           else "was changed after `ayumi data prepare` wrote it")
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"ayumi train: {path} {why}"), proc.stderr
+    assert lines[0].endswith("Fix: re-run `ayumi data prepare` for this data root") and proc.stdout == ""
+    assert not (tmp_path / "runs").exists()
 
 
 def test_a_truncated_bin_is_refused_by_every_rank_with_one_line(corpus, tmp_path):
@@ -86,7 +110,7 @@ def test_an_out_of_vocabulary_id_stops_the_rank_that_reads_it(corpus, tmp_path):
     assert f"{bin_path}: token " in proc.stdout and "outside the vocabulary [0, 512)" in proc.stdout, proc.stdout[-3000:]
     assert "IndexError" not in proc.stdout and not ayumi_frames(proc.stdout)
     verify = ayumi("data", "verify", str(corpus))
-    assert verify.returncode == 1 and "holds id 4000" in verify.stderr or "is not the recorded" in verify.stderr
+    assert verify.returncode == 1 and ("holds id 4000" in verify.stderr or "is not the recorded" in verify.stderr)
 
 
 @pytest.mark.parametrize("vocab", [300, 4096])
