@@ -31,6 +31,11 @@ export NCCL_IB_TIMEOUT="${NCCL_IB_TIMEOUT:-22}"
 # A rank whose collective fails or times out aborts the communicator and exits, so the job dies
 # with an error instead of hanging until the wall-clock limit.
 export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
+# NCCL flight recorder: the last collectives of every rank, dumped when a collective times out, beside
+# ayumi's own hang report (RUN_DIR/hang/; the watchdog speaks first, see docs/multinode.md).
+export TORCH_NCCL_TRACE_BUFFER_SIZE="${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}"
+export TORCH_NCCL_DUMP_ON_TIMEOUT="${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}"
+export TORCH_NCCL_DEBUG_INFO_TEMP_FILE="${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-${AYUMI_RUN_ROOT:-runs}/.nccl_trace/rank_}"
 # torchrun forwards SIGTERM to the training processes and SIGKILLs them after this many seconds.
 # ayumi saves on SIGTERM (checkpoint.save_on_signal), so give it most of SLURM's 120 s warning
 # (slurm.sbatch asks for --signal=B:TERM@120). Older torch versions ignore it and wait 30 s.

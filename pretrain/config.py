@@ -27,6 +27,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 from curriculum.config import CurriculumConfig
 from curriculum.declared import tokenizer_missing
 from pretrain.model.config import ModelConfig, checkpointing_plan, shape_problems
+from pretrain.hang_watchdog import HangConfig
 from pretrain.ranges import Range, above, at_least, between, range_problems
 from pretrain.stability.config import StabilityConfig, StabilityConfigError, check_stability_config
 from common.conf import (
@@ -285,6 +286,8 @@ class AyumiConfig:
     """Stability machinery (conf/stability/)."""
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     """Staged data curriculum (conf/curriculum/); no stages = all domains shuffled together."""
+    hang: HangConfig = field(default_factory=HangConfig)
+    """The hang and straggler watchdog (pretrain/hang_watchdog.py)."""
 
 
 SCHEMA_NAME = "ayumi_schema"

@@ -13,6 +13,7 @@ import os
 import shutil
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -85,8 +86,9 @@ def pick_device(preference: str) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(device_preference: str = "auto") -> DistInfo:
-    """Join (or create) the process group: NCCL on GPUs, gloo on CPU."""
+def init_distributed(device_preference: str = "auto", timeout_s: float | None = None) -> DistInfo:
+    """Join (or create) the process group: NCCL on GPUs, gloo on CPU. `timeout_s` bounds every collective
+    (pretrain.hang_watchdog.process_group_timeout_s: longer than the watchdog's, which speaks first)."""
     _ensure_rank_env()
     device = pick_device(device_preference)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
@@ -102,7 +104,8 @@ def init_distributed(device_preference: str = "auto") -> DistInfo:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
         keep_freed_memory_for_reuse()  # no page faults on the step's big tensors (pretrain/host_memory.py)
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+        extra = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+        deepspeed.init_distributed(dist_backend=backend, verbose=False, **extra)
     return DistInfo(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),

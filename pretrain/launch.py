@@ -21,6 +21,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 
 def gpu_count() -> int:
@@ -212,4 +213,19 @@ def main(argv: list[str]) -> int:
     print("+ " + " ".join(shlex.quote(part) for part in cmd), flush=True)
     if args.dry_run:
         return 0
-    return run_launcher(cmd, env)
+    started = time.time()
+    status = run_launcher(cmd, env)
+    return hang_status(cfg.run_dir, started) if status != 0 else status
+
+
+def hang_status(run_dir: str, started: float) -> int:
+    """EXIT_HANG when this job's ranks ended a hang (the launchers report their own status, torchrun 1),
+    else 1: schedulers can requeue on the watchdog's own status."""
+    from pretrain.hang_watchdog import EXIT_HANG, HANG_DIR, REPORT
+
+    report = os.path.join(run_dir, HANG_DIR, REPORT)
+    if os.path.exists(report) and os.path.getmtime(report) >= started:
+        print(f"{PROG}: the job hung and was ended by the watchdog (exit status {EXIT_HANG}); report: {report}",
+              file=sys.stderr, flush=True)
+        return EXIT_HANG
+    return 1

@@ -62,6 +62,7 @@ from pretrain.engine import (
     DistInfo, TrainEngine, all_reduce_tensor, any_rank, barrier, broadcast_object, build_model, finalize_distributed,
     init_distributed, save_ds_config,
 )
+from pretrain.hang_watchdog import HangWatchdog, process_group_timeout_s
 from pretrain.loader import BatchLoader
 from pretrain.memory import format_memory
 from pretrain.plan import Hardware, run_plan
@@ -184,7 +185,8 @@ def data_vocab_size(cfg: AyumiConfig) -> int:
     return int(load_manifest(Path(cfg.data.root))["tokenizer"]["vocab_size"])
 
 
-def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict) -> tuple[Trainer, NullLogger]:
+def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict,
+                  watchdog: HangWatchdog | None = None) -> tuple[Trainer, NullLogger]:
     """Everything the loop needs, in data-flow order: data, model, engine, checkpoints, metrics."""
     grad_accum = data_parallel_grad_accum(cfg.train, dist.world_size)
     run_dir = Path(cfg.run_dir)
@@ -219,7 +221,8 @@ def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict) -> tuple[Tra
     run_meta = {"name": cfg.name, "model": asdict(cfg.model), "world_size": dist.world_size,
                 "zero_stage": cfg.deepspeed.zero_stage, "precision": cfg.deepspeed.precision,
                 "precision_reason": precision.reason, **tokenizer}
-    trainer = Trainer(cfg, dist, engine, loader, val_sets, logger, checkpointer, total_steps(cfg.train), run_meta)
+    trainer = Trainer(cfg, dist, engine, loader, val_sets, logger, checkpointer, total_steps(cfg.train), run_meta,
+                      watchdog=watchdog)
     trainer.resume_if_possible()
     return trainer, logger
 
@@ -332,12 +335,14 @@ def lock_run_dir(cfg: AyumiConfig, dist: DistInfo) -> RunDirLock | None:
 
 def run(cfg: AyumiConfig, resolved: dict) -> TrainResult:
     check_config(cfg)
-    dist = init_distributed(cfg.train.device)
+    dist = init_distributed(cfg.train.device, process_group_timeout_s(cfg.hang))
     logger: NullLogger = NullLogger()
     lock = None
+    watchdog = HangWatchdog(cfg.hang, Path(cfg.run_dir), dist.rank, dist.world_size)
     try:
         lock = lock_run_dir(cfg, dist)
-        trainer, logger = build_trainer(cfg, dist, resolved)
+        watchdog.start()  # from here on a stuck rank ends the job with a report (startup included)
+        trainer, logger = build_trainer(cfg, dist, resolved, watchdog)
         result = trainer.run()
         logger.summary({"final/steps": result.steps, "final/tokens": result.tokens,
                         **{f"final/val/{k}/loss": v for k, v in result.val_losses.items()}})
@@ -352,6 +357,7 @@ def run(cfg: AyumiConfig, resolved: dict) -> TrainResult:
     finally:
         logger.close()
         finalize_distributed()
+        watchdog.stop()
         if lock is not None:
             lock.release()
 

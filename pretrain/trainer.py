@@ -27,6 +27,7 @@ from pretrain.engine import DistInfo, TrainEngine, all_reduce_tensor, any_rank, 
 from pretrain.loader import BatchLoader
 from pretrain.metrics import NullLogger, format_count
 from pretrain.model.flops import flops_per_token
+from pretrain.hang_watchdog import HangWatchdog, StragglerMonitor
 from pretrain.launcher_watch import LauncherWatch
 from pretrain.model.llama import layer_groups
 from pretrain.optim import lr_at
@@ -130,8 +131,12 @@ class Trainer:
 
     def __init__(self, cfg: AyumiConfig, dist: DistInfo, engine: TrainEngine, loader: BatchLoader,
                  val_sets: dict[str, PackedSamples], logger: NullLogger, checkpointer: Checkpointer,
-                 total_steps: int, run_meta: dict[str, Any]):
+                 total_steps: int, run_meta: dict[str, Any], watchdog: HangWatchdog | None = None):
         self.cfg = cfg
+        # The hang watchdog hears of progress; without one (benchmarks, tests) a disabled stand-in.
+        self.watchdog = watchdog or HangWatchdog(replace(cfg.hang, enabled=False), Path(cfg.run_dir), dist.rank,
+                                                 dist.world_size)
+        self.stragglers = StragglerMonitor(cfg.hang, dist.rank, self._gather_per_rank)
         self.dist = dist
         self.engine = engine
         self.loader = loader
@@ -213,9 +218,16 @@ class Trainer:
                          f"{resharded}")
         return self.state.step
 
+    def _gather_per_rank(self, value: float) -> list[float]:
+        """Every rank's `value`, in rank order (one small all-reduce)."""
+        slots = torch.zeros(self.dist.world_size, dtype=torch.float64, device=self.dist.device)
+        slots[self.dist.rank] = value
+        return all_reduce_tensor(slots).tolist()
+
     def save(self, reason: str) -> None:
         start = time.perf_counter()
-        path = self.checkpointer.save(self.engine, self.state.step, self.shared_state(), self.run_meta)
+        with self.watchdog.phase(self.state.step, "checkpoint save"):
+            path = self.checkpointer.save(self.engine, self.state.step, self.shared_state(), self.run_meta)
         self.logger.info(f"saved checkpoint {path} ({reason}, {time.perf_counter() - start:.1f}s)")
         self.refresh_checkpoint_steps()
 
@@ -224,7 +236,8 @@ class Trainer:
         step = self.state.step
         if self.stability.in_episode(step):
             return  # weights taken during an outlier episode are never a rollback target
-        self.ring.save(self.engine, step, self.shared_state(), self.run_meta)
+        with self.watchdog.phase(step, "checkpoint save"):
+            self.ring.save(self.engine, step, self.shared_state(), self.run_meta)
         if self.dist.is_main:
             rec = self.cfg.stability.recovery
             ring_steps = [step_of(tag) for tag in complete_tags(self.ring.root)]
@@ -358,6 +371,12 @@ class Trainer:
         self.engine.withhold_next_update(False)
         return lr
 
+    def injected_delay(self) -> None:
+        """Fault drill (hang.inject_delay_s): one rank works slower, as a throttled GPU or a busy host would."""
+        hang = self.cfg.hang
+        if hang.inject_delay_s > 0 and self.dist.rank == hang.inject_rank:
+            time.sleep(hang.inject_delay_s)
+
     def corrupt_batches(self, step: int, batches) -> None:
         """Fault injection: replace this step's tokens with uniformly random ones."""
         if not self.stability.injector.should_randomize_batch(step):
@@ -394,9 +413,11 @@ class Trainer:
         (taken inside the update, when the grad norm is known) is the same on every rank.
         """
         step = self.state.step
+        self.watchdog.beat(step, "train step")
         lr = self.begin_step(step)
         start = time.perf_counter()
         batches = self.loader.next_step()
+        own = time.perf_counter() - start  # this rank's own work: its batch, then its forward passes (below)
         self.note_stage_switch_ahead(step)
         self.corrupt_batches(step, batches)
         num_domains = len(self.domain_names)
@@ -412,8 +433,13 @@ class Trainer:
         before = None
         mean_loss = float("nan")
         fault = self.loss_fault(step)
+        delay_start = time.perf_counter()
+        self.injected_delay()
+        own += time.perf_counter() - delay_start
         for index, batch in enumerate(batches):
+            forward_start = time.perf_counter()
             out = self.engine.forward(batch.input_ids, batch.labels)
+            own += time.perf_counter() - forward_start
             self.engine.backward(out.loss if fault == 1.0 else out.loss * fault)
             # The reported loss is the cross-entropy (no z-loss); an injected NaN shows in it too.
             logged = out.ce_loss * float("nan") if math.isnan(fault) else out.ce_loss
@@ -425,6 +451,7 @@ class Trainer:
             if index == len(batches) - 1:
                 stop_flag = torch.tensor([1.0 if self.stop.received is not None else 0.0], dtype=torch.float64,
                                          device=device)
+                self.watchdog.beat(step, "all-reduce")
                 reduced = all_reduce_tensor(torch.cat([loss_sum.reshape(1), domain_sums, stop_flag]))
                 mean_loss = float(reduced[0]) / (len(batches) * self.dist.world_size)
                 self._pending = (step, mean_loss)
@@ -466,6 +493,12 @@ class Trainer:
         for event in events:
             self.log_stability_event(event)
         self.log_histogram(step)
+        self.stragglers.record(own)
+        if self.stragglers.due(self.state.step):
+            straggler_metrics, straggler = self.stragglers.report()
+            metrics.update(straggler_metrics)
+            if straggler:
+                self.logger.event("straggler", self.state.step, self.state.tokens, straggler)
         return metrics, bool(reduced[-1] > 0), action
 
     def log_histogram(self, step: int) -> None:
@@ -507,7 +540,8 @@ class Trainer:
         began = time.perf_counter()
         to_step = int(action.to_step)
         root = self.checkpoint_root_of(to_step)
-        shared, _ = self.checkpointer.load(self.engine, tag_for(to_step), root=root)
+        with self.watchdog.phase(self.state.step, "checkpoint load"):
+            shared, _ = self.checkpointer.load(self.engine, tag_for(to_step), root=root)
         self.load_shared_state(shared, with_stability=False)
         self.drop_checkpoints_after(to_step)
         self.skip_batches(action.skip_batches)
@@ -646,7 +680,8 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Mean loss over the first eval_samples samples of each validation set (+ the fp32 check)."""
         self.engine.eval()
-        results = self._validation_losses(self.engine.forward)
+        with self.watchdog.phase(self.state.step, "evaluation"):
+            results = self._validation_losses(self.engine.forward)
         self.engine.train()
         self.evaluations += 1
         if results:
