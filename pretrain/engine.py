@@ -342,6 +342,12 @@ class TrainEngine:
     def backward(self, loss: torch.Tensor) -> None:
         if self._scale_loss_here:
             loss = loss * self.loss_scale()
+        # DeepSpeed 0.19 tells its ZeRO optimizer whether this micro-batch ends the step from a
+        # backward hook on the forward's output tensors, and does not look inside LlamaOutput (a
+        # dataclass): the optimizer would act on the previous micro-batch's answer (ZeRO-1 reduced
+        # the first micro-batch on its own, one all-reduce too many per step). Tell it here.
+        if hasattr(self.optimizer, "set_gradient_accumulation_boundary"):
+            self.optimizer.set_gradient_accumulation_boundary(self.engine.is_gradient_accumulation_boundary())
         self.engine.backward(loss)
 
     def set_lr(self, lr: float) -> None:
