@@ -28,7 +28,7 @@ from curriculum.config import CurriculumConfig
 from curriculum.declared import tokenizer_missing
 from pretrain.model.config import ModelConfig, checkpointing_plan, shape_problems
 from pretrain.hang_watchdog import HangConfig
-from pretrain.ranges import Range, above, at_least, between, range_problems
+from pretrain.ranges import Range, Rule, above, at_least, between, one_of, range_problems
 from pretrain.stability.config import StabilityConfig, StabilityConfigError, check_stability_config
 from common.conf import (
     CONF_DIR, ConfigCompositionError, compose, composed_from, conf_label, config_help, group_options, unset_environment,
@@ -102,6 +102,11 @@ class DeepSpeedConfig:
     """fp16: the scale never drops below this; DeepSpeed raises if an overflow happens here."""
     bf16_skip_nonfinite: bool = True
     """bf16: skip a step whose gradients hold inf/NaN (otherwise DeepSpeed applies it and the model is lost)."""
+    grad_accum_dtype: str = "fp32"
+    """bf16 runs: dtype the micro-batch gradients are summed in. fp32 (as Megatron): costs 4 bytes/parameter on every
+    rank under ZeRO 0-1 (a whole fp32 gradient, kept by ayumi when grad accum > 1) and 2 bytes/parameter / data-parallel
+    size under ZeRO 2-3 (DeepSpeed's fp32 gradient partitions). bf16 saves that memory but loses precision as the
+    micro-batches per step grow (16-64 on a cluster). fp32 and fp16 precisions are unaffected."""
     activation_checkpointing: str = "none"
     """Activations recomputed in backward instead of stored: none; full (every block: least memory, ~30% more
     compute); every_K (every K-th block, e.g. every_2); attention or mlp (that half of every block). true/false
@@ -115,10 +120,11 @@ class DeepSpeedConfig:
     stage3_prefetch_bucket_size: int = 50_000_000
     """ZeRO 3: elements of parameters prefetched ahead of use."""
 
-    RANGES: ClassVar[dict[str, Range]] = {
+    RANGES: ClassVar[dict[str, Rule]] = {
         "zero_stage": between(0, 3), "initial_scale_power": between(0, 64), "loss_scale_window": at_least(1),
         "hysteresis": at_least(1), "min_loss_scale": above(0), "reduce_bucket_size": at_least(1),
         "allgather_bucket_size": at_least(1), "stage3_prefetch_bucket_size": at_least(0),
+        "grad_accum_dtype": one_of("fp32", "bf16", note="bf16 saves memory; fp32 keeps long accumulations exact"),
     }
     """Allowed values, checked before any rank starts (pretrain/ranges.py)."""
 

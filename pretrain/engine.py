@@ -28,6 +28,7 @@ import deepspeed  # noqa: E402  (after DS_ACCELERATOR)
 import torch.distributed as dist  # noqa: E402
 
 from pretrain.config import AyumiConfig, ConfigError, data_parallel_grad_accum  # noqa: E402
+from pretrain.grad_accum import Fp32GradAccumulator, fp32_accumulation_by  # noqa: E402
 from pretrain.host_memory import keep_freed_memory_for_reuse  # noqa: E402
 from pretrain.optim import param_groups  # noqa: E402
 
@@ -154,6 +155,11 @@ def render_ds_config(cfg: AyumiConfig, world_size: int) -> dict[str, Any]:
             "hysteresis": ds.hysteresis,
             "min_loss_scale": ds.min_loss_scale,
         }
+    if fp32_accumulation_by(ds.precision, ds.grad_accum_dtype, ds.zero_stage) == "deepspeed":
+        # ZeRO 2-3 sum each micro-batch's reduced gradient into fp32 partitions. Not rendered
+        # under ZeRO 0-1: stage 0 refuses it and stage 1 would swap in DeepSpeed's BF16_Optimizer;
+        # ayumi sums there itself (pretrain/grad_accum.py).
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
     if ds.offload_optimizer:
         # Offloaded states need DeepSpeed's CPU Adam (built once, then cached).
         config["optimizer"] = {
@@ -305,6 +311,9 @@ class TrainEngine:
         self.ds_config = render_ds_config(cfg, dist_info.world_size)
         model.set_activation_checkpointing(cfg.deepspeed.activation_checkpointing)
         self.compiled = model.compile_for(cfg.model.compile, dist_info.device.type)
+        self.grad_accum = self.ds_config["gradient_accumulation_steps"]
+        # Hooked before deepspeed.initialize, so they run before ZeRO-1's own gradient hooks.
+        self.accumulator = self._fp32_accumulator(model)
         optimizer = build_optimizer(model, cfg, dist_info.device)
         self.client_optimizer = optimizer  # ours (SkippableAdamW), under DeepSpeed's wrapper
         model_parameters = None
@@ -316,8 +325,9 @@ class TrainEngine:
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, model_parameters=model_parameters, config=self.ds_config,
         )
+        if self.accumulator is not None:
+            self.accumulator.allocate()  # on the device the engine put the parameters on
         self.precision = cfg.deepspeed.precision
-        self.grad_accum = self.ds_config["gradient_accumulation_steps"]
         # DeepSpeed 0.19's engine.backward() scales the loss only for ZeRO optimizers, yet its
         # stage-0 fp16 optimizer unscales the gradients in step(): unscaled gradients then come
         # out divided by the loss scale (no training) and overflow is never detected. Scale the
@@ -327,6 +337,18 @@ class TrainEngine:
         self._scale_loss_here = self.precision == "fp16" and not isinstance(self.optimizer, ZeROOptimizer)
         self._own_norm: float | None = None
         self._last_norm: float | None = None
+
+    def _fp32_accumulator(self, model: torch.nn.Module) -> Fp32GradAccumulator | None:
+        ds = self.cfg.deepspeed
+        if self.grad_accum == 1 or fp32_accumulation_by(ds.precision, ds.grad_accum_dtype, ds.zero_stage) != "ayumi":
+            return None  # one micro-batch per step has nothing to sum
+        return Fp32GradAccumulator(model.named_parameters())
+
+    @property
+    def grad_accum_dtype(self) -> str:
+        """The dtype micro-batch gradients are summed in, as the start-of-run line reports it."""
+        ds = self.cfg.deepspeed
+        return "fp32" if fp32_accumulation_by(ds.precision, ds.grad_accum_dtype, ds.zero_stage) else ds.precision
 
     # -- training -----------------------------------------------------------------------------
     @property
@@ -345,7 +367,19 @@ class TrainEngine:
     def backward(self, loss: torch.Tensor) -> None:
         if self._scale_loss_here:
             loss = loss * self.loss_scale()
+        boundary = self.engine.is_gradient_accumulation_boundary()
+        # DeepSpeed 0.19 tells its ZeRO optimizer whether this micro-batch ends the step from a
+        # backward hook on the forward's output tensors, and does not look inside LlamaOutput (a
+        # dataclass): the optimizer would act on the previous micro-batch's answer (ZeRO-1 reduced
+        # the first micro-batch on its own, one all-reduce too many per step). Tell it here.
+        if hasattr(self.optimizer, "set_gradient_accumulation_boundary"):
+            self.optimizer.set_gradient_accumulation_boundary(boundary)
+        if self.accumulator is None:
+            self.engine.backward(loss)
+            return
+        self.accumulator.begin_backward(boundary)
         self.engine.backward(loss)
+        self.accumulator.end_backward()
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:

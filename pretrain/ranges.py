@@ -8,8 +8,9 @@ field, so Hydra and OmegaConf never see it):
 
 `range_problems(cfg)` walks a composed config (nested dataclasses included) and returns one line
 per value outside its range, e.g. `optim.lr=-0.001 must be > 0`. Hydra already refused wrong
-types at composition, so what is left here is sign, zero and bounds. This module imports nothing
-from ayumi, so every config module (model, stability, training) can declare its rules with it.
+types at composition, so what is left here is sign, zero and bounds, and with `one_of` a string
+field's choices. This module imports nothing from ayumi, so every config module (model, stability,
+training) can declare its rules with it.
 """
 from __future__ import annotations
 
@@ -50,6 +51,31 @@ class Range:
         return f"{text} ({self.note})" if self.note else text
 
 
+@dataclass(frozen=True)
+class OneOf:
+    """A fixed set of allowed values (a string field's choices), checked like a Range."""
+
+    values: tuple[Any, ...]
+    note: str = ""
+    """What the choices mean, appended to the message."""
+
+    def allows(self, value: Any) -> bool:
+        return value in self.values
+
+    def __str__(self) -> str:
+        text = f"one of {', '.join(str(v) for v in self.values)}"
+        return f"{text} ({self.note})" if self.note else text
+
+
+Rule = Range | OneOf
+"""What a RANGES entry may be."""
+
+
+def one_of(*values: Any, note: str = "") -> OneOf:
+    """value is one of `values`."""
+    return OneOf(tuple(values), note)
+
+
 def at_least(low: float, note: str = "") -> Range:
     """value >= low."""
     return Range(low, note=note)
@@ -72,7 +98,7 @@ def range_problems(cfg: Any, prefix: str = "") -> list[str]:
     trailing dot, as the user types it on the command line.
     """
     problems: list[str] = []
-    rules: dict[str, Range] = getattr(type(cfg), "RANGES", {})
+    rules: dict[str, Rule] = getattr(type(cfg), "RANGES", {})
     for f in fields(cfg):
         value = getattr(cfg, f.name)
         key = f"{prefix}{f.name}"

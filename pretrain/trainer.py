@@ -343,7 +343,8 @@ class Trainer:
             f"run {cfg.name}: {format_count(cfg.train.tokens)} tokens = {self.total_steps} steps x "
             f"{format_count(self.tokens_per_step)} tokens/step ({cfg.train.global_batch_size} x {cfg.train.seq_len}); "
             f"{self.dist.world_size} rank(s) on {self.dist.device.type}, micro batch {cfg.train.micro_batch_size}, "
-            f"grad accum {self.engine.grad_accum}, ZeRO {cfg.deepspeed.zero_stage}, {cfg.deepspeed.precision}"
+            f"grad accum {self.engine.grad_accum} (summed in {self.engine.grad_accum_dtype}), "
+            f"ZeRO {cfg.deepspeed.zero_stage}, {cfg.deepspeed.precision}"
         )
 
     def should_evaluate(self, step: int) -> bool:

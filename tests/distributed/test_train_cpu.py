@@ -115,8 +115,10 @@ def test_zero3_resume_on_another_number_of_ranks_is_exact(corpus, tmp_path):
     A ZeRO-3 checkpoint's optimizer state is cut per rank, so it is loaded through DeepSpeed's
     universal form. ZeRO-3 on 1 and on 2 ranks gives identical losses on this job, so anything
     the conversion loses (weights, Adam moments or step, a group's weight decay) shows.
+    They do the same arithmetic with bf16 gradient sums: with fp32 ones (the default) the 1-rank
+    run's two micro-batches add up unrounded where the 2-rank reduce-scatter rounds to bf16.
     """
-    common = ["deepspeed=zero3", "train.tokens=16384", "checkpoint.interval=0"]
+    common = ["deepspeed=zero3", "deepspeed.grad_accum_dtype=bf16", "train.tokens=16384", "checkpoint.interval=0"]
     expected, got, proc = run_whole_and_resumed(corpus, tmp_path, common, stop_at=16, first_ranks=1, then_ranks=2)
     assert "re-sharded from 1 ranks to 2 through DeepSpeed's universal checkpoint" in proc.stdout
     split = tmp_path / "split"
