@@ -12,10 +12,10 @@ What one GPU holds at the peak of a step (the start of backward), in bytes:
   + 16P/D; stage 2: 2P + 18P/D; stage 3: 18P/D + 4 x the largest layer (gathered for compute). Stages 2
   and 3 are exactly DeepSpeed's own `estimate_zero2/zero3_model_states_mem_needs` (tested), offload
   included (the optimizer states, fp32 master and fp32 gradients move to the CPU).
-- **gradient accumulation** in fp32 (`deepspeed.grad_accum_dtype`, bf16 runs): where it needs a
-  buffer of its own, 4 bytes per accumulated element (stage 0: every parameter; stage 1: DeepSpeed's
-  BF16_Optimizer keeps full fp32 gradients; stages 2-3 accumulate into the fp32 gradient partition
-  that the step needs anyway, so the cost there is none).
+- **gradient accumulation** in fp32 (`deepspeed.grad_accum_dtype`, bf16 runs with more than one micro
+  batch per step): ZeRO 0-1 sum in ayumi's own fp32 buffers (pretrain/grad_accum.py), 4 bytes per
+  parameter on every rank; ZeRO 2-3 accumulate into the fp32 gradient partition that the step needs
+  anyway, so the cost there is none.
 - **communication buckets**: ZeRO 1-2 allocate `reduce_bucket_size` elements per buffer, two with
   `overlap_comm`; ZeRO-3 one reduce bucket; stage 0 flattens up to 5e8 gradient elements per all-reduce.
 - **activations** kept for backward, per block, from the tensors autograd saves in
@@ -64,6 +64,8 @@ class MemoryShape:
     offload_optimizer: bool = False
     offload_param: bool = False
     grad_accum_dtype: str = "fp32"
+    grad_accum: int = 2
+    """Micro batches per optimizer step on each rank (fp32 accumulation needs buffers only beyond 1)."""
     checkpointing: str = "none"
     reduce_bucket_size: int = 500_000_000
     overlap_comm: bool = True
@@ -121,7 +123,7 @@ def model_state_terms(parameters: int, largest_layer: int, shape: MemoryShape) -
     """Parameters, gradients, fp32 master, Adam moments and the fp32 accumulation buffer per GPU (module doc)."""
     P, D, stage, e = parameters, shape.data_parallel, shape.zero_stage, shape.compute_bytes
     mixed = shape.precision != "fp32"
-    fp32_accum = shape.precision == "bf16" and shape.grad_accum_dtype == "fp32"
+    fp32_accum = shape.precision == "bf16" and shape.grad_accum_dtype == "fp32" and shape.grad_accum > 1
     offload = shape.offload_optimizer and stage >= 1
     part = lambda per_param: int(per_param * P / D)  # noqa: E731  (bytes of a state cut across D ranks)
     if stage == 0:
@@ -131,10 +133,8 @@ def model_state_terms(parameters: int, largest_layer: int, shape: MemoryShape) -
         params = e * P
         low = e * P if stage == 1 else part(e)  # ZeRO-1 keeps whole gradients, ZeRO-2 only its partition
         fp32_grads = part(4) if mixed and not offload else 0  # the fp32 gradient partition the step reads
-        accum = 0
-        if fp32_accum and stage == 1 and not offload:  # DeepSpeed's BF16_Optimizer: whole fp32 gradients
-            fp32_grads, accum = 0, 4 * P
-        elif stage == 2 and (offload or fp32_accum):  # offloaded, or accumulated straight into the fp32 partition
+        accum = 4 * P if fp32_accum and stage == 1 else 0  # ayumi's fp32 sums (pretrain/grad_accum.py)
+        if stage == 2 and (offload or fp32_accum):  # offloaded, or accumulated straight into the fp32 partition
             low = 0
         grads, master, moments = low + fp32_grads, (0 if offload else part(4)), (0 if offload else part(8))
     else:
@@ -148,7 +148,8 @@ def model_state_terms(parameters: int, largest_layer: int, shape: MemoryShape) -
              MemoryTerm("gradients", grads), MemoryTerm("fp32 master weights", master),
              MemoryTerm("Adam moments", moments, "on the CPU (offload)" if offload else "")]
     note = ("fp32 (deepspeed.grad_accum_dtype=fp32)" if accum else
-            "fp32, into the gradient partition" if fp32_accum else "bf16 (deepspeed.grad_accum_dtype=bf16)" if mixed else "")
+            "fp32, into the gradient partition" if fp32_accum else
+            "bf16 (deepspeed.grad_accum_dtype=bf16)" if mixed and shape.grad_accum > 1 else "")
     terms.append(MemoryTerm("gradient accumulation", accum, note))
     return terms
 
@@ -261,8 +262,10 @@ def memory_shape(cfg: Any, data_parallel: int, gqa_kernel: bool = True) -> Memor
     """The shape of a composed training config (read by attribute) for `data_parallel` ranks."""
     ds, train = cfg.deepspeed, cfg.train
     precision = "bf16" if ds.precision == "auto" else ds.precision
+    per_step = train.micro_batch_size * max(1, data_parallel)
+    accum = train.grad_accum or max(1, train.global_batch_size // per_step)
     return MemoryShape(
-        model=cfg.model, micro_batch=train.micro_batch_size, seq_len=train.seq_len, precision=precision,
+        model=cfg.model, micro_batch=train.micro_batch_size, seq_len=train.seq_len, precision=precision, grad_accum=accum,
         zero_stage=ds.zero_stage, data_parallel=max(1, data_parallel), offload_optimizer=ds.offload_optimizer,
         offload_param=ds.offload_param, grad_accum_dtype=getattr(ds, "grad_accum_dtype", "fp32"),
         checkpointing=str(ds.activation_checkpointing), reduce_bucket_size=ds.reduce_bucket_size,
