@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import threading
 import time
@@ -22,6 +23,8 @@ from pathlib import Path
 import psutil
 
 LOCK_NAME = ".ayumi.lock"
+BOOKKEEPING = {"hang"}
+"""What a job writes into its run dir before it has checked its plan (the hang watchdog's heartbeats)."""
 REFRESH_S = 60.0
 STALE_AFTER_S = 600.0
 
@@ -123,8 +126,9 @@ class RunDirLock:
         holder = read_lock(self.run_dir)
         if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
             self.path.unlink(missing_ok=True)
-            if self._created_dir and not any(self.run_dir.iterdir()):
-                self.run_dir.rmdir()  # a start refused before anything was written leaves nothing behind
+            if self._created_dir and {p.name for p in self.run_dir.iterdir()} <= BOOKKEEPING:
+                # A start refused before anything was written (the plan, the data) leaves nothing behind.
+                shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def __enter__(self) -> "RunDirLock":
         return self.acquire()
