@@ -77,13 +77,32 @@ def byte_piece(value: int) -> str:
     return f"<0x{value:02X}>"
 
 
-def select_pieces(domains: Sequence[DomainPieces], budget: int, reserved: set[str]) -> list[tuple[str, str]]:
-    """`budget` distinct (piece, domain) pairs: all single characters, then the interleaved multi-character pieces."""
+SPECIAL_CHARS_OWNER = "specials"
+"""Owner of a character piece kept only because a special token is spelled with it."""
+
+
+def special_chars(specials: Sequence[str]) -> list[str]:
+    """Characters of the control/unknown pieces (unk/bos/eos/pad), in order, each once.
+
+    The HF export keeps these pieces in its vocabulary at a score no text piece reaches, yet an
+    unknown character costs even less there (HF prices it below the lowest score); a literal "<s>"
+    whose "<" were not a piece would then become id 1 in HF but bytes in SentencePiece. With every
+    character of the specials a piece, the characters always win (export_hf.py)."""
+    return list(dict.fromkeys(ch for piece in specials for ch in piece))
+
+
+def select_pieces(domains: Sequence[DomainPieces], budget: int, reserved: set[str],
+                  required_chars: Sequence[str] = ()) -> list[tuple[str, str]]:
+    """`budget` distinct (piece, domain) pairs: all single characters (required_chars included, whether or
+    not a domain learned them), then the interleaved multi-character pieces."""
     chosen: dict[str, str] = {}
     for d in domains:
         for piece, _ in d.pieces:
             if len(piece) == 1 and piece not in reserved:
                 chosen.setdefault(piece, d.domain)
+    for ch in required_chars:
+        if ch not in reserved:
+            chosen.setdefault(ch, SPECIAL_CHARS_OWNER)
     if len(chosen) > budget:
         raise MergeError(
             f"the domain models need {len(chosen)} single-character pieces but only {budget} places are left "
@@ -139,7 +158,7 @@ def build_proto(cfg: TokenizerConfig, template_model: Path, domains: Sequence[Do
         proto.pieces.add(piece=byte_piece(value), score=0.0, type=Piece.BYTE)
     size = target_size(cfg)
     reserved = set(specials) | {byte_piece(v) for v in range(NUM_BYTE_PIECES)}
-    selected = select_pieces(domains, size - len(proto.pieces), reserved)
+    selected = select_pieces(domains, size - len(proto.pieces), reserved, special_chars(specials[:4]))
     pieces = [piece for piece, _ in selected]
     if cfg.model_type == "bpe":
         scores = [-float(i) for i in range(len(pieces))]
