@@ -68,7 +68,8 @@ def train_baseline(cfg: TokenizerConfig, samples: dict[str, DomainSample], out: 
 
 def merge_domains(cfg: TokenizerConfig, samples: dict[str, DomainSample], models: dict[str, Path], log: Log = print):
     """The merged ModelProto and which domain each learned piece came from."""
-    from tokenizer.merge import build_proto, domain_pieces, quantize_scores, reestimate_scores
+    from tokenizer.merge import (build_proto, domain_pieces, indentation_pieces, promote_runs, quantize_scores,
+                                 reestimate_scores)
 
     total = sum(s.train_bytes for s in samples.values())
     pieces = [domain_pieces(d, models[d], samples[d].train_bytes / total, cfg.domains[d].vocab_size) for d in models]
@@ -81,6 +82,9 @@ def merge_domains(cfg: TokenizerConfig, samples: dict[str, DomainSample], models
             f"tokens per pass: {', '.join(str(int(h)) for h in history)}")
     if cfg.model_type == "unigram":
         quantize_scores(proto, cfg.merge.score_quantum)
+        # After the rounding, so the margin survives it (a run one quantum above its best split).
+        promote_runs(proto, indentation_pieces(cfg.merge.indent_tabs, cfg.merge.indent_spaces),
+                     cfg.merge.score_quantum or 0.125)
     shares = {d: sum(1 for o in owners.values() if o == d) for d in models}
     log(f"[merge] {len(proto.pieces)} pieces; learned pieces by first domain: {shares}")
     return proto, shares

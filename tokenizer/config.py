@@ -38,7 +38,7 @@ class DomainConfig:
     split_digits: bool = True
     """Split numbers into single digits (helps arithmetic; standard for Llama-style vocabularies)."""
     allow_whitespace_only_pieces: bool = True
-    """Allow pieces made only of whitespace runs (code indentation becomes one token)."""
+    """Allow pieces made only of space runs (the merge adds indentation runs itself: merge.indent_tabs/indent_spaces)."""
     byte_fallback: bool = True
     """Train with byte fallback (the merged model always has the 256 byte pieces)."""
     sample_bytes: Optional[int] = None
@@ -101,6 +101,10 @@ class MergeConfig:
     """Bytes of the mixed training sample the EM passes encode (a deterministic subset, in sample proportions)."""
     smoothing: float = 0.5
     """Add-k count smoothing in the re-estimation, so that a piece unused in the sample keeps a finite score."""
+    indent_tabs: int = 4
+    """Keep pieces for runs of 1..indent_tabs tabs, so tab indentation after a newline costs one token (0: none)."""
+    indent_spaces: int = 16
+    """Keep pieces for runs of 2..indent_spaces spaces, so space indentation after a newline costs one token (0/1: none)."""
     score_quantum: float = 0.125
     """Round unigram scores to multiples of this power of two so SentencePiece's float32 and HF's float64 path sums are exact alike (identical ids); 0 = off."""
 
@@ -238,6 +242,10 @@ def check_tokenizer_config(cfg: TokenizerConfig) -> None:
         raise TokenizerConfigError(f"tokenizer.pad_to_multiple_of={cfg.pad_to_multiple_of} must be ≥ 0.")
     if not 0.0 <= cfg.sample.heldout_fraction < 1.0:
         raise TokenizerConfigError(f"tokenizer.sample.heldout_fraction={cfg.sample.heldout_fraction} must be in [0, 1).")
+    for name in ("indent_tabs", "indent_spaces"):
+        value = getattr(cfg.merge, name)
+        if not 0 <= value <= 64:
+            raise TokenizerConfigError(f"tokenizer.merge.{name}={value}: use 0 (no such pieces) to 64.")
     if cfg.num_threads < 1:
         raise TokenizerConfigError(f"tokenizer.num_threads={cfg.num_threads} must be ≥ 1.")
 
