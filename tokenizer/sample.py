@@ -176,4 +176,3 @@ def mixed_subset(samples: dict[str, DomainSample], max_bytes: int) -> list[str]:
                     break
                 lines.append(line.rstrip("\n"))
     return lines
-
