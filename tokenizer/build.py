@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from tokenizer.config import TokenizerConfig, check_tokenizer_config, domain_patterns
+from tokenizer.config import TokenizerConfig, check_tokenizer_config, domain_patterns, enabled_domains
 from common.files import replace_dir
 from tokenizer.info import MODEL_FILE, META_FILE, tokenizer_sha256
 from tokenizer.sample import DomainSample, mixed_subset, sample_domain, spm_memory_estimate
@@ -131,6 +131,7 @@ def build_tokenizer(
     from tokenizer import evaluate as ev
     from tokenizer.export_hf import export_hf
 
+    cfg = enabled_domains(cfg)
     check_tokenizer_config(cfg)
     output_dir = Path(output_dir)
     if output_dir.exists() and not overwrite:
