@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from tokenizer.config import TokenizerConfig, check_tokenizer_config, domain_patterns
+from tokenizer.config import TokenizerConfig, check_tokenizer_config, domain_patterns, enabled_domains
 from common.files import replace_dir
 from tokenizer.info import MODEL_FILE, META_FILE, tokenizer_sha256
 from tokenizer.sample import DomainSample, mixed_subset, sample_domain, spm_memory_estimate
@@ -68,7 +68,8 @@ def train_baseline(cfg: TokenizerConfig, samples: dict[str, DomainSample], out: 
 
 def merge_domains(cfg: TokenizerConfig, samples: dict[str, DomainSample], models: dict[str, Path], log: Log = print):
     """The merged ModelProto and which domain each learned piece came from."""
-    from tokenizer.merge import build_proto, domain_pieces, quantize_scores, reestimate_scores
+    from tokenizer.merge import (build_proto, domain_pieces, indentation_pieces, promote_runs, quantize_scores,
+                                 reestimate_scores)
 
     total = sum(s.train_bytes for s in samples.values())
     pieces = [domain_pieces(d, models[d], samples[d].train_bytes / total, cfg.domains[d].vocab_size) for d in models]
@@ -81,6 +82,9 @@ def merge_domains(cfg: TokenizerConfig, samples: dict[str, DomainSample], models
             f"tokens per pass: {', '.join(str(int(h)) for h in history)}")
     if cfg.model_type == "unigram":
         quantize_scores(proto, cfg.merge.score_quantum)
+        # After the rounding, so the margin survives it (a run one quantum above its best split).
+        promote_runs(proto, indentation_pieces(cfg.merge.indent_tabs, cfg.merge.indent_spaces),
+                     cfg.merge.score_quantum or 0.125)
     shares = {d: sum(1 for o in owners.values() if o == d) for d in models}
     log(f"[merge] {len(proto.pieces)} pieces; learned pieces by first domain: {shares}")
     return proto, shares
@@ -92,15 +96,23 @@ def _heldout_texts(samples: dict[str, DomainSample]) -> dict[str, list[str]]:
     return read_texts({domain: str(sample.heldout_path) for domain, sample in samples.items()})
 
 
+PARITY_PROBES = [
+    "<s></s><unk><pad>", "(?P<s>\\d+)</s>", "<s>text</s>", "x <pad>  <unk>\n<s>", "▁ ▁▁x▁", "a\r\nb\rc",
+    "\n\t\treturn x\n", "  \n    \n\t \t", "🦜𠮷鷗", "ｆｕｌｌ　ｗｉｄｔｈ", "e\u0301\u0308",
+]
+"""Texts that break a naive export (special-token literals, whitespace runs, CR, rare characters): the
+build checks them besides the held-out documents, under the name "_probes"."""
+
+
 def hf_parity(model_path: Path, hf_dir: Path, texts: dict[str, list[str]]) -> dict:
-    """Docs whose HF ids differ from SentencePiece's, per domain (the export's contract is zero)."""
+    """Docs whose HF ids differ from SentencePiece's, per domain and for PARITY_PROBES (the export's contract is zero)."""
     import sentencepiece as spm
     from tokenizers import Tokenizer
 
     sp = spm.SentencePieceProcessor(model_file=str(model_path))
     tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
     report = {}
-    for domain, docs in texts.items():
+    for domain, docs in {**texts, "_probes": PARITY_PROBES}.items():
         hf_ids = [e.ids for e in tok.encode_batch(docs, add_special_tokens=False)] if docs else []
         bad = [i for i, (doc, ids) in enumerate(zip(docs, hf_ids)) if sp.encode(doc) != ids]
         report[domain] = {"docs": len(docs), "mismatches": len(bad)}
@@ -119,6 +131,7 @@ def build_tokenizer(
     from tokenizer import evaluate as ev
     from tokenizer.export_hf import export_hf
 
+    cfg = enabled_domains(cfg)
     check_tokenizer_config(cfg)
     output_dir = Path(output_dir)
     if output_dir.exists() and not overwrite:

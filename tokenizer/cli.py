@@ -80,8 +80,22 @@ def cmd_build(argv: list[str]) -> int:
         print(OmegaConf.to_yaml(cfg, resolve=True))
         return 0
     job = to_object(cfg)
+    job.tokenizer = enabled_domains_logged(job.tokenizer)
     build_tokenizer(job.tokenizer, Path(job.output_dir), overwrite=job.overwrite, keep_work=job.keep_work)
     return 0
+
+
+def enabled_domains_logged(tok):
+    """tok without its disabled domains (tokenizer.domains.X.enabled=false), saying how the sizes moved."""
+    from tokenizer.config import enabled_domains
+
+    kept = enabled_domains(tok)
+    if kept is not tok:
+        dropped = sorted(set(tok.domains) - set(kept.domains))
+        sizes = ", ".join(f"{d} {tok.domains[d].vocab_size}→{c.vocab_size}" for d, c in kept.domains.items())
+        print(f"[config] without {', '.join(dropped)}: domain vocab sizes renormalised ({sizes}; "
+              "sizes set on the command line are scaled too, see docs/tokenizer.md)")
+    return kept
 
 
 def sweep_candidates(overrides: list[str]) -> list[list[str]]:
@@ -107,6 +121,7 @@ def cmd_sweep(argv: list[str]) -> int:
     jobs = []
     for combo in candidates:
         job = to_object(compose(combo))
+        job.tokenizer = enabled_domains_logged(job.tokenizer)
         label = ",".join(o for o in combo if o not in overrides) or "base"
         _scale_domain_vocab(job.tokenizer, compose([o for o in combo if "total_vocab" not in o]))
         job.tokenizer.name = f"{job.tokenizer.name}-{label.replace('=', '_').replace(',', '-').replace('/', '_')}"

@@ -7,7 +7,7 @@ special tokens, a domain without inputs, …) with a message that names the fiel
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -21,6 +21,9 @@ class TokenizerConfigError(ValueError):
 class DomainConfig:
     """One domain's SentencePiece model (trained on that domain's sample only)."""
 
+    enabled: bool = True
+    """false: build without this domain (tokenizer.domains.code.enabled=false drops a preset's code domain;
+    its inputs are ignored and the other domains' sizes grow so their shares stay as configured)."""
     vocab_size: int = 8000
     """Vocabulary of the domain model. The merge keeps the same top fraction of every domain's pieces,
     so the sizes set the domains' shares of the merged vocabulary; their sum should exceed
@@ -38,7 +41,7 @@ class DomainConfig:
     split_digits: bool = True
     """Split numbers into single digits (helps arithmetic; standard for Llama-style vocabularies)."""
     allow_whitespace_only_pieces: bool = True
-    """Allow pieces made only of whitespace runs (code indentation becomes one token)."""
+    """Allow pieces made only of space runs (the merge adds indentation runs itself: merge.indent_tabs/indent_spaces)."""
     byte_fallback: bool = True
     """Train with byte fallback (the merged model always has the 256 byte pieces)."""
     sample_bytes: Optional[int] = None
@@ -101,6 +104,10 @@ class MergeConfig:
     """Bytes of the mixed training sample the EM passes encode (a deterministic subset, in sample proportions)."""
     smoothing: float = 0.5
     """Add-k count smoothing in the re-estimation, so that a piece unused in the sample keeps a finite score."""
+    indent_tabs: int = 4
+    """Keep pieces for runs of 1..indent_tabs tabs, so tab indentation after a newline costs one token (0: none)."""
+    indent_spaces: int = 16
+    """Keep pieces for runs of 2..indent_spaces spaces, so space indentation after a newline costs one token (0/1: none)."""
     score_quantum: float = 0.125
     """Round unigram scores to multiples of this power of two so SentencePiece's float32 and HF's float64 path sums are exact alike (identical ids); 0 = off."""
 
@@ -222,6 +229,12 @@ def check_tokenizer_config(cfg: TokenizerConfig) -> None:
         raise TokenizerConfigError("tokenizer.domains is empty. Fix: pick a preset (tokenizer=tiny) or add domains.")
     for domain, dcfg in cfg.domains.items():
         check_domain(cfg, domain, dcfg)
+    removed = sorted(d for d in set(cfg.inputs) - set(cfg.domains) if not domain_patterns(cfg, d))
+    if removed:
+        raise TokenizerConfigError(
+            f"tokenizer.domains.{removed[0]} is gone but tokenizer.inputs.{removed[0]} is still listed (by the preset). "
+            f"Fix: drop a preset's domain with tokenizer.domains.{removed[0]}.enabled=false instead."
+        )
     extra = sorted(set(cfg.inputs) - set(cfg.domains))
     if extra:
         raise TokenizerConfigError(
@@ -238,8 +251,36 @@ def check_tokenizer_config(cfg: TokenizerConfig) -> None:
         raise TokenizerConfigError(f"tokenizer.pad_to_multiple_of={cfg.pad_to_multiple_of} must be ≥ 0.")
     if not 0.0 <= cfg.sample.heldout_fraction < 1.0:
         raise TokenizerConfigError(f"tokenizer.sample.heldout_fraction={cfg.sample.heldout_fraction} must be in [0, 1).")
+    for name in ("indent_tabs", "indent_spaces"):
+        value = getattr(cfg.merge, name)
+        if not 0 <= value <= 64:
+            raise TokenizerConfigError(f"tokenizer.merge.{name}={value}: use 0 (no such pieces) to 64.")
     if cfg.num_threads < 1:
         raise TokenizerConfigError(f"tokenizer.num_threads={cfg.num_threads} must be ≥ 1.")
+
+
+def enabled_domains(cfg: TokenizerConfig) -> TokenizerConfig:
+    """cfg without its disabled domains (and their inputs), the others' vocab sizes renormalised.
+
+    A domain's vocab size sets its share of the merged vocabulary (merge.py). Dropping a domain scales
+    every remaining domain's *learned* pieces (its size less the byte pieces and specials every model
+    holds) by the same factor, so the learned pieces add up to what they did with every domain: the
+    remaining shares keep their configured ratios and still cover total_vocab with the usual overlap.
+    A config with every domain enabled comes back unchanged (the function is idempotent)."""
+    dropped = [d for d, dcfg in cfg.domains.items() if not dcfg.enabled]
+    if not dropped:
+        return cfg
+    kept = {d: dcfg for d, dcfg in cfg.domains.items() if dcfg.enabled}
+    if not kept:
+        raise TokenizerConfigError(
+            f"every domain of tokenizer.domains is disabled ({', '.join(dropped)}). Fix: keep at least one "
+            "(tokenizer.domains.<name>.enabled=true).")
+    fixed = NUM_BYTE_PIECES + len(special_pieces(cfg.specials))
+    learned = {d: max(0, dcfg.vocab_size - fixed) for d, dcfg in cfg.domains.items()}
+    factor = sum(learned.values()) / max(1, sum(learned[d] for d in kept))
+    domains = {d: replace(dcfg, vocab_size=fixed + round(learned[d] * factor)) for d, dcfg in kept.items()}
+    inputs = {d: v for d, v in cfg.inputs.items() if d not in dropped}
+    return replace(cfg, domains=domains, inputs=inputs)
 
 
 def check_domain(cfg: TokenizerConfig, domain: str, dcfg: DomainConfig) -> None:
@@ -249,7 +290,7 @@ def check_domain(cfg: TokenizerConfig, domain: str, dcfg: DomainConfig) -> None:
     if not patterns:
         raise TokenizerConfigError(
             f"domain {domain!r} has no inputs. Fix: set tokenizer.inputs.{domain}=/path/to/{domain}/*.jsonl "
-            f"or remove the domain with ~tokenizer.domains.{domain}."
+            f"or build without it: tokenizer.domains.{domain}.enabled=false."
         )
     if not 0.9 <= dcfg.character_coverage <= 1.0:
         raise TokenizerConfigError(

@@ -11,9 +11,18 @@ pre-tokenizer does not reproduce SentencePiece on whitespace runs. What makes th
     lattice never prefers them either (the unknown-token score moves with it, but every path over an
     unknown character shares that node, so no choice changes);
   - byte fallback on, unk fused (the bytes of a run of unknown characters are the same either way).
-bos/eos/pad/unk are registered as special tokens for training code; encode adds none by default, so
-`encode(text)` equals SentencePiece's `encode(text)`. As in every HF tokenizer, a literal "<s>" in the
-input becomes the special id (SentencePiece reads it as characters).
+Text never becomes a special token, as in SentencePiece (which never matches control pieces in text):
+  - bos/eos/pad/unk live in the model's vocabulary only, not in tokenizer.json's added tokens, which
+    HF would cut out of the text (a regex's "(?P<s>…)" or an HTML "<s>" would become id 1 and the
+    dummy prefix would be re-applied after it);
+  - tokenizer_config.json names them (bos_token, …) for training code and sets
+    `split_special_tokens: true`, so transformers, which registers them again on load, still reads
+    them in text as characters. Add bos/eos by id (`tokenizer.bos_token_id`), never as a string;
+  - their vocabulary entries get NEVER_SCORE, so HF's lattice never prefers them over the characters
+    "<", "s", ">" — which the merge keeps as pieces (merge.py), since an unknown character would
+    otherwise cost even less.
+encode adds no bos/eos by default, so `encode(text)` equals SentencePiece's `encode(text)` for any text.
+A literal "▁" in text is the same symbol as a space to both (ids identical; it decodes as " ").
 """
 from __future__ import annotations
 
@@ -31,7 +40,7 @@ FLT_MIN = float(np.finfo(np.float32).tiny)
 
 def build_hf_tokenizer(model_path: Path):
     """A `tokenizers.Tokenizer` equivalent to the SentencePiece model at model_path."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers
 
     proto = load_proto(model_path)
     Piece = pb().ModelProto.SentencePiece
@@ -67,8 +76,7 @@ def build_hf_tokenizer(model_path: Path):
     if norm.add_dummy_prefix:
         dec.append(decoders.Strip(content=" ", left=1, right=0))
     tok.decoder = decoders.Sequence(dec)
-    specials = [proto.pieces[i].piece for i in (spec.unk_id, spec.bos_id, spec.eos_id, spec.pad_id) if i >= 0]
-    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    # No added tokens: they would be cut out of the text before the model sees it (see the module docstring).
     return tok
 
 
@@ -106,6 +114,9 @@ def export_hf(model_path: Path, out_dir: Path, cfg: TokenizerConfig | None = Non
         "clean_up_tokenization_spaces": False,
         "model_max_length": model_max_length,
         "legacy": False,
+        # transformers registers the tokens above as special on load; this keeps it from cutting them out
+        # of text, so "<s>" typed in text stays characters (ids identical to SentencePiece).
+        "split_special_tokens": True,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2), encoding="utf-8")
     (out_dir / "special_tokens_map.json").write_text(json.dumps(special_map, ensure_ascii=False, indent=2), encoding="utf-8")

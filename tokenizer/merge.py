@@ -4,7 +4,8 @@ Layout of the merged vocabulary:
   ids 0..3            unk / bos / eos / pad (ids configurable within 0..3)
   next                user-defined pieces (newline, domain tags), always kept whole
   next 256            byte pieces <0x00>..<0xFF> (byte fallback)
-  the rest            learned pieces: every domain's single characters first (coverage), then
+  the rest            learned pieces: every domain's single characters first (coverage, plus the
+                      characters of the specials), indentation runs (tabs 1..4, spaces 2..16), then
                       multi-character pieces interleaved by *relative* rank — piece r of domain d
                       ranks at r / vocab_size_d — so every domain keeps the same top fraction of its
                       pieces and the domains' vocab sizes set their shares. A piece already taken
@@ -77,13 +78,48 @@ def byte_piece(value: int) -> str:
     return f"<0x{value:02X}>"
 
 
-def select_pieces(domains: Sequence[DomainPieces], budget: int, reserved: set[str]) -> list[tuple[str, str]]:
-    """`budget` distinct (piece, domain) pairs: all single characters, then the interleaved multi-character pieces."""
+SPECIAL_CHARS_OWNER = "specials"
+"""Owner of a character piece kept only because a special token is spelled with it."""
+
+
+def special_chars(specials: Sequence[str]) -> list[str]:
+    """Characters of the control/unknown pieces (unk/bos/eos/pad), in order, each once.
+
+    The HF export keeps these pieces in its vocabulary at a score no text piece reaches, yet an
+    unknown character costs even less there (HF prices it below the lowest score); a literal "<s>"
+    whose "<" were not a piece would then become id 1 in HF but bytes in SentencePiece. With every
+    character of the specials a piece, the characters always win (export_hf.py)."""
+    return list(dict.fromkeys(ch for piece in specials for ch in piece))
+
+
+INDENT_OWNER = "indentation"
+"""Owner of an indentation-run piece the merge adds whether or not a domain learned it."""
+
+
+def indentation_pieces(tabs: int, spaces: int) -> list[str]:
+    """Runs of 1..tabs tabs and 2..spaces spaces (as "▁", SentencePiece's space symbol), longest first.
+
+    Every domain model learns its whitespace pieces from training lines that each start with the dummy
+    prefix, so they all begin with "▁" ("▁\t\t"); after a newline inside a document there is no "▁",
+    and two tabs cost two tokens. These pieces fit there; their scores come from the re-estimation."""
+    return ["\t" * n for n in range(tabs, 0, -1)] + ["▁" * n for n in range(spaces, 1, -1)]
+
+
+def select_pieces(domains: Sequence[DomainPieces], budget: int, reserved: set[str],
+                  required_chars: Sequence[str] = (), forced: Sequence[str] = ()) -> list[tuple[str, str]]:
+    """`budget` distinct (piece, domain) pairs: all single characters (required_chars included, whether or
+    not a domain learned them), the `forced` pieces (indentation runs), then the interleaved multi-character pieces."""
     chosen: dict[str, str] = {}
     for d in domains:
         for piece, _ in d.pieces:
             if len(piece) == 1 and piece not in reserved:
                 chosen.setdefault(piece, d.domain)
+    for ch in required_chars:
+        if ch not in reserved:
+            chosen.setdefault(ch, SPECIAL_CHARS_OWNER)
+    for piece in forced:
+        if piece not in reserved:
+            chosen.setdefault(piece, INDENT_OWNER)
     if len(chosen) > budget:
         raise MergeError(
             f"the domain models need {len(chosen)} single-character pieces but only {budget} places are left "
@@ -139,7 +175,8 @@ def build_proto(cfg: TokenizerConfig, template_model: Path, domains: Sequence[Do
         proto.pieces.add(piece=byte_piece(value), score=0.0, type=Piece.BYTE)
     size = target_size(cfg)
     reserved = set(specials) | {byte_piece(v) for v in range(NUM_BYTE_PIECES)}
-    selected = select_pieces(domains, size - len(proto.pieces), reserved)
+    forced = indentation_pieces(cfg.merge.indent_tabs, cfg.merge.indent_spaces)
+    selected = select_pieces(domains, size - len(proto.pieces), reserved, special_chars(specials[:4]), forced)
     pieces = [piece for piece, _ in selected]
     if cfg.model_type == "bpe":
         scores = [-float(i) for i in range(len(pieces))]
@@ -227,3 +264,36 @@ def quantize_scores(proto, quantum: float) -> int:
             changed += rounded != piece.score
             piece.score = rounded
     return changed
+
+
+def promote_runs(proto, runs: Sequence[str], margin: float) -> int:
+    """Give each indentation run a score `margin` above its best split into shorter pieces; returns how
+    many changed.
+
+    Viterbi EM cannot discover such a piece: once "▁" alone is frequent, "▁▁" is never chosen, gets
+    only the smoothing count and stays below two "▁". Raised above every split of its own characters,
+    a run is one token wherever it stands; it cannot win anywhere else, as only those characters match
+    it. Shortest runs first, so a longer run's best split already sees the raised shorter ones."""
+    ids = {p.piece: i for i, p in enumerate(proto.pieces)}
+    changed = 0
+    for run in sorted((r for r in runs if r in ids), key=len):
+        best = _best_split(run, ids, proto)
+        piece = proto.pieces[ids[run]]
+        if best is not None and piece.score <= best:
+            piece.score = best + margin
+            changed += 1
+    return changed
+
+
+def _best_split(text: str, ids: dict[str, int], proto) -> float | None:
+    """The best score of `text` cut into two or more vocabulary pieces (None if it cannot be)."""
+    n = len(text)
+    best: list[float | None] = [0.0] + [None] * n  # best[j]: best score of text[:j] in pieces
+    for j in range(1, n + 1):
+        for i in range(0 if j < n else 1, j):  # the whole text as one piece is not a split
+            piece, prefix = text[i:j], best[i]
+            if prefix is not None and piece in ids and (i > 0 or j < n):
+                score = prefix + proto.pieces[ids[piece]].score
+                if best[j] is None or score > best[j]:
+                    best[j] = score
+    return best[n]
