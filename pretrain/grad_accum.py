@@ -43,7 +43,8 @@ class Fp32GradAccumulator:
     final micro-batch's backward the hook adds the last gradient and writes the fp32 sum, rounded
     once, into `param.grad`, where DeepSpeed reduces and steps as it always does: checkpoints,
     grad norms and the update gate see what they saw before. The sums are zero again at every
-    step boundary, so a checkpoint (always taken between steps) needs nothing from here.
+    step boundary: the next step's first micro-batch overwrites them (no zeroing pass), so a checkpoint
+    (always taken between steps) needs nothing from here.
 
     The hooks must run before any hook DeepSpeed adds (ZeRO-1 reduces the last micro-batch's
     gradients from its own hook): build this before `deepspeed.initialize`.
@@ -91,10 +92,12 @@ class Fp32GradAccumulator:
                                "backward; use non-reentrant activation checkpointing or deepspeed.grad_accum_dtype=bf16")
         self._seen.add(key)
         total = self.sums[key]
-        total.add_(param.grad)  # bf16 -> fp32 is exact
+        if key in self._pending:
+            total.add_(param.grad)  # bf16 -> fp32 is exact
+        else:
+            total.copy_(param.grad)  # the step's first micro-batch: no zeroing pass over the sums
         if self.boundary:
             param.grad.copy_(total)  # the one rounding to bf16
-            total.zero_()
         else:
             self._pending.add(key)
             param.grad = None
