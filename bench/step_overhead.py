@@ -382,7 +382,16 @@ def worker(args: argparse.Namespace) -> int:
     optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
                                   eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay,
                                   fused=dinfo.device.type == "cuda")
+    # Both sides sum micro-batch gradients alike: where ayumi sums bf16 gradients in fp32 itself (ZeRO 0-1,
+    # pretrain/grad_accum.py) the bare loop gets the same hooks, so the ratio measures ayumi's machinery,
+    # not that numerics choice (`deepspeed.grad_accum_dtype`; its own cost is memory-bound, ~4% of this
+    # tiny CPU step, negligible on a GPU).
+    from pretrain.grad_accum import Fp32GradAccumulator
+
+    same_sums = Fp32GradAccumulator(model.named_parameters()) if trainer.engine.accumulator is not None else None
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=render_ds_config(cfg, world))
+    if same_sums is not None:
+        same_sums.allocate()
     engine.train()
     total_bare_steps = args.warmup + args.rounds * args.block
     # The same micro-batches ayumi's loader yields, built once, held in memory (no loader in the loop).
@@ -397,7 +406,14 @@ def worker(args: argparse.Namespace) -> int:
         nonlocal bare_index
         for x, y in bare_steps[bare_index]:
             loss = engine(x, y).loss
-            engine.backward(loss)
+            if same_sums is None:
+                engine.backward(loss)
+            else:  # as TrainEngine.backward does it: DeepSpeed's public boundary call, then the sums
+                boundary = engine.is_gradient_accumulation_boundary()
+                engine.optimizer.set_gradient_accumulation_boundary(boundary)
+                same_sums.begin_backward(boundary)
+                engine.backward(loss)
+                same_sums.end_backward()
             engine.step()
         bare_index += 1
 
