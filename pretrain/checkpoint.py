@@ -10,7 +10,11 @@ Layout under the checkpoint root::
     universal/step_0000100/       only while a checkpoint of another data-parallel size is loaded
 
 A crash mid-save leaves a folder without `ayumi.json` and `latest` still naming the previous
-checkpoint; such folders are never loaded and are removed by the next save. *When* to save
+checkpoint; such folders are never loaded and are removed by the next save. With `async_writes`
+a save returns once the tensors are staged in host memory and the files are written in the
+background (pretrain/checkpoint_writer.py); `ayumi.json` and `latest` follow only once every
+rank's files are fsynced, the next save first waits for the previous one (`wait`), and the
+trainer drains before rollbacks and at the end. *When* to save
 (interval, signals, end of run) is the trainer's policy, not this module's.
 """
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pretrain.checkpoint_writer import BackgroundWriter, HostBuffers, StagingCollector, finish_staging, stage
 from pretrain.model.config import ModelConfig
 from common.files import write_text_atomic
 
@@ -139,7 +144,8 @@ class Checkpointer:
     """
 
     def __init__(self, root: Path, keep_last: int, rank: int, barrier, world_size: int = 1, zero_stage: int = 0,
-                 any_rank=lambda flag: flag, expected_bytes: int = 0):
+                 any_rank=lambda flag: flag, expected_bytes: int = 0, async_writes: bool = False,
+                 write_delay_s: float = 0.0):
         self.expected_bytes = expected_bytes
         """About what one checkpoint of this run takes on disk (curriculum.plan.checkpoint_size); 0 = unknown."""
         self.root = Path(root)
@@ -149,8 +155,43 @@ class Checkpointer:
         self.world_size = world_size
         self.zero_stage = zero_stage
         self._any_rank = any_rank
+        self.async_writes = async_writes
+        """Stage in host memory and write in the background (checkpoint.async_save)."""
+        self._writer = BackgroundWriter(rank, world_size, write_delay_s) if async_writes else None
+        self._buffers = HostBuffers()  # the staged copies, reused from save to save
+        self._pending: tuple[Path, int] | None = None  # (tag dir, step) being written in the background
+
+    @property
+    def pending_step(self) -> int | None:
+        """The step whose checkpoint is being written in the background, if any."""
+        return self._pending[1] if self._pending else None
+
+    def wait(self, prune: bool = True) -> Path | None:
+        """Wait until the background write (if any) is durable on every rank and published.
+
+        All ranks call it at the same point (one collective agrees on the outcome); a failure on
+        any rank raises CheckpointWriteFailed on every rank, `latest` still naming the last good
+        checkpoint. Returns the published folder."""
+        if self._pending is None:
+            return None
+        tag_dir, step = self._pending
+        self._pending = None
+        err = self._writer.wait_written()
+        failed = self._any_rank(err is not None)
+        err = self._writer.finish(peers_done=not failed) or err
+        if failed or self._any_rank(err is not None):
+            if err is not None:
+                raise self._write_failed(tag_dir, step, err) from err
+            if self.rank == 0:
+                shutil.rmtree(tag_dir, ignore_errors=True)
+            raise CheckpointWriteFailed(f"saving {tag_dir} failed on another rank (its log says why); "
+                                        f"{self._full_disk_advice(step)}")
+        if self.rank == 0 and prune:
+            self._prune()
+        return tag_dir
 
     def save(self, engine, step: int, shared_state: dict[str, Any], meta: dict[str, Any]) -> Path:
+        self.wait()  # one write in flight at most: the previous one is durable and published first
         tag = tag_for(step)
         tag_dir = self.root / tag
         if self.rank == 0:
@@ -159,6 +200,8 @@ class Checkpointer:
                 shutil.rmtree(tag_dir)
         self._check_room(step)
         self._barrier()
+        if self.async_writes:
+            return self._save_async(engine, step, tag_dir, shared_state, meta)
         try:
             engine.save(self.root, tag, client_state={"ayumi_step": step})
             atomic_torch_save(capture_rng(), tag_dir / rank_state_name(self.rank))
@@ -176,6 +219,28 @@ class Checkpointer:
                 raise self._write_failed(tag_dir, step, err) from err
             self._prune()
         self._barrier()
+        return tag_dir
+
+    def _save_async(self, engine, step: int, tag_dir: Path, shared_state: dict[str, Any],
+                    meta: dict[str, Any]) -> Path:
+        try:
+            collector = StagingCollector(buffers=self._buffers)
+            engine.save(self.root, tag_dir.name, client_state={"ayumi_step": step}, collector=collector)
+            files = collector.files + [(tag_dir / rank_state_name(self.rank), capture_rng())]
+            if self.rank == 0:
+                files.append((tag_dir / SHARED_STATE, stage(shared_state)))
+            finish_staging()
+        except (OSError, RuntimeError) as err:
+            raise self._write_failed(tag_dir, step, err) from err
+        publish = None
+        if self.rank == 0:
+            meta = {**meta, "step": step, "tag": tag_dir.name, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+            def publish() -> None:  # on rank 0's writer thread, once every rank's files are durable
+                write_text_atomic(tag_dir / META, json.dumps(meta, indent=2, default=str) + "\n")
+                write_text_atomic(self.root / LATEST, tag_dir.name + "\n")
+        self._writer.start(tag_dir, files, publish)
+        self._pending = (tag_dir, step)
         return tag_dir
 
     def _full_disk_advice(self, step: int) -> str:
@@ -196,11 +261,12 @@ class Checkpointer:
 
     def _write_failed(self, tag_dir: Path, step: int, err: BaseException) -> CheckpointWriteFailed:
         """Remove what this rank left of the failed save and say what happened."""
+        full = _looks_like_a_full_disk(err, self.root, self.expected_bytes // max(1, self.world_size))  # before freeing
         for leftover in tag_dir.glob(".*.tmp*"):
             leftover.unlink(missing_ok=True)
         if self.rank == 0:
             shutil.rmtree(tag_dir, ignore_errors=True)
-        if _looks_like_a_full_disk(err, self.root, self.expected_bytes // max(1, self.world_size)):
+        if full:
             return CheckpointWriteFailed(
                 f"the disk at {self.root} is full ({_human(_free_bytes(self.root))} free) while saving step {step} "
                 f"on rank {self.rank}; {self._full_disk_advice(step)}")

@@ -221,9 +221,19 @@ class CheckpointConfig:
     """Save before the first step of a fresh run (step 0): the starting weights, e.g. to export a model
     started from model.init_from unchanged or to compare against later."""
 
+    async_save: str = "auto"
+    """auto (on with a GPU, off on CPU) | true | false. On: a save returns once the tensors are copied to
+    host memory and each rank writes its files in a background thread; `ayumi.json` and `latest`
+    follow only when every rank's files are fsynced, so a crash mid-write resumes from the previous
+    checkpoint. The next save, a rollback, a signal stop and the run's end wait for the write first.
+    Keeps one host-memory copy of the rank's checkpoint from save to save (two with the recovery ring)."""
+    inject_write_delay_s: float = 0.0
+    """Fault drill: the background writer sleeps this long before writing (tests kill a run mid-write)."""
+
     RANGES: ClassVar[dict[str, Range]] = {
         "interval": at_least(0, "0 = only on signals and at the end"),
         "keep_last": at_least(0, "0 = keep every checkpoint"),
+        "inject_write_delay_s": at_least(0),
     }
     """Allowed values, checked before any rank starts (pretrain/ranges.py)."""
 
@@ -261,6 +271,12 @@ class LoggingConfig:
 
     RANGES: ClassVar[dict[str, Range]] = {"console_interval": at_least(1)}
     """Allowed values, checked before any rank starts (pretrain/ranges.py)."""
+
+
+def async_checkpoints(cfg: "AyumiConfig", device) -> bool:
+    """checkpoint.async_save resolved: auto = on when training on a GPU."""
+    value = str(cfg.checkpoint.async_save).lower()
+    return value == "true" or (value == "auto" and getattr(device, "type", str(device)) == "cuda")
 
 
 @dataclass
@@ -485,6 +501,8 @@ def check_config(cfg: AyumiConfig) -> None:
         checkpointing_plan(cfg.deepspeed.activation_checkpointing, cfg.model.num_layers)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    if str(cfg.checkpoint.async_save).lower() not in ("auto", "true", "false"):
+        raise ConfigError(f"checkpoint.async_save={cfg.checkpoint.async_save!r}: use auto, true or false")
     if cfg.data.verify not in ("auto", "full", "sizes"):
         raise ConfigError(f"data.verify must be auto, full or sizes, got {cfg.data.verify!r}")
     if cfg.optim.schedule not in ("cosine", "linear", "constant", "wsd"):

@@ -507,9 +507,24 @@ class TrainEngine:
             scaler.cur_hysteresis = scaler.delayed_shift
 
     # -- checkpoints --------------------------------------------------------------------------
-    def save(self, root: Path, tag: str, client_state: dict[str, Any]) -> None:
-        """Every rank writes its DeepSpeed shards under root/tag (no `latest`: the caller owns it)."""
-        self.engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
+    def save(self, root: Path, tag: str, client_state: dict[str, Any], collector=None) -> None:
+        """Every rank writes its DeepSpeed shards under root/tag (no `latest`: the caller owns it).
+
+        With a `collector` (pretrain.checkpoint_writer.StagingCollector) nothing is written: it
+        stands in for DeepSpeed's checkpoint engine for this one call, every file DeepSpeed would
+        write goes through its `save(state_dict, path)`, on every ZeRO stage (DeepSpeed 0.19.8
+        `save_checkpoint` -> `_save_checkpoint` / `_save_zero_checkpoint`), and it stages a copy.
+        """
+        if collector is None:
+            self.engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
+            return
+        real = self.engine.checkpoint_engine
+        collector.inner = real
+        self.engine.checkpoint_engine = collector
+        try:
+            self.engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
+        finally:
+            self.engine.checkpoint_engine = real
 
     def load(self, root: Path, tag: str, universal: bool = False) -> dict[str, Any]:
         """Load root/tag into this engine; `universal` for a folder made by `convert_to_universal`.

@@ -54,7 +54,7 @@ from data.manifest import MANIFEST_NAME, ManifestError, check_manifest_tokenizer
 from data.packed import CorruptShardError, DataChangedError, PackedSamples, ShuffledDomains
 from data.shards import ShardFormatError, TokenizerMismatchError
 from pretrain.checkpoint import CheckpointError, Checkpointer, CheckpointWriteFailed, latest_tag, resolve_checkpoint
-from pretrain.config import (
+from pretrain.config import (async_checkpoints,
     CHECKED_BY_LAUNCHER_ENV, EXIT_CONFIG_ERROR, AyumiConfig, ConfigError, check_config, config_as_yaml,
     config_from_args, data_parallel_grad_accum, default_run_notice, print_config_error, total_steps,
 )
@@ -202,7 +202,9 @@ def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict,
     engine = TrainEngine(model, cfg, dist)
     checkpointer = Checkpointer(Path(cfg.checkpoint.dir), cfg.checkpoint.keep_last, dist.rank, barrier,
                                 dist.world_size, cfg.deepspeed.zero_stage, any_rank,
-                                expected_bytes=checkpoint_shape(cfg, count_parameters(cfg.model)).size)
+                                expected_bytes=checkpoint_shape(cfg, count_parameters(cfg.model)).size,
+                                async_writes=async_checkpoints(cfg, dist.device),
+                                write_delay_s=cfg.checkpoint.inject_write_delay_s)
     # Each rank gets its own stream of randomness (dropout-free today, but user code may add it).
     torch.manual_seed(cfg.train.seed + 1000 * dist.rank)
 

@@ -164,7 +164,8 @@ class Trainer:
         self.stability = StabilityMonitor(stab, cfg.optim.grad_clip, cfg.deepspeed.min_loss_scale, knobs=_knobs(cfg))
         self.ring = Checkpointer(Path(cfg.checkpoint.dir) / "recovery", keep_last=0, rank=dist.rank, barrier=barrier,
                                  world_size=dist.world_size, zero_stage=cfg.deepspeed.zero_stage, any_rank=any_rank,
-                                 expected_bytes=checkpointer.expected_bytes)
+                                 expected_bytes=checkpointer.expected_bytes, async_writes=checkpointer.async_writes,
+                                 write_delay_s=cfg.checkpoint.inject_write_delay_s)
         self._pending: tuple[int, float] | None = None  # (step, all-reduced loss) for the update gate
         if stab.enabled:
             engine.set_update_gate(self._update_gate)
@@ -228,7 +229,19 @@ class Trainer:
         start = time.perf_counter()
         with self.watchdog.phase(self.state.step, "checkpoint save"):
             path = self.checkpointer.save(self.engine, self.state.step, self.shared_state(), self.run_meta)
-        self.logger.info(f"saved checkpoint {path} ({reason}, {time.perf_counter() - start:.1f}s)")
+        how = "staged; writing in the background" if self.checkpointer.async_writes else "saved"
+        self.logger.info(f"{how} checkpoint {path} ({reason}, {time.perf_counter() - start:.1f}s)")
+        self.refresh_checkpoint_steps()
+
+    def drain_checkpoints(self, prune: bool = True) -> None:
+        """Wait for background checkpoint writes (all ranks): before a rollback, a stop, the end."""
+        if self.checkpointer.pending_step is None and self.ring.pending_step is None:
+            return
+        start = time.perf_counter()
+        with self.watchdog.phase(self.state.step, "checkpoint save"):
+            done = [self.checkpointer.wait(prune=prune), self.ring.wait(prune=prune)]
+        for path in filter(None, done):
+            self.logger.info(f"checkpoint {path} is written ({time.perf_counter() - start:.1f}s waited)")
         self.refresh_checkpoint_steps()
 
     def save_recovery_checkpoint(self) -> None:
@@ -292,6 +305,7 @@ class Trainer:
                 if self.cfg.checkpoint.save_final and self.state.step > start_step:
                     self.save("final")
             val = {} if stopped or stability_stop or not self.val_sets else self.evaluate()
+            self.drain_checkpoints()
         finally:
             self.stop.restore()
             self.loader.close()
@@ -540,6 +554,7 @@ class Trainer:
         """
         began = time.perf_counter()
         to_step = int(action.to_step)
+        self.drain_checkpoints(prune=False)  # nothing in flight while folders are loaded and dropped
         root = self.checkpoint_root_of(to_step)
         with self.watchdog.phase(self.state.step, "checkpoint load"):
             shared, _ = self.checkpointer.load(self.engine, tag_for(to_step), root=root)

@@ -37,10 +37,12 @@ def leftovers(root: Path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_a_disk_that_fills_during_the_run_stops_it_cleanly_and_it_resumes(small_disk, tmp_path):
+@pytest.mark.parametrize("async_save", ["false", "true"])
+def test_a_disk_that_fills_during_the_run_stops_it_cleanly_and_it_resumes(small_disk, tmp_path, async_save):
     corpus = write_tiny_corpus(tmp_path / "corpus")
     runs, ckpt = tmp_path / "runs", small_disk / "ckpt"
-    overrides = tiny_overrides(corpus, runs, "train.tokens=1000000", "checkpoint.interval=20", f"checkpoint.dir={ckpt}")
+    overrides = tiny_overrides(corpus, runs, "train.tokens=1000000", "checkpoint.interval=20", f"checkpoint.dir={ckpt}",
+                               f"checkpoint.async_save={async_save}")
     from pretrain.launch import launcher_command
 
     log = open(tmp_path / "log", "w")
@@ -71,11 +73,16 @@ def test_a_disk_that_fills_during_the_run_stops_it_cleanly_and_it_resumes(small_
 
 
 class _Engine:
-    """Writes a DeepSpeed-sized file with torch's own C++ writer, as the engine's save does."""
+    """Writes a DeepSpeed-sized file with torch's own C++ writer, as the engine's save does (or hands
+    it to the staging collector of an asynchronous save, as DeepSpeed's checkpoint engine call does)."""
 
-    def save(self, root: Path, tag: str, client_state: dict) -> None:
+    def save(self, root: Path, tag: str, client_state: dict, collector=None) -> None:
         (root / tag).mkdir(parents=True, exist_ok=True)
-        torch.save({"module": torch.zeros(4 * 2**20)}, root / tag / "mp_rank_00_model_states.pt")  # 16 MiB
+        state, path = {"module": torch.zeros(4 * 2**20)}, root / tag / "mp_rank_00_model_states.pt"  # 16 MiB
+        if collector is not None:
+            collector.save(state, str(path))
+        else:
+            torch.save(state, path)
 
 
 def test_a_disk_that_fills_mid_write_keeps_the_last_checkpoint_and_no_partial_files(small_disk):
@@ -86,6 +93,23 @@ def test_a_disk_that_fills_mid_write_keeps_the_last_checkpoint_and_no_partial_fi
     saver.save(_Engine(), 10, {"step": 10}, {})  # 16 MiB of 24
     with pytest.raises(CheckpointWriteFailed) as refused:
         saver.save(_Engine(), 20, {"step": 20}, {})
+    message = str(refused.value)
+    assert message.startswith(f"the disk at {root} is full (") and "while saving step 20 on rank 0" in message
+    assert f"{root / 'step_0000010'} is the last good checkpoint" in message
+    assert (root / "latest").read_text().strip() == "step_0000010"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_0000010"] and leftovers(root) == []
+
+
+def test_a_disk_that_fills_during_an_async_write_fails_at_the_wait_and_keeps_the_last_checkpoint(small_disk):
+    """checkpoint.async_save: the save returns (staged), the background write hits the full disk, and
+    the next agreement (the wait a later save or a drain does) raises the same one-line error."""
+    root = small_disk / "ckpt"
+    saver = Checkpointer(root, keep_last=3, rank=0, barrier=lambda: None, expected_bytes=1, async_writes=True)
+    saver.save(_Engine(), 10, {"step": 10}, {})
+    assert saver.wait() == root / "step_0000010"  # 16 MiB of 24, published
+    saver.save(_Engine(), 20, {"step": 20}, {})  # staged: nothing has failed yet
+    with pytest.raises(CheckpointWriteFailed) as refused:
+        saver.wait()
     message = str(refused.value)
     assert message.startswith(f"the disk at {root} is full (") and "while saving step 20 on rank 0" in message
     assert f"{root / 'step_0000010'} is the last good checkpoint" in message
