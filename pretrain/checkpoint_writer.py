@@ -39,6 +39,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from common.files import fsync_dir
+
 WRITTEN = ".written_rank{:05d}"
 FAILED = ".failed_rank{:05d}"
 
@@ -158,14 +160,6 @@ def write_durable(obj: Any, path: Path) -> None:
         torch.save(obj, handle)
         handle.flush()
         os.fsync(handle.fileno())
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class BackgroundWriter:
