@@ -352,17 +352,14 @@ class Mixer:
         """Add skip ranges (from a checkpoint, a ledger, or `skip`); overlapping ranges merge."""
         self.skips = merge_ranges([*self.skips, *ranges])
 
-    def stages_beginning(self, old: int, new: int) -> list[int]:
-        """Indices of the stages whose first sample lies in [old, new) (an empty stage is never entered)."""
-        starts = self.schedule.starts
-        return [index for index, start in enumerate(starts)
-                if old <= start < new and (index + 1 >= len(starts) or starts[index + 1] != start)]
-
     def _stage_events(self, old: int, new: int) -> list[CurriculumEvent]:
         events = []
         starts, stages = self.schedule.starts, self.cfg.stages
-        for index in self.stages_beginning(old, new):
-            start, stage = starts[index], stages[index]
+        for index, start in enumerate(starts):
+            following = starts[index + 1] if index + 1 < len(starts) else None
+            if not old <= start < new or following == start:  # an empty stage (budget < seq_len) is never entered
+                continue
+            stage = stages[index]
             mixture = ", ".join(f"{name} {weight:g}" for name, weight in stage.weights.items() if weight > 0)
             events.append(CurriculumEvent(
                 "stage_switch", start,

@@ -136,7 +136,7 @@ class Trainer:
         # The hang watchdog hears of progress; without one (benchmarks, tests) a disabled stand-in.
         self.watchdog = watchdog or HangWatchdog(replace(cfg.hang, enabled=False), Path(cfg.run_dir), dist.rank,
                                                  dist.world_size)
-        self.stragglers = StragglerMonitor(cfg.hang, dist.rank, self._gather_per_rank)
+        self.stragglers = StragglerMonitor(cfg.hang, self._gather_per_rank)
         self.dist = dist
         self.engine = engine
         self.loader = loader
@@ -433,7 +433,11 @@ class Trainer:
         start = time.perf_counter()
         batches = self.loader.next_step()
         own = time.perf_counter() - start  # this rank's own work: its batch, then its forward passes (below)
-        self.note_stage_switch_ahead(step)
+        if self.mixer is not None:
+            # The mixer advances over the samples this step trains before the step is judged, so a stage that
+            # begins in it has its grace period from this very step. Events carry the step's 1-based number.
+            self.log_curriculum_events(self.mixer.advance(self.loader.consumed_samples), step, step + 1,
+                                       self.state.tokens + self.tokens_per_step)
         self.corrupt_batches(step, batches)
         num_domains = len(self.domain_names)
         # Per-domain [loss sum, sample count], plus the total loss sum and the stop flag: one
@@ -502,8 +506,7 @@ class Trainer:
         for index, name in enumerate(self.domain_names):
             if counts[index] > 0:
                 metrics[f"train/loss/{name}"] = float(reduced[1 + index] / counts[index])
-        if self.mixer is not None:  # the switch's grace period began before this step was judged
-            self.log_curriculum_events(self.mixer.advance(self.loader.consumed_samples), grace_noted=True)
+        if self.mixer is not None:
             metrics.update(self.mixer.metrics())
         for event in events:
             self.log_stability_event(event)
@@ -589,20 +592,13 @@ class Trainer:
         if overrides:
             self.engine.set_adam_hparams(eps=overrides.get("eps"), beta1=overrides.get("beta1"))
 
-    def note_stage_switch_ahead(self, step: int) -> None:
-        """Start a stage switch's grace period before the step that trains the new stage's first samples is
-        judged: the loss jumps at a switch and settles quickly, so no spike verdicts on it for a while. (The
-        mixer's own event comes after the step, when it advances over the samples the step consumed.)"""
-        if self.mixer is not None and self.mixer.stages_beginning(self.mixer.position, self.loader.consumed_samples):
-            self.stability.detector.note_stage_switch(step)
-
-    def log_curriculum_events(self, events, grace_noted: bool = False) -> None:
-        """Log the mixer's events; a switch reached by skipping batches starts its grace period here
-        (one reached by training already did, in note_stage_switch_ahead)."""
+    def log_curriculum_events(self, events, first_step: int, at_step: int, tokens: int) -> None:
+        """Log the mixer's events at `at_step`; a stage switch starts the detector's grace period at `first_step`,
+        the first step that trains the new stage (the loss jumps at a switch and settles quickly)."""
         for event in events:
-            if event.kind == "stage_switch" and not grace_noted:
-                self.stability.detector.note_stage_switch(self.state.step)
-            self.logger.event(event.kind, self.state.step, self.state.tokens, event.message, **event.fields)
+            if event.kind == "stage_switch":
+                self.stability.detector.note_stage_switch(first_step)
+            self.logger.event(event.kind, at_step, tokens, event.message, **event.fields)
 
     def add_skips(self, ranges) -> None:
         self.skips = [tuple(r) for r in merge_ranges([*self.skips, *[tuple(r) for r in ranges]])]
@@ -620,7 +616,7 @@ class Trainer:
         self.loader.skip(num_batches)
         self.add_skips([(start, self.loader.consumed_samples)])
         if self.mixer is not None:
-            self.log_curriculum_events(self.mixer.skip(num_batches))
+            self.log_curriculum_events(self.mixer.skip(num_batches), self.state.step, self.state.step, self.state.tokens)
         else:
             self.logger.event("batches_skipped", self.state.step, self.state.tokens,
                               f"skipped {num_batches} batch(es): global samples [{start:,}, "
