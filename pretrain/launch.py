@@ -214,18 +214,17 @@ def main(argv: list[str]) -> int:
     if args.dry_run:
         return 0
     started = time.time()
-    status = run_launcher(cmd, env)
-    return hang_status(cfg.run_dir, started) if status != 0 else status
+    return hang_status(cfg.run_dir, started, run_launcher(cmd, env))
 
 
-def hang_status(run_dir: str, started: float) -> int:
-    """EXIT_HANG when this job's ranks ended a hang (the launchers report their own status, torchrun 1),
-    else 1: schedulers can requeue on the watchdog's own status."""
+def hang_status(run_dir: str, started: float, status: int) -> int:
+    """The launcher's status, or EXIT_HANG when this job's ranks ended a hang (torchrun reports any failure as 1),
+    so schedulers can requeue on the watchdog's own status."""
     from pretrain.hang_watchdog import EXIT_HANG, HANG_DIR, REPORT
 
     report = os.path.join(run_dir, HANG_DIR, REPORT)
-    if os.path.exists(report) and os.path.getmtime(report) >= started:
+    if status != 0 and os.path.exists(report) and os.path.getmtime(report) >= started:
         print(f"{PROG}: the job hung and was ended by the watchdog (exit status {EXIT_HANG}); report: {report}",
               file=sys.stderr, flush=True)
         return EXIT_HANG
-    return 1
+    return status
