@@ -93,7 +93,7 @@ def process_group_timeout_s(cfg: HangConfig) -> float:
 class HangWatchdog:
     """One per rank; `start()` once the process group exists, `beat()` from the trainer, `stop()` at the end."""
 
-    def __init__(self, cfg: HangConfig, run_dir: Path, rank: int, world_size: int, on_hang=None):
+    def __init__(self, cfg: HangConfig, run_dir: Path, rank: int, world_size: int):
         self.cfg = cfg
         self.dir = Path(run_dir) / HANG_DIR
         self.run_dir = Path(run_dir)
@@ -107,7 +107,6 @@ class HangWatchdog:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ayumi-hang-watchdog", daemon=True)
         self._stack_file = None
-        self._on_hang = on_hang or (lambda: os._exit(EXIT_HANG))
 
     # -- the trainer's side -------------------------------------------------------------------------
     def start(self) -> "HangWatchdog":
@@ -213,7 +212,7 @@ class HangWatchdog:
                     handle.write(self._report_stacks(beats))
                 self._append_event(stalled, missing)
         finally:
-            self._on_hang()
+            os._exit(EXIT_HANG)  # the main thread is stuck in a collective: leave from here
 
     def _claim_report(self):
         try:
@@ -322,8 +321,8 @@ class StragglerMonitor:
     its batch and its forward passes (the backward's reductions make every rank wait for the slowest,
     so the step time itself is the same everywhere)."""
 
-    def __init__(self, cfg: HangConfig, rank: int, gather):
-        self.cfg, self.rank, self._gather = cfg, rank, gather
+    def __init__(self, cfg: HangConfig, gather):
+        self.cfg, self._gather = cfg, gather
         self._own: list[float] = []
         self._slow_streak: dict[int, int] = {}
 

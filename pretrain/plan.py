@@ -74,19 +74,16 @@ def visible_gpus() -> tuple[int, int | None, str]:
     return count, int(props.total_memory), props.name
 
 
-def planned_hardware(cfg: Any, data_parallel: int | None = None, gpu_bytes: int | None = None,
-                     gpu_name: str = "") -> Hardware:
-    """The hardware to check against: what the caller knows (the job itself), else what is visible, else the config."""
-    train = cfg.train
-    if data_parallel is None or (gpu_bytes is None and not gpu_name):
-        count, visible_bytes, visible_name = visible_gpus()
-        data_parallel = data_parallel or train.num_gpus or count or 1
-        if gpu_bytes is None and visible_bytes:
-            gpu_bytes, gpu_name = visible_bytes, visible_name
+def planned_hardware(cfg: Any, data_parallel: int | None = None) -> Hardware:
+    """The GPUs to check against: those visible here (count and memory), else train.num_gpus and
+    train.gpu_memory_gib; `data_parallel` when the caller knows the job's size."""
+    count, gpu_bytes, gpu_name = visible_gpus()
+    data_parallel = data_parallel or cfg.train.num_gpus or count or 1
     if gpu_bytes:
         return Hardware(data_parallel, gpu_bytes, f"this {gpu_name or 'GPU'}")
-    if train.gpu_memory_gib > 0:
-        return Hardware(data_parallel, int(train.gpu_memory_gib * GIB), f"each GPU (train.gpu_memory_gib={train.gpu_memory_gib:g})")
+    if cfg.train.gpu_memory_gib > 0:
+        return Hardware(data_parallel, int(cfg.train.gpu_memory_gib * GIB),
+                        f"each GPU (train.gpu_memory_gib={cfg.train.gpu_memory_gib:g})")
     return Hardware(data_parallel, None, "no GPU visible and train.gpu_memory_gib unset")
 
 

@@ -86,7 +86,7 @@ def test_straggler_verdicts_need_the_ratio_for_consecutive_reports():
     from pretrain.hang_watchdog import HangConfig, StragglerMonitor
 
     times = iter([[0.01, 0.01, 0.01, 0.02], [0.01, 0.01, 0.01, 0.02], [0.01, 0.01, 0.01, 0.014], [0.01, 0.03, 0.01, 0.01]])
-    monitor = StragglerMonitor(HangConfig(straggler_reports=2), rank=0, gather=lambda mine: next(times))
+    monitor = StragglerMonitor(HangConfig(straggler_reports=2), gather=lambda mine: next(times))
     first, second = monitor.report(), monitor.report()
     assert first[1] is None and second[1].startswith("rank 3 is a straggler: 20 ms")
     assert first[0] == {"perf/rank_time_min": 0.01, "perf/rank_time_median": 0.01, "perf/rank_time_max": 0.02,
