@@ -54,8 +54,8 @@ from data.manifest import MANIFEST_NAME, ManifestError, check_manifest_tokenizer
 from data.packed import CorruptShardError, DataChangedError, PackedSamples, ShuffledDomains
 from data.shards import ShardFormatError, TokenizerMismatchError
 from pretrain.checkpoint import CheckpointError, Checkpointer, CheckpointWriteFailed, latest_tag, resolve_checkpoint
-from pretrain.config import (async_checkpoints,
-    CHECKED_BY_LAUNCHER_ENV, EXIT_CONFIG_ERROR, AyumiConfig, ConfigError, check_config, config_as_yaml,
+from pretrain.config import (
+    CHECKED_BY_LAUNCHER_ENV, EXIT_CONFIG_ERROR, AyumiConfig, ConfigError, async_checkpoints, check_config, config_as_yaml,
     config_from_args, data_parallel_grad_accum, default_run_notice, print_config_error, total_steps,
 )
 from pretrain.engine import (
@@ -198,7 +198,7 @@ def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict,
 
     torch.manual_seed(cfg.train.seed)  # same init on every rank
     model = build_model(lambda init_weights: Llama(cfg.model, init_weights=init_weights), cfg, dist,
-                        initial=None if start else hf_initial_weights(cfg, data_vocab_size(cfg)))
+                        initial=None if start else hf_initial_weights(cfg))
     engine = TrainEngine(model, cfg, dist)
     checkpointer = Checkpointer(Path(cfg.checkpoint.dir), cfg.checkpoint.keep_last, dist.rank, barrier,
                                 dist.world_size, cfg.deepspeed.zero_stage, any_rank,
@@ -229,12 +229,13 @@ def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict,
     return trainer, logger
 
 
-def hf_initial_weights(cfg: AyumiConfig, data_vocab: int):
+def hf_initial_weights(cfg: AyumiConfig, data_vocab: int | None = None):
     """model.init_from's tensor reader (checked against the model's shapes), or None for a random init.
 
     A resumed run never reads it: its weights come from the checkpoint. A vocabulary larger than the
     folder's grows (pretrain/model/resize.py): ids below `data_vocab` (the vocabulary of the tokenizer
-    that made the data) are new pieces, the rows above it padding.
+    that made the data; read from the data root's manifest when not given) are new pieces, the rows above
+    it padding.
     """
     model_cfg = cfg.model
     if not model_cfg.init_from:
@@ -247,6 +248,7 @@ def hf_initial_weights(cfg: AyumiConfig, data_vocab: int):
     weights.check(parameter_shapes(model_cfg), model_cfg.tie_embeddings, grown_vocab=model_cfg.vocab_size > base_vocab)
     if model_cfg.vocab_size == base_vocab:
         return weights.tensor
+    data_vocab = data_vocab_size(cfg) if data_vocab is None else data_vocab  # only a grown model needs it
     new_count = max(0, min(data_vocab, model_cfg.vocab_size) - base_vocab)
     return grown_weights(cfg, weights, base_vocab, new_count).tensor
 
