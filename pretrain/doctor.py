@@ -269,7 +269,7 @@ def check_plan(overrides: list[str]) -> tuple[list[Check], object | None]:
 
 def check_memory(cfg, parameters: int) -> Check:
     """The per-GPU memory estimate (pretrain/memory.py) against the GPUs here or train.gpu_memory_gib."""
-    from pretrain.memory import memory_problem
+    from pretrain.memory import fit_advice
     from pretrain.plan import planned_hardware, run_plan
 
     hardware = planned_hardware(cfg)
@@ -278,10 +278,9 @@ def check_memory(cfg, parameters: int) -> Check:
               f"{memory.term('activations') / GIB:.1f} activations) with {hardware.data_parallel} data-parallel ranks")
     if not hardware.gpu_bytes:
         return Check("plan", "memory", INFO, f"{detail}; not checked: {hardware.where}")
-    problem = memory_problem(memory, hardware.gpu_bytes, cfg.train.global_batch_size, hardware.where)
-    if problem:
+    if memory.required > hardware.gpu_bytes:
         return Check("plan", "memory", FAIL, f"{detail}, {hardware.where} has {hardware.gpu_bytes / GIB:.1f} GiB",
-                     problem.split("; ", 1)[-1])
+                     fit_advice(memory.shape, hardware.gpu_bytes, cfg.train.global_batch_size))
     return Check("plan", "memory", OK, f"{detail}, {hardware.where} has {hardware.gpu_bytes / GIB:.1f} GiB")
 
 

@@ -304,17 +304,23 @@ def fitting_changes(shape: MemoryShape, capacity: int, global_batch: int) -> lis
     return fits
 
 
+def fit_advice(shape: MemoryShape, capacity: int, global_batch: int) -> str:
+    """What to change so the run fits in `capacity` bytes per GPU."""
+    fixes = fitting_changes(shape, capacity, global_batch)
+    if fixes:
+        return "it fits with any one of: " + "; ".join(fixes)
+    return "no single knob makes it fit: combine a smaller micro batch, checkpointing, a higher ZeRO stage and offload, " \
+           "or use more GPUs"
+
+
 def memory_problem(estimate: MemoryEstimate, capacity: int, global_batch: int, where: str) -> str | None:
     """None when the run fits in `capacity` bytes per GPU; else the refusal naming the knobs."""
     if estimate.required <= capacity:
         return None
     shape = estimate.shape
-    fixes = fitting_changes(shape, capacity, global_batch)
-    advice = ("it fits with any one of: " + "; ".join(fixes)) if fixes else \
-        "no single knob makes it fit: combine a smaller micro batch, checkpointing, a higher ZeRO stage and offload, or use more GPUs"
     return (f"the run needs about {_gib(estimate.required)} per GPU but {where} has {_gib(capacity)} "
             f"(micro batch {shape.micro_batch}, ZeRO-{shape.zero_stage}, checkpointing {shape.checkpointing}, "
-            f"{shape.data_parallel} data-parallel ranks); {advice}")
+            f"{shape.data_parallel} data-parallel ranks); {fit_advice(shape, capacity, global_batch)}")
 
 
 def _gib(n: float) -> str:
