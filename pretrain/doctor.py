@@ -264,16 +264,16 @@ def check_plan(overrides: list[str]) -> tuple[list[Check], object | None]:
     ring_note = f" + {ring} in the recovery ring" if ring else ""
     detail = (f"{cfg.name}: {parameters / 1e6:,.1f} M parameters, {one / GIB:.2f} GiB per checkpoint x "
               f"{regular}{ring_note} at peak = {peak / GIB:.2f} GiB in {ckpt_dir} ({free / GIB:.1f} GiB free)")
-    return [Check("plan", "checkpoints", status, detail, fix), check_memory(cfg, parameters)], cfg
+    return [Check("plan", "checkpoints", status, detail, fix), check_memory(cfg)], cfg
 
 
-def check_memory(cfg, parameters: int) -> Check:
+def check_memory(cfg) -> Check:
     """The per-GPU memory estimate (pretrain/memory.py) against the GPUs here or train.gpu_memory_gib."""
-    from pretrain.memory import fit_advice
-    from pretrain.plan import planned_hardware, run_plan
+    from pretrain.memory import estimate_memory, fit_advice, memory_shape
+    from pretrain.plan import planned_hardware
 
     hardware = planned_hardware(cfg)
-    memory = run_plan(cfg, parameters, hardware).memory
+    memory = estimate_memory(memory_shape(cfg, hardware.data_parallel))  # the memory alone: no data to open
     detail = (f"{memory.required / GIB:.1f} GiB per GPU needed ({memory.model_states / GIB:.1f} model states, "
               f"{memory.term('activations') / GIB:.1f} activations) with {hardware.data_parallel} data-parallel ranks")
     if not hardware.gpu_bytes:
