@@ -63,8 +63,9 @@ class Fp32GradAccumulator:
         self._hooks = [p.register_post_accumulate_grad_hook(self._take) for p in self.params]
 
     def allocate(self) -> None:
-        """One fp32 sum per parameter, on the parameter's device (call once the engine has placed them)."""
-        self.sums = {id(p): torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in self.params}
+        """One fp32 sum per parameter, on the parameter's device (call once the engine has placed them); a step's
+        first micro-batch overwrites it, so it is never read uninitialised."""
+        self.sums = {id(p): torch.empty(p.shape, dtype=torch.float32, device=p.device) for p in self.params}
 
     def begin_backward(self, boundary: bool) -> None:
         """Call before each micro-batch's backward; `boundary` for the step's last micro-batch."""

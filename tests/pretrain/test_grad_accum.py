@@ -99,7 +99,7 @@ def test_last_micro_batch_hands_on_the_fp32_sum_rounded_once(setup):
     if setup.startswith("compiled_"):
         torch._dynamo.reset()
         model.compile_for(setup.removeprefix("compiled_"), "cpu")
-    recorded, grads, empty_between, accumulator = accumulate(model)
+    recorded, grads, empty_between, _ = accumulate(model)
     assert empty_between, "autograd must never add micro-batch gradients in bf16"
     bf16_sums_differ = 0
     for name, grad in grads.items():
@@ -111,8 +111,30 @@ def test_last_micro_batch_hands_on_the_fp32_sum_rounded_once(setup):
             running = running + g  # what autograd's bf16 accumulation gives
         bf16_sums_differ += int((running != grad).sum())
     assert bf16_sums_differ > 0, "the check cannot tell fp32 from bf16 accumulation on this model"
-    # Nothing carries into the next step: its first micro-batch overwrites every sum instead of adding to it.
-    assert not accumulator._pending, "no sum may be pending at the step boundary"
+
+
+def test_the_next_step_sums_only_its_own_gradients():
+    """Step 2's gradient is the fp32 sum of step 2's micro-batch gradients: nothing of step 1 carries over
+    (its first micro-batch overwrites the sums; fails if it added to them)."""
+    model = tiny_bf16_llama()
+    recorded: dict[str, list[torch.Tensor]] = {}
+    for name, param in model.named_parameters():
+        param.register_post_accumulate_grad_hook(
+            lambda p, name=name: recorded.setdefault(name, []).append(p.grad.clone()))
+    accumulator = Fp32GradAccumulator(model.named_parameters())
+    accumulator.allocate()
+    ids = torch.randint(0, 128, (2, 3, 1, 33), generator=torch.Generator().manual_seed(2))
+    for step in range(2):
+        recorded.clear()
+        for micro in range(3):
+            accumulator.begin_backward(boundary=micro == 2)
+            (model(ids[step, micro, :, :-1], ids[step, micro, :, 1:]).loss / 3).backward()
+            accumulator.end_backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)  # as the optimizer step leaves it
+    for name, grad in grads.items():
+        fp32_sum = torch.stack([g.float() for g in recorded[name]]).sum(0)
+        assert torch.equal(grad, fp32_sum.to(torch.bfloat16)), name
 
 
 def test_a_parameter_left_out_of_the_last_micro_batch_is_refused():
