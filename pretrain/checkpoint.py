@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from curriculum.plan import directory_bytes, existing_parent, human_bytes
 from pretrain.checkpoint_writer import BackgroundWriter, HostBuffers, StagingCollector, finish_staging, stage
 from pretrain.model.config import ModelConfig
 from common.files import write_text_atomic
@@ -56,17 +57,8 @@ class CheckpointWriteFailed(CheckpointError):
     the rank must leave at once rather than meet them in a collective (pretrain.train.run)."""
 
 
-def _human(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n:.0f} B"
-
-
 def _free_bytes(path: Path) -> int:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return shutil.disk_usage(path).free
+    return shutil.disk_usage(existing_parent(path)).free
 
 
 def _looks_like_a_full_disk(err: BaseException, root: Path, needed: int) -> bool:
@@ -256,8 +248,8 @@ class Checkpointer:
         short = self.expected_bytes > 0 and free < self.expected_bytes
         if self._any_rank(short):
             raise CheckpointDiskFull(
-                f"the disk at {self.root} is full: {_human(free)} free, a checkpoint of this run needs about "
-                f"{_human(self.expected_bytes)}; {self._full_disk_advice(step)}")
+                f"the disk at {self.root} is full: {human_bytes(free)} free, a checkpoint of this run needs about "
+                f"{human_bytes(self.expected_bytes)}; {self._full_disk_advice(step)}")
 
     def _write_failed(self, tag_dir: Path, step: int, err: BaseException) -> CheckpointWriteFailed:
         """Remove what this rank left of the failed save and say what happened."""
@@ -268,7 +260,7 @@ class Checkpointer:
             shutil.rmtree(tag_dir, ignore_errors=True)
         if full:
             return CheckpointWriteFailed(
-                f"the disk at {self.root} is full ({_human(_free_bytes(self.root))} free) while saving step {step} "
+                f"the disk at {self.root} is full ({human_bytes(_free_bytes(self.root))} free) while saving step {step} "
                 f"on rank {self.rank}; {self._full_disk_advice(step)}")
         return CheckpointWriteFailed(f"saving {tag_dir} failed on rank {self.rank}: {err}; {self._full_disk_advice(step)}")
 
@@ -342,15 +334,13 @@ def _check_room_for_universal(tag_dir: Path, universal: Path) -> None:
     """Refuse to start a conversion the disk cannot hold: the converter writes every parameter's
     fp32 weights and Adam moments twice over (extracted shards, then the merged copy), about
     twice the checkpoint folder at its peak."""
-    from curriculum.plan import directory_bytes, existing_parent
-
     needed = 2 * directory_bytes(tag_dir)
     where = existing_parent(universal)
     free = shutil.disk_usage(where).free
     if free < needed:
         raise CheckpointError(
-            f"converting {tag_dir} for another number of ranks needs ~{needed / 2**30:.1f} GiB free under {where}, "
-            f"only {free / 2**30:.1f} GiB is. Fix: free disk space there, or resume on the number of ranks that "
+            f"converting {tag_dir} for another number of ranks needs ~{human_bytes(needed)} free under {where}, "
+            f"only {human_bytes(free)} is. Fix: free disk space there, or resume on the number of ranks that "
             f"saved it (ayumi.json: world_size)."
         )
 
