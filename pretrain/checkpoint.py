@@ -244,9 +244,10 @@ class Checkpointer:
 
     def _check_room(self, step: int) -> None:
         """Refuse on every rank alike, before anything is written, when the disk cannot hold the checkpoint."""
+        if self.expected_bytes <= 0:  # unknown size (the same on every rank): nothing to check, no all-reduce
+            return
         free = _free_bytes(self.root)
-        short = self.expected_bytes > 0 and free < self.expected_bytes
-        if self._any_rank(short):
+        if self._any_rank(free < self.expected_bytes):
             raise CheckpointDiskFull(
                 f"the disk at {self.root} is full: {human_bytes(free)} free, a checkpoint of this run needs about "
                 f"{human_bytes(self.expected_bytes)}; {self._full_disk_advice(step)}")
