@@ -45,15 +45,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if args.device == "cpu" else "cuda")
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
-    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
-                       ("MASTER_PORT", port)):
-        os.environ.setdefault(key, value)
-    import torch
+    import torch  # one rank in this process: init_distributed sets the rank variables and a free port
 
     from curriculum.plan import directory_bytes
     from pretrain.checkpoint import Checkpointer

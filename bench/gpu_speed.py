@@ -109,9 +109,11 @@ def main(argv: list[str]) -> int:
         out, log = work / f"{shape}_{comp}_{ckpt}.json", work / f"{shape}_{comp}_{ckpt}.log"
         cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--work", str(work),
                "--worker", json.dumps({"shape": shape, "compile": comp, "checkpointing": ckpt, "out": str(out)})]
-        env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(29500 + os.getpid() % 1000), WANDB_MODE="offline", WANDB_SILENT="true",
+        # One rank per process: init_distributed sets the rank variables and a free port itself.
+        env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true",
                    PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
+            env.pop(key, None)
         if args.cpu_smoke:
             env["DS_ACCELERATOR"] = "cpu"
         print(f"[gpu_speed] {shape}, compile {comp}, checkpointing {ckpt}: log {log}", flush=True)
@@ -160,7 +162,7 @@ def worker(args: argparse.Namespace) -> int:
     from pretrain.config import compose_config, to_object
     from pretrain.engine import finalize_distributed, init_distributed
     from pretrain.memory import estimate_memory, memory_shape
-    from pretrain.train import build_trainer, settle_precision  # noqa: F401  (settled inside build_trainer)
+    from pretrain.train import build_trainer
     from pretrain.trainer import peak_flops
     from omegaconf import OmegaConf
 

@@ -406,11 +406,14 @@ def worker(args: argparse.Namespace) -> int:
         nonlocal bare_index
         for x, y in bare_steps[bare_index]:
             loss = engine(x, y).loss
+            # As TrainEngine.backward uses DeepSpeed: its public boundary call (DeepSpeed's own hook cannot see
+            # inside LlamaOutput and would tell ZeRO one micro-batch late), then the same sums.
+            boundary = engine.is_gradient_accumulation_boundary()
+            if hasattr(engine.optimizer, "set_gradient_accumulation_boundary"):
+                engine.optimizer.set_gradient_accumulation_boundary(boundary)
             if same_sums is None:
                 engine.backward(loss)
-            else:  # as TrainEngine.backward does it: DeepSpeed's public boundary call, then the sums
-                boundary = engine.is_gradient_accumulation_boundary()
-                engine.optimizer.set_gradient_accumulation_boundary(boundary)
+            else:
                 same_sums.begin_backward(boundary)
                 engine.backward(loss)
                 same_sums.end_backward()

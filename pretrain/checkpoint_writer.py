@@ -177,10 +177,6 @@ class BackgroundWriter:
         self.error: BaseException | None = None
         """This rank's write error (for rank 0 also: another rank's failure marker, or publishing)."""
 
-    @property
-    def busy(self) -> bool:
-        return self._thread is not None
-
     def start(self, tag_dir: Path, files: list[tuple[Path, Any]], publish: Callable[[], None] | None) -> None:
         """Write files (already staged) in the background; rank 0 passes `publish` (ayumi.json, latest)."""
         assert self._thread is None, "the previous write was not waited for"

@@ -7,13 +7,12 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+from tests.helpers import REPO
 
-REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
 
 
 def test_gpu_speed_runs_its_combinations_on_the_cpu(tmp_path):
