@@ -96,18 +96,12 @@ def _heldout_texts(samples: dict[str, DomainSample]) -> dict[str, list[str]]:
     return read_texts({domain: str(sample.heldout_path) for domain, sample in samples.items()})
 
 
-PARITY_PROBES = [
-    "<s></s><unk><pad>", "(?P<s>\\d+)</s>", "<s>text</s>", "x <pad>  <unk>\n<s>", "▁ ▁▁x▁", "a\r\nb\rc",
-    "\n\t\treturn x\n", "  \n    \n\t \t", "🦜𠮷鷗", "ｆｕｌｌ　ｗｉｄｔｈ", "e\u0301\u0308",
-]
-"""Texts that break a naive export (special-token literals, whitespace runs, CR, rare characters): the
-build checks them besides the held-out documents, under the name "_probes"."""
-
-
 def hf_parity(model_path: Path, hf_dir: Path, texts: dict[str, list[str]]) -> dict:
     """Docs whose HF ids differ from SentencePiece's, per domain and for PARITY_PROBES (the export's contract is zero)."""
     import sentencepiece as spm
     from tokenizers import Tokenizer
+
+    from tokenizer.export_hf import PARITY_PROBES
 
     sp = spm.SentencePieceProcessor(model_file=str(model_path))
     tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))

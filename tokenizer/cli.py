@@ -284,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     from tokenizer.expand import ExpandError
     from common.conf import ConfigCompositionError
     from tokenizer.config import TokenizerConfigError
+    from tokenizer.export_hf import ExportParityError
     from tokenizer.merge import MergeError
     from tokenizer.sample import SampleError
     from common.corpus import CorpusError
@@ -299,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[argv[0]](argv[1:])
     except (TokenizerConfigError, CorpusError, SampleError, VocabTooLargeError, MergeError, BuildError,
-            ExpandError, FileNotFoundError) as err:
+            ExpandError, ExportParityError, FileNotFoundError) as err:
         print(f"ayumi tokenizer {argv[0]}: {err}", file=sys.stderr)
         return 1
     except (ConfigCompositionError, HydraException, OmegaConfBaseException) as err:

@@ -97,11 +97,42 @@ def _bpe_model(proto, Piece):
                       byte_fallback=True, fuse_unk=True)
 
 
+PARITY_PROBES = [
+    "<s></s><unk><pad>", "(?P<s>\\d+)</s>", "<s>text</s>", "x <pad>  <unk>\n<s>", "▁ ▁▁x▁", "a\r\nb\rc",
+    "\n\t\treturn x\n", "  \n    \n\t \t", "🦜𠮷鷗", "ｆｕｌｌ　ｗｉｄｔｈ", "e\u0301\u0308",
+]
+"""Texts that break a naive export (special-token literals, whitespace runs, CR, rare characters): the build
+reports them beside the held-out documents as "_probes"."""
+SPECIAL_PROBES = PARITY_PROBES[:4]
+"""The special tokens' text: every export refuses to turn it into anything but SentencePiece's ids."""
+
+
+class ExportParityError(ValueError):
+    """The exported tokenizer.json would give other ids than SentencePiece for some text."""
+
+
+def check_probes(model_path: Path, tok) -> None:
+    """Refuse an export whose ids differ from SentencePiece's on the special tokens' text (SPECIAL_PROBES). A model
+    without pieces for the characters of "<s>" & co. is one: HF would read such text as the special token itself."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(model_path))
+    for text in SPECIAL_PROBES:
+        want, got = sp.encode(text), tok.encode(text, add_special_tokens=False).ids
+        if want != got:
+            raise ExportParityError(
+                f"{model_path}: the Hugging Face export would encode {text!r} as {got}, SentencePiece as {want}. "
+                "Fix: train the model with byte_fallback (or with pieces for every character of the special "
+                "tokens' text, as `ayumi tokenizer build` does)")
+
+
 def export_hf(model_path: Path, out_dir: Path, cfg: TokenizerConfig | None = None, model_max_length: int = 1 << 20) -> list[Path]:
-    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json next to the model."""
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json next to the model (after
+    check_probes: never an export that turns text into other ids)."""
     proto = load_proto(model_path)
     spec = proto.trainer_spec
     tok = build_hf_tokenizer(model_path)
+    check_probes(model_path, tok)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok.save(str(out_dir / "tokenizer.json"))
     names = {"unk_token": spec.unk_id, "bos_token": spec.bos_id, "eos_token": spec.eos_id, "pad_token": spec.pad_id}

@@ -92,3 +92,26 @@ def test_special_characters_are_kept_as_pieces():
     domain = DomainPieces("ja", [("吾", -1.0), ("輩", -2.0), ("吾輩", -3.0)] + [(f"x{i}", -4.0 - i) for i in range(20)], 1.0, 30)
     chosen = dict(select_pieces([domain], 16, reserved={"<s>"}, required_chars=chars))
     assert all(ch in chosen for ch in chars) and chosen["<"] == "specials" and "吾" in chosen and len(chosen) == 16
+
+
+def test_an_export_that_would_turn_special_text_into_specials_is_refused(tmp_path):
+    """A SentencePiece model without pieces (or byte fallback) for the characters of "<s>": its HF export would
+    read that text as the special token, so `ayumi tokenizer export` (build and expand alike) refuses it in one line
+    and writes nothing."""
+    import subprocess
+    import sys
+
+    import sentencepiece as spm
+
+    from tests.helpers import REPO
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(("the quick brown fox jumps over the lazy dog " * 50 + "\n") * 20)
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "plain"), vocab_size=30,
+                                   model_type="unigram", byte_fallback=False, character_coverage=1.0)
+    done = subprocess.run([sys.executable, "-m", "pretrain.cli", "tokenizer", "export", str(tmp_path / "plain.model"),
+                           str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-2000:]  # the tokenizer commands' status for bad input
+    assert done.stderr.startswith(f"ayumi tokenizer export: {tmp_path / 'plain.model'}: the Hugging Face export would "
+                                  "encode '<s></s><unk><pad>' as ") and "Traceback" not in done.stderr
+    assert not (tmp_path / "out").exists()
