@@ -30,7 +30,7 @@ import contextlib
 import os
 from pathlib import Path
 
-from data.config import DomainConfig, check_domain_config, check_domain_name
+from data.config import DomainConfig
 from data.manifest import (
     MANIFEST_NAME, build_manifest, load_manifest, read_domain_record, tokenizer_identity, write_json_atomic,
 )
@@ -40,26 +40,23 @@ from data.shards import TokenizerMismatchError
 from tokenizer.declared import load_declared_tokenizer
 
 
-def register_declared_domains(root: str | os.PathLike, domains: dict[str, DomainConfig], tokenizer_dir: str,
-                              curriculum: str, where: str = "curriculum.domains",
-                              tokenizer_key: str = "data.tokenizer_dir") -> dict:
-    """Register `domains` (Megatron data only) into `root`, checked against `tokenizer_dir`; returns the manifest.
+WHERE = "curriculum.domains"
+"""The config key messages name (the domains come from a curriculum, already checked by curriculum.config)."""
+TOKENIZER_KEY = "data.tokenizer_dir"
 
-    `curriculum` names the file that declared them (kept in each record, so fixes name the command that
-    registers them again); `where` and `tokenizer_key` are the config keys messages name.
-    """
+
+def register_declared_domains(root: str | os.PathLike, domains: dict[str, DomainConfig], tokenizer_dir: str,
+                              curriculum: str) -> dict:
+    """Register `domains` (Megatron data only, checked by curriculum.config.declared_domains) into `root`, checked
+    against `tokenizer_dir`; returns the manifest. `curriculum` names the file that declared them (kept in each
+    record, so fixes name the command that registers them again)."""
     root = Path(root)
-    for name, domain in domains.items():
-        check_domain_name(name, where)
-        check_domain_config(name, domain, where)
-        if not domain.megatron:
-            raise MegatronDataError(f"{where}.{name}.megatron is not set: only existing Megatron data is declared here")
     tokenizer = load_declared_tokenizer(tokenizer_dir)
     existing = _existing_manifest(root, domains)
     if existing is not None:
-        _check_same_tokenizer(existing, tokenizer, root, tokenizer_dir, where, tokenizer_key)
+        _check_same_tokenizer(existing, tokenizer, root, tokenizer_dir, WHERE, TOKENIZER_KEY)
     listed = dict(existing["domains"]) if existing else {}
-    records = {name: _registered(root, name, domain, tokenizer, listed.get(name), curriculum, where)
+    records = {name: _registered(root, name, domain, tokenizer, listed.get(name), curriculum, WHERE)
                for name, domain in domains.items()}
     if existing is not None and all(listed.get(name) == record for name, record in records.items()):
         return existing  # every declared domain is listed as recorded: nothing to write
