@@ -39,6 +39,8 @@ def leftovers(root: Path) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("async_save", ["false", "true"])
 def test_a_disk_that_fills_during_the_run_stops_it_cleanly_and_it_resumes(small_disk, tmp_path, async_save):
+    """Both save modes check for room before anything is staged or written, so both refuse alike here; a write
+    that fails in the background is the in-process test below."""
     corpus = write_tiny_corpus(tmp_path / "corpus")
     runs, ckpt = tmp_path / "runs", small_disk / "ckpt"
     overrides = tiny_overrides(corpus, runs, "train.tokens=1000000", "checkpoint.interval=20", f"checkpoint.dir={ckpt}",
