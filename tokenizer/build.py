@@ -12,10 +12,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from tokenizer.config import TokenizerConfig, check_tokenizer_config, domain_patterns, enabled_domains
+from tokenizer.config import (NUM_BYTE_PIECES, TokenizerConfig, check_tokenizer_config, domain_patterns,
+                              enabled_domains, special_pieces)
 from common.files import replace_dir
 from tokenizer.info import MODEL_FILE, META_FILE, tokenizer_sha256
-from tokenizer.sample import DomainSample, mixed_subset, sample_domain, spm_memory_estimate
+from tokenizer.sample import DomainSample, domain_subsets, sample_domain, spm_memory_estimate
 
 Log = Callable[[str], None]
 
@@ -39,18 +40,36 @@ def sample_all(cfg: TokenizerConfig, work: Path, log: Log = print) -> dict[str, 
     return samples
 
 
+def pool_size(cfg: TokenizerConfig, vocab_size: int) -> int:
+    """The size a domain model is trained at: unigram merges choose among merge.pool_factor times its learned pieces."""
+    if cfg.model_type != "unigram":
+        return vocab_size
+    fixed = NUM_BYTE_PIECES + len(special_pieces(cfg.specials))
+    return fixed + round((vocab_size - fixed) * cfg.merge.pool_factor)
+
+
 def train_domains(cfg: TokenizerConfig, samples: dict[str, DomainSample], out: Path, log: Log = print) -> dict[str, Path]:
+    """One SentencePiece model per domain, at its pool size; a domain whose sample supports fewer pieces than
+    the pool but at least its configured size is trained at what the sample supports."""
     from tqdm import tqdm
 
-    from tokenizer.train_spm import train_model, trainer_options
+    from tokenizer.train_spm import VocabTooLargeError, train_model, trainer_options
 
     out.mkdir(parents=True, exist_ok=True)
     models = {}
     for domain, dcfg in tqdm(cfg.domains.items(), desc="train domain models", disable=None, leave=False):
         start = time.time()
-        options = trainer_options(cfg, dcfg, dcfg.vocab_size)
-        models[domain] = train_model([samples[domain].train_path], out / domain, options, f"domain {domain!r}")
-        log(f"[train] {domain}: {cfg.model_type} vocab {dcfg.vocab_size} in {time.time() - start:.1f}s")
+        size = pool_size(cfg, dcfg.vocab_size)
+        try:
+            models[domain] = train_model([samples[domain].train_path], out / domain,
+                                         trainer_options(cfg, dcfg, size), f"domain {domain!r}")
+        except VocabTooLargeError as err:
+            if err.limit is None or size == dcfg.vocab_size or err.limit < dcfg.vocab_size:
+                raise
+            size = err.limit  # the pool is only a choice of candidates: the sample's limit will do
+            models[domain] = train_model([samples[domain].train_path], out / domain,
+                                         trainer_options(cfg, dcfg, size), f"domain {domain!r}")
+        log(f"[train] {domain}: {cfg.model_type} vocab {size} (share {dcfg.vocab_size}) in {time.time() - start:.1f}s")
     return models
 
 
@@ -67,27 +86,39 @@ def train_baseline(cfg: TokenizerConfig, samples: dict[str, DomainSample], out: 
 
 
 def merge_domains(cfg: TokenizerConfig, samples: dict[str, DomainSample], models: dict[str, Path], log: Log = print):
-    """The merged ModelProto and which domain each learned piece came from."""
-    from tokenizer.merge import (build_proto, domain_pieces, indentation_pieces, promote_runs, quantize_scores,
-                                 reestimate_scores)
+    """The merged ModelProto and how many learned pieces each domain uses most."""
+    from tokenizer.merge import build_proto, domain_pieces, indentation_pieces, promote_runs, quantize_scores
 
     total = sum(s.train_bytes for s in samples.values())
     pieces = [domain_pieces(d, models[d], samples[d].train_bytes / total, cfg.domains[d].vocab_size) for d in models]
-    proto, owners = build_proto(cfg, next(iter(models.values())), pieces)
-    if cfg.model_type == "unigram" and cfg.merge.em_iterations > 0:
-        start = time.time()
-        lines = mixed_subset(samples, cfg.merge.em_sample_bytes)
-        history = reestimate_scores(proto, lines, cfg.merge.em_iterations, cfg.merge.smoothing, cfg.num_threads)
-        log(f"[merge] {cfg.merge.em_iterations} Viterbi-EM passes over {len(lines)} lines in {time.time() - start:.1f}s; "
-            f"tokens per pass: {', '.join(str(int(h)) for h in history)}")
+    template = next(iter(models.values()))
     if cfg.model_type == "unigram":
+        proto, owners = _prune_mixture(cfg, samples, template, pieces, log)
         quantize_scores(proto, cfg.merge.score_quantum)
         # After the rounding, so the margin survives it (a run one quantum above its best split).
         promote_runs(proto, indentation_pieces(cfg.merge.indent_tabs, cfg.merge.indent_spaces),
                      cfg.merge.score_quantum or 0.125)
+    else:
+        proto, owners = build_proto(cfg, template, pieces)
     shares = {d: sum(1 for o in owners.values() if o == d) for d in models}
-    log(f"[merge] {len(proto.pieces)} pieces; learned pieces by first domain: {shares}")
+    log(f"[merge] {len(proto.pieces)} pieces; learned pieces by the domain that uses them most: {shares}")
     return proto, shares
+
+
+def _prune_mixture(cfg: TokenizerConfig, samples: dict[str, DomainSample], template: Path, pieces, log: Log):
+    """Unigram: the candidate pool cut to size by EM and pruning on the share-weighted mixture (mixture.py)."""
+    from tokenizer.merge import candidate_proto, target_size
+    from tokenizer.mixture import domain_weights, prune_to_size
+
+    proto, protected = candidate_proto(cfg, template, pieces)
+    lines = domain_subsets(samples, cfg.merge.em_sample_bytes)
+    fixed = NUM_BYTE_PIECES + len(special_pieces(cfg.specials))
+    shares = {d: max(1, cfg.domains[d].vocab_size - fixed) for d in lines}
+    weights = domain_weights({d: sum(map(len, ls)) for d, ls in lines.items()}, shares, cfg.merge.share_weight)
+    result = prune_to_size(proto, lines, weights, target_size(cfg), protected, shrink=cfg.merge.shrink,
+                           em_iterations=cfg.merge.em_iterations, smoothing=cfg.merge.smoothing,
+                           num_threads=cfg.num_threads, log=log)
+    return proto, result.owners
 
 
 def _heldout_texts(samples: dict[str, DomainSample]) -> dict[str, list[str]]:

@@ -98,10 +98,18 @@ class SampleConfig:
 class MergeConfig:
     """How the domain models become one."""
 
+    pool_factor: float = 2.0
+    """Unigram: each domain model is trained with this many times its share of learned pieces (capped at what
+    its sample supports), so the merge picks from more candidates than the vocabulary keeps."""
+    share_weight: float = 0.5
+    """Unigram: how much the configured domain sizes, rather than the sample's character proportions, weight
+    each domain's compression in the merge's EM (0: as one joint model would; 1: the shares alone). docs/tokenizer.md."""
     em_iterations: int = 2
-    """Viterbi-EM passes re-estimating the merged unigram scores on the mixed sample (0: interpolated scores only)."""
+    """Viterbi-EM passes per pruning round of the unigram merge (at least 1 is always run)."""
     em_sample_bytes: int = 20_000_000
-    """Bytes of the mixed training sample the EM passes encode (a deterministic subset, in sample proportions)."""
+    """Bytes of the domains' training lines the EM encodes (a deterministic prefix of each, in sample proportions)."""
+    shrink: float = 0.75
+    """Unigram: each pruning round keeps at least this fraction of the pieces (SentencePiece's shrinking_factor)."""
     smoothing: float = 0.5
     """Add-k count smoothing in the re-estimation, so that a piece unused in the sample keeps a finite score."""
     indent_tabs: int = 4
@@ -255,8 +263,23 @@ def check_tokenizer_config(cfg: TokenizerConfig) -> None:
         value = getattr(cfg.merge, name)
         if not 0 <= value <= 64:
             raise TokenizerConfigError(f"tokenizer.merge.{name}={value}: use 0 (no such pieces) to 64.")
+    check_merge(cfg.merge)
     if cfg.num_threads < 1:
         raise TokenizerConfigError(f"tokenizer.num_threads={cfg.num_threads} must be ≥ 1.")
+
+
+def check_merge(m: MergeConfig) -> None:
+    """The merge's numeric knobs are in range (each message names the key and a sensible value)."""
+    if m.pool_factor < 1.0:
+        raise TokenizerConfigError(f"tokenizer.merge.pool_factor={m.pool_factor} must be ≥ 1 (2.0: twice the pieces to choose from).")
+    if not 0.0 <= m.share_weight <= 1.0:
+        raise TokenizerConfigError(f"tokenizer.merge.share_weight={m.share_weight} must be in [0, 1] (0: joint-like, 1: shares only).")
+    if not 0.0 < m.shrink < 1.0:
+        raise TokenizerConfigError(f"tokenizer.merge.shrink={m.shrink} must be in (0, 1) (0.75 as SentencePiece).")
+    if m.em_iterations < 0 or m.em_sample_bytes <= 0:
+        raise TokenizerConfigError(
+            f"tokenizer.merge.em_iterations={m.em_iterations} / em_sample_bytes={m.em_sample_bytes}: use ≥ 0 passes "
+            "and a positive byte budget.")
 
 
 def enabled_domains(cfg: TokenizerConfig) -> TokenizerConfig:

@@ -1,23 +1,21 @@
-"""Merge per-domain SentencePiece models into one `ModelProto` of an exact size, with re-estimated scores.
+"""Merge per-domain SentencePiece models into one `ModelProto` of an exact size.
 
 Layout of the merged vocabulary:
   ids 0..3            unk / bos / eos / pad (ids configurable within 0..3)
   next                user-defined pieces (newline, domain tags), always kept whole
   next 256            byte pieces <0x00>..<0xFF> (byte fallback)
-  the rest            learned pieces: every domain's single characters first (coverage, plus the
-                      characters of the specials), indentation runs (tabs 1..4, spaces 2..16), then
-                      multi-character pieces interleaved by *relative* rank — piece r of domain d
-                      ranks at r / vocab_size_d — so every domain keeps the same top fraction of its
-                      pieces and the domains' vocab sizes set their shares. A piece already taken
-                      (an exact duplicate, e.g. "▁the" learned by en and code) is skipped, so the
-                      fill goes deeper until the vocabulary is exactly the configured size.
-                      Note "▁the" (word-initial) and "the" (inside a word) are distinct pieces.
+  the rest            learned pieces.
 
-Scores (unigram). Appending pieces with score 0 makes a unigram model segment badly, so scores are
-re-estimated: first a mixture of the domain models, log Σ_d w_d·p_d(piece) with w_d the domain's share of
-the training sample, then `em_iterations` passes of Viterbi EM over a mixed sample: segment with the
-current model (SentencePiece's own encoder), set log p(piece) ∝ log(count + smoothing), repeat.
-BPE: the score is the merge priority, -position in the interleaved order (a piece's parts, learned
+Unigram (the default): `candidate_proto` pools every domain model's learned pieces (deduplicated; "▁the"
+word-initial and "the" inside a word are distinct), the characters of the specials and the indentation
+runs (tabs 1..4, spaces 2..16), scored as a mixture of the domain models, log Σ_d w_d·p_d(piece); then
+`mixture.prune_to_size` re-estimates the scores by EM on the share-weighted mixture of the domains'
+samples and prunes the pieces that cost least, until exactly the configured size is left (see
+tokenizer/mixture.py for why and how).
+
+BPE: multi-character pieces are interleaved by *relative* rank — piece r of domain d ranks at
+r / vocab_size_d, so every domain keeps the same top fraction of its pieces — after every domain's
+single characters; the score is the merge priority, -position in that order (a piece's parts, learned
 earlier in its own domain, always rank above it).
 """
 from __future__ import annotations
@@ -160,10 +158,9 @@ def interpolated_scores(domains: Sequence[DomainPieces], pieces: Sequence[str]) 
     return scores
 
 
-def build_proto(cfg: TokenizerConfig, template_model: Path, domains: Sequence[DomainPieces]):
-    """The merged ModelProto (scores interpolated; call `reestimate_scores` for unigram EM)."""
-    model_pb = pb()
-    Piece = model_pb.ModelProto.SentencePiece
+def _base_proto(cfg: TokenizerConfig, template_model: Path):
+    """A ModelProto holding only the specials (ids 0..3, then user-defined) and the 256 byte pieces."""
+    Piece = pb().ModelProto.SentencePiece
     proto = load_proto(template_model)
     del proto.pieces[:]
     specials = special_pieces(cfg.specials)
@@ -173,19 +170,55 @@ def build_proto(cfg: TokenizerConfig, template_model: Path, domains: Sequence[Do
         proto.pieces.add(piece=piece, score=0.0, type=kind)
     for value in range(NUM_BYTE_PIECES):
         proto.pieces.add(piece=byte_piece(value), score=0.0, type=Piece.BYTE)
+    return proto, specials
+
+
+def build_proto(cfg: TokenizerConfig, template_model: Path, domains: Sequence[DomainPieces]):
+    """BPE: the merged ModelProto of the rank-interleaved pieces, scores = merge priorities."""
+    proto, specials = _base_proto(cfg, template_model)
     size = target_size(cfg)
     reserved = set(specials) | {byte_piece(v) for v in range(NUM_BYTE_PIECES)}
     forced = indentation_pieces(cfg.merge.indent_tabs, cfg.merge.indent_spaces)
     selected = select_pieces(domains, size - len(proto.pieces), reserved, special_chars(specials[:4]), forced)
-    pieces = [piece for piece, _ in selected]
-    if cfg.model_type == "bpe":
-        scores = [-float(i) for i in range(len(pieces))]
-    else:
-        scores = interpolated_scores(domains, pieces)
-    for piece, score in zip(pieces, scores):
-        proto.pieces.add(piece=piece, score=score, type=Piece.NORMAL)
+    Piece = pb().ModelProto.SentencePiece
+    for index, (piece, _) in enumerate(selected):
+        proto.pieces.add(piece=piece, score=-float(index), type=Piece.NORMAL)
     _set_trainer_spec(proto, cfg, size)
     return proto, dict(selected)
+
+
+def candidate_proto(cfg: TokenizerConfig, template_model: Path, domains: Sequence[DomainPieces]):
+    """Unigram: every domain's learned pieces (deduplicated), the specials' characters and the indentation
+    runs, scored by the domain models as a mixture, for `mixture.prune_to_size` to cut to the exact size.
+
+    Returns the proto and the pieces pruning must keep (characters of the specials, indentation runs);
+    a VocabShortfall when the pool is already smaller than the vocabulary."""
+    proto, specials = _base_proto(cfg, template_model)
+    reserved = {p.piece for p in proto.pieces}
+    reserved_chars = {symbol for symbol in reserved if len(symbol) == 1}
+    pool: dict[str, None] = {}
+    for d in domains:
+        for piece, _ in d.pieces:
+            if piece not in reserved and (len(piece) == 1 or not any(ch in piece for ch in reserved_chars)):
+                pool.setdefault(piece)
+    protected = [ch for ch in special_chars(specials[:4]) if ch not in reserved]
+    protected += [run for run in indentation_pieces(cfg.merge.indent_tabs, cfg.merge.indent_spaces) if run not in reserved]
+    for piece in protected:
+        pool.setdefault(piece)
+    size = target_size(cfg)
+    if len(proto.pieces) + len(pool) < size:
+        missing = size - len(proto.pieces) - len(pool)
+        raise VocabShortfall(missing,
+            f"the domain models hold {len(pool)} distinct pieces after de-duplication, {missing} short of the "
+            f"{size - len(proto.pieces)} learned pieces the vocabulary needs. Fix: raise tokenizer.merge.pool_factor "
+            f"or tokenizer.domains.*.vocab_size by about "
+            f"{math.ceil(100 * missing / max(1, sum(d.vocab_size for d in domains))) + 5}%, or lower tokenizer.total_vocab.")
+    pieces = list(pool)
+    Piece = pb().ModelProto.SentencePiece
+    for piece, score in zip(pieces, interpolated_scores(domains, pieces)):
+        proto.pieces.add(piece=piece, score=score, type=Piece.NORMAL)
+    _set_trainer_spec(proto, cfg, size)
+    return proto, set(protected)
 
 
 def _set_trainer_spec(proto, cfg: TokenizerConfig, size: int) -> None:
@@ -202,36 +235,6 @@ def _set_trainer_spec(proto, cfg: TokenizerConfig, size: int) -> None:
     spec.model_prefix = ""
     proto.normalizer_spec.add_dummy_prefix = cfg.add_dummy_prefix
     proto.normalizer_spec.remove_extra_whitespaces = cfg.remove_extra_whitespaces
-
-
-def piece_counts(proto, lines: list[str], num_threads: int):
-    """How often the model's Viterbi segmentation of `lines` uses each id."""
-    import numpy as np
-    import sentencepiece as spm
-
-    sp = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
-    counts = np.zeros(len(proto.pieces), dtype=np.int64)
-    batch = 20_000  # bounded memory for the id lists
-    for start in range(0, len(lines), batch):
-        ids = sp.encode(lines[start:start + batch], num_threads=num_threads)
-        flat = np.fromiter((i for row in ids for i in row), dtype=np.int64)
-        counts += np.bincount(flat, minlength=len(proto.pieces))
-    return counts
-
-
-def reestimate_scores(proto, lines: list[str], iterations: int, smoothing: float, num_threads: int) -> list[float]:
-    """Viterbi-EM on `lines`: scores of NORMAL pieces become log relative frequencies. Returns the
-    per-iteration total token counts (the EM's objective proxy, for the log)."""
-    normal_type = pb().ModelProto.SentencePiece.NORMAL
-    normal = [i for i, p in enumerate(proto.pieces) if p.type == normal_type]
-    history = []
-    for _ in range(iterations):
-        counts = piece_counts(proto, lines, num_threads)
-        history.append(float(counts.sum()))
-        total = float(counts[normal].sum()) + smoothing * len(normal)
-        for i in normal:
-            proto.pieces[i].score = math.log((float(counts[i]) + smoothing) / total)
-    return history
 
 
 class VocabShortfall(MergeError):

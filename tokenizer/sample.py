@@ -161,18 +161,19 @@ def spm_memory_estimate(lines: int) -> int:
     return lines * SPM_BYTES_PER_SENTENCE
 
 
-def mixed_subset(samples: dict[str, DomainSample], max_bytes: int) -> list[str]:
-    """Up to max_bytes of training lines from all domains in their sample proportions (a prefix of each file,
+def domain_subsets(samples: dict[str, DomainSample], max_bytes: int) -> dict[str, list[str]]:
+    """Up to max_bytes of training lines in all, per domain, in the samples' proportions (a prefix of each file,
     which is already in random document order)."""
     total = sum(s.train_bytes for s in samples.values())
-    lines: list[str] = []
-    for sample in samples.values():
+    subsets: dict[str, list[str]] = {}
+    for domain, sample in samples.items():
         budget = max_bytes * sample.train_bytes / max(total, 1)
-        used = 0
+        lines, used = [], 0
         with open(sample.train_path, encoding="utf-8") as f:
             for line in f:
                 used += len(line.encode("utf-8"))
                 if used > budget:
                     break
                 lines.append(line.rstrip("\n"))
-    return lines
+        subsets[domain] = lines
+    return subsets

@@ -14,6 +14,11 @@ from tokenizer.config import DomainConfig, TokenizerConfig
 class VocabTooLargeError(ValueError):
     """The requested vocabulary does not fit the sample (too large for it, or too small for its characters)."""
 
+    def __init__(self, message: str, limit: int | None = None):
+        super().__init__(message)
+        self.limit = limit
+        """The largest vocab size the sample supports, when that was the problem."""
+
 
 def trainer_options(cfg: TokenizerConfig, dcfg: DomainConfig, vocab_size: int) -> dict:
     """SentencePieceTrainer keyword arguments for a model with dcfg's options and cfg's shared settings."""
@@ -70,7 +75,7 @@ def train_model(inputs: list[Path], model_prefix: Path, options: dict, label: st
             raise VocabTooLargeError(
                 f"{label}: vocab_size {match.group(1)} is more than its sample supports (at most {match.group(2)}). "
                 f"Fix: lower the vocab size to ≤ {match.group(2)}, or give the domain more text "
-                "(tokenizer.sample.max_bytes / more inputs)."
+                "(tokenizer.sample.max_bytes / more inputs).", limit=int(match.group(2))
             ) from None
         match = re.search(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)", str(err))
         if match:

@@ -1,0 +1,86 @@
+"""The unigram merge: EM and loss-based pruning of the candidate pool on the share-weighted mixture."""
+from __future__ import annotations
+
+
+import numpy as np
+import pytest
+
+from tokenizer.mixture import best_split_score, domain_weights, prune_pass
+
+
+def _proto(pieces: list[tuple[str, float]]):
+    """A unigram ModelProto holding only NORMAL pieces (what prune_pass looks at)."""
+    from tokenizer.merge import pb
+
+    proto = pb().ModelProto()
+    for piece, score in pieces:
+        proto.pieces.add(piece=piece, score=score, type=pb().ModelProto.SentencePiece.NORMAL)
+    return proto
+
+
+def test_weights_follow_characters_at_0_and_shares_at_1():
+    chars = {"ja": 1_000, "en": 3_000}
+    shares = {"ja": 3, "en": 1}
+    joint_like = domain_weights(chars, shares, 0.0)
+    assert joint_like["ja"] == pytest.approx(joint_like["en"])  # every character counts the same
+    by_share = domain_weights(chars, shares, 1.0)
+    mass = {d: by_share[d] * chars[d] for d in chars}
+    assert mass["ja"] / mass["en"] == pytest.approx(3.0)  # the domains' total weight is their share
+    half = domain_weights(chars, shares, 0.5)
+    # geometric mean: ja (1/4 of the characters, 3/4 of the shares) and en (3/4, 1/4) weigh the same
+    assert half["ja"] * chars["ja"] / (half["en"] * chars["en"]) == pytest.approx(1.0)
+
+
+def test_best_split_excludes_the_piece_itself():
+    ids = {"a": 0, "b": 1, "ab": 2, "abc": 3, "c": 4}
+    scores = [-1.0, -1.0, -1.5, -2.0, -3.0]
+    assert best_split_score("abc", ids, scores, exclude=3, max_len=3) == pytest.approx(-4.5)  # "ab" + "c"
+    assert best_split_score("ab", ids, scores, exclude=2, max_len=3) == pytest.approx(-2.0)
+    assert best_split_score("xy", ids, scores, exclude=-1, max_len=3) is None
+
+
+def test_prune_drops_unused_then_cheapest_and_keeps_characters_and_protected():
+    proto = _proto([("a", -1.0), ("b", -1.0), ("c", -2.0),
+                    ("ab", -1.2),    # used a lot, its split costs 0.8 more per use: expensive to lose
+                    ("bc", -2.5),    # used little, its split is only 0.5 worse: cheap to lose
+                    ("ca", -3.0),    # unused: free to lose
+                    ("\t\t", -9.0)])  # unused but protected (an indentation run)
+    weighted = np.array([10, 10, 10, 100, 1, 0, 0], dtype=float)
+    dropped = prune_pass(proto, weighted, keep=5, protected={"\t\t"})
+    left = [p.piece for p in proto.pieces]
+    assert dropped == 2 and left == ["a", "b", "c", "ab", "\t\t"]
+    assert prune_pass(proto, weighted[[0, 1, 2, 3, 6]], keep=5, protected=set()) == 0
+
+
+@pytest.mark.slow
+def test_build_cuts_the_pool_to_the_exact_size_and_share_weight_moves_pieces(corpus, tmp_path):
+    """A real build: the pool (twice each domain's share) ends at exactly total_vocab; raising share_weight
+    gives Japanese, whose configured share is far above its share of the sample's characters, more pieces
+    and better held-out compression."""
+    import json
+
+    import sentencepiece as spm
+
+    from tests.tokenizer.conftest import TINY_SIZES, tiny_overrides
+    from tokenizer.build import build_tokenizer
+    from tokenizer.cli import compose, to_object
+    from tokenizer.merge import indentation_pieces
+
+    results = {}
+    for weight in (0.0, 1.0):
+        out = tmp_path / f"w{weight}"
+        job = to_object(compose(tiny_overrides(corpus, out, **{
+            "tokenizer.evaluate.baseline": "false", "tokenizer.merge.share_weight": weight,
+            "tokenizer.domains.en.vocab_size": 400,
+            "tokenizer.domains.code.vocab_size": 400, "tokenizer.domains.math.vocab_size": 400})))
+        meta = build_tokenizer(job.tokenizer, out, log=lambda _: None)
+        sp = spm.SentencePieceProcessor(model_file=str(out / "tokenizer.model"))
+        pieces = {sp.id_to_piece(i) for i in range(sp.get_piece_size())}
+        assert sp.get_piece_size() == TINY_SIZES["total_vocab"]
+        assert set(indentation_pieces(4, 16)) <= pieces and {"<", "s", ">", "/"} <= pieces
+        domain_models = {d: spm.SentencePieceProcessor(model_file=str(out / "domains" / f"{d}.model")) for d in "ja en".split()}
+        assert domain_models["ja"].get_piece_size() > TINY_SIZES["ja"], "the ja model is trained larger than its share (the pool)"
+        evaluation = json.loads((out / "eval.json").read_text())["results"]["merged"]["domains"]
+        results[weight] = (meta["pieces_by_domain"], evaluation["ja"]["chars_per_token"])
+    (shares0, ja0), (shares1, ja1) = results[0.0], results[1.0]
+    assert shares1["ja"] > shares0["ja"] and ja1 > ja0
