@@ -25,9 +25,10 @@ class DomainConfig:
     """false: build without this domain (tokenizer.domains.code.enabled=false drops a preset's code domain;
     its inputs are ignored and the other domains' sizes grow so their shares stay as configured)."""
     vocab_size: int = 8000
-    """Vocabulary of the domain model. The merge keeps the same top fraction of every domain's pieces,
-    so the sizes set the domains' shares of the merged vocabulary; their sum should exceed
-    total_vocab by the expected overlap (~10-20%), as in llm-jp's ja 30k + en 20k + code 10k → 50k."""
+    """The domain's share of the merged vocabulary, in pieces (sizes summing to ~1.1-1.2 x total_vocab, as in
+    llm-jp's ja 30k + en 20k + code 10k → 50k). Unigram: the domain model is trained merge.pool_factor times
+    larger (its candidates), and the share weighs the domain in the merge by merge.share_weight; BPE: the
+    merge keeps the same top fraction of every domain's pieces."""
     format: str = "auto"
     """Input format: auto (from the file name), jsonl, text, parquet or hf (a datasets.save_to_disk folder)."""
     text_field: str = "text"
@@ -101,9 +102,10 @@ class MergeConfig:
     pool_factor: float = 2.0
     """Unigram: each domain model is trained with this many times its share of learned pieces (capped at what
     its sample supports), so the merge picks from more candidates than the vocabulary keeps."""
-    share_weight: float = 0.5
+    share_weight: float = 0.0
     """Unigram: how much the configured domain sizes, rather than the sample's character proportions, weight
-    each domain's compression in the merge's EM (0: as one joint model would; 1: the shares alone). docs/tokenizer.md."""
+    each domain's compression in the merge's EM (0: as one joint model would, every domain within 1% of it;
+    raise it to favour the domains with the larger shares at the others' cost: docs/tokenizer.md)."""
     em_iterations: int = 2
     """Viterbi-EM passes per pruning round of the unigram merge (at least 1 is always run)."""
     em_sample_bytes: int = 20_000_000
