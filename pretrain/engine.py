@@ -163,6 +163,15 @@ def init_tensor_parallel(info: DistInfo) -> None:
                            f"{info.dp_size}: the loader would feed a tensor-parallel group different samples")
 
 
+def _mpu(tensor_parallel: int):
+    """DeepSpeed's groups module as the `mpu` of its config and engine under tensor parallelism (init_tensor_parallel)."""
+    if tensor_parallel == 1:
+        return None
+    from deepspeed.utils import groups
+
+    return groups
+
+
 def _tensor_parallel_group():
     from deepspeed.utils import groups
 
@@ -347,7 +356,10 @@ def build_model(factory, cfg: AyumiConfig, dist_info: DistInfo, initial=None) ->
                 for name, param in model.named_parameters():
                     param.copy_(initial(name))
         return model
-    with deepspeed.zero.Init(config_dict_or_path=render_ds_config(cfg, dist_info.world_size)):
+    mpu = _mpu(dist_info.tensor_parallel)
+    with deepspeed.zero.Init(config_dict_or_path=render_ds_config(cfg, dist_info.world_size), mpu=mpu):
+        # Cut over all ranks for now; AutoTP gathers the weights it cuts in deepspeed.initialize, and ZeRO-3
+        # then cuts each tensor-parallel slice over the data-parallel ranks.
         model = factory(init_weights=False)
     for name, param in model.named_parameters():
         with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
@@ -382,11 +394,9 @@ class TrainEngine:
         # With tensor parallelism DeepSpeed's groups (made in init_tensor_parallel) are its `mpu`: its batch
         # check then counts data-parallel ranks, and AutoTP cuts the model inside initialize. It re-points
         # our optimizer at the cut parameters itself.
-        from deepspeed.utils import groups
-
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, model_parameters=model_parameters, config=self.ds_config,
-            mpu=groups if self.tensor_parallel > 1 else None,
+            mpu=_mpu(self.tensor_parallel),
         )
         # On the parameters the engine holds (AutoTP replaced the ones it cut) and placed (their device);
         # its hooks go first, ahead of the gradient hooks ZeRO-1 added inside initialize.
