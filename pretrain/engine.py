@@ -356,10 +356,7 @@ def build_model(factory, cfg: AyumiConfig, dist_info: DistInfo, initial=None) ->
                 for name, param in model.named_parameters():
                     param.copy_(initial(name))
         return model
-    mpu = _mpu(dist_info.tensor_parallel)
-    with deepspeed.zero.Init(config_dict_or_path=render_ds_config(cfg, dist_info.world_size), mpu=mpu):
-        # Cut over all ranks for now; AutoTP gathers the weights it cuts in deepspeed.initialize, and ZeRO-3
-        # then cuts each tensor-parallel slice over the data-parallel ranks.
+    with deepspeed.zero.Init(config_dict_or_path=render_ds_config(cfg, dist_info.world_size)):
         model = factory(init_weights=False)
     for name, param in model.named_parameters():
         with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
