@@ -747,19 +747,19 @@ def _tp_rank_state(tag_dir: Path, tp_rank: int) -> dict[str, torch.Tensor]:
 
         if not any(tag_dir.glob("*mp_rank_01*")):  # one tensor-parallel rank: read in place
             state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
-            return {name: tensor.float() for name, tensor in state.items()}
+            return {name: tensor.detach().float() for name, tensor in state.items()}
         with tempfile.TemporaryDirectory(prefix="ayumi-tp-rank-") as scratch:
             view = Path(scratch) / tag_dir.name
             view.mkdir()
             for path in tag_dir.glob(f"*{suffix}*_states.pt"):
                 (view / path.name.replace(suffix, "mp_rank_00")).symlink_to(path.resolve())
             state = get_fp32_state_dict_from_zero_checkpoint(scratch, tag=tag_dir.name)
-            return {name: tensor.float() for name, tensor in state.items()}
+            return {name: tensor.detach().float() for name, tensor in state.items()}
     model_file = tag_dir / f"{suffix}_model_states.pt"
     if not model_file.exists():
         raise FileNotFoundError(f"{tag_dir} holds no DeepSpeed model states ({model_file.name})")
     state = torch.load(model_file, map_location="cpu", weights_only=False)["module"]
-    return {name: tensor.float() for name, tensor in state.items()}
+    return {name: tensor.detach().float() for name, tensor in state.items()}
 
 
 def save_ds_config(config: dict[str, Any], path: Path) -> None:

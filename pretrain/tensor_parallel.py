@@ -79,12 +79,13 @@ def tensor_parallel_problems(cfg: Any) -> list[str]:
         return []
     model, ds = cfg.model, cfg.deepspeed
     problems = []
-    for field, value, what in (("num_heads", model.num_heads, "query heads"),
-                               ("num_kv_heads", model.num_kv_heads, "key/value heads"),
-                               ("intermediate_size", model.intermediate_size, "MLP columns")):
+    cut = (("num_heads", model.num_heads, "query heads"), ("num_kv_heads", model.num_kv_heads, "key/value heads"),
+           ("intermediate_size", model.intermediate_size, "MLP columns"))
+    fitting = [d for d in divisors(model.num_kv_heads) if all(value % d == 0 for _, value, _ in cut)]
+    for field, value, what in cut:
         if value % tp:
             problems.append(f"parallel.tensor={tp} must divide model.{field}={value}: each rank holds an equal share "
-                            f"of the {what}; choose a parallel.tensor among {divisors(value)}")
+                            f"of the {what}; this model takes parallel.tensor in {fitting}")
     if cfg.train.num_gpus and cfg.train.num_gpus % tp:
         problems.append(f"train.num_gpus={cfg.train.num_gpus} must divide by parallel.tensor={tp} (the GPUs form "
                         f"groups of {tp}); plan for a multiple of {tp} GPUs")
@@ -118,8 +119,8 @@ def merge_shards(shards: list[dict[str, "torch.Tensor"]]) -> dict[str, "torch.Te
     """One whole state dict from the state dicts of tensor-parallel ranks 0..T-1 (in rank order).
 
     Cut weights are concatenated along their `shard_dim`; replicated ones are taken from rank 0
-    after checking every rank holds the same (they are kept equal by construction; a difference
-    means the shards do not belong together).
+    after checking every rank holds about the same (they are kept equal by construction, and were
+    bitwise equal in every test; a real difference means the shards do not belong together).
     """
     import torch
 
@@ -135,7 +136,7 @@ def merge_shards(shards: list[dict[str, "torch.Tensor"]]) -> dict[str, "torch.Te
         dim = shard_dim(name)
         pieces = [shard[name] for shard in shards]
         if dim is None:
-            if not all(torch.equal(pieces[0], piece) for piece in pieces[1:]):
+            if not all(torch.allclose(pieces[0], piece, rtol=1e-4, atol=1e-6) for piece in pieces[1:]):
                 raise ValueError(f"{name} is replicated under tensor parallelism but differs between the ranks' shards")
             merged[name] = pieces[0]
         else:
