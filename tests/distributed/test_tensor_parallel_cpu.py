@@ -122,6 +122,15 @@ def test_export_merges_the_tensor_parallel_shards(runs, tmp_path):
     one, two = (load_file(exported[name] / "model.safetensors") for name in ("tp1", "tp2"))
     assert {k: v.shape for k, v in one.items()} == {k: v.shape for k, v in two.items()}
     assert max(float((one[k] - two[k]).abs().max()) for k in one) < 1e-5
+    # Each rank's slice, as DeepSpeed saved it, has the shape the memory plan counts per GPU.
+    from pretrain.engine import _tp_rank_state
+    from pretrain.memory import local_parameter_shapes
+    from pretrain.model.config import ModelConfig
+
+    tag_dir = runs["tp2"] / "checkpoints" / f"step_{STEPS:07d}"
+    model = ModelConfig(**json.loads((tag_dir / "ayumi.json").read_text())["model"])
+    for rank in range(2):
+        assert {k: tuple(v.shape) for k, v in _tp_rank_state(tag_dir, rank).items()} == local_parameter_shapes(model, 2)
     ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
     logits = [LlamaForCausalLM.from_pretrained(exported[name]).eval()(ids).logits for name in ("tp1", "tp2")]
     assert torch.allclose(logits[0], logits[1], atol=1e-4)
@@ -133,7 +142,7 @@ def test_zero0_fp32_and_zero2_bf16_train_with_tensor_parallelism(runs):
     rounding, with the bf16-vs-fp32 evaluation check gathering whole weights; both export."""
     from pretrain.checkpoint import load_for_export
 
-    steps = 10
+    steps = 8
     common = [f"train.max_steps={steps}", "checkpoint.interval=0", "train.eval_interval=0"]
     layouts = {"zero0_tp2": (2, ["deepspeed=zero0", "deepspeed.precision=fp32", "parallel.tensor=2"]),
                "zero2_tp2": (2, ["deepspeed=zero2", "deepspeed.precision=bf16", "parallel.tensor=2",

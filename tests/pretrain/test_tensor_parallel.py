@@ -108,24 +108,26 @@ def test_rendered_deepspeed_config_counts_data_parallel_ranks():
 
 
 def test_memory_plan_counts_one_gpus_slice():
-    """llama_1b_example at tensor-parallel 8: each GPU holds the embedding, LM head and norms whole and an
-    eighth of every projection; ZeRO cuts the states over 8 / 8 = 1 data-parallel rank; activations shrink."""
-    cfg = to_object(compose_config(["experiment=llama_1b_example", "parallel.tensor=8"]))
+    """llama_1b_example at tensor-parallel 4 on its 8 GPUs: each GPU holds the embedding, LM head and norms
+    whole and a quarter of every projection; ZeRO cuts the states over 8 / 4 = 2 data-parallel ranks;
+    activations shrink."""
+    cfg = to_object(compose_config(["experiment=llama_1b_example", "parallel.tensor=4"]))
+    check_config(cfg)
     model = cfg.model
     h, layers = model.hidden_size, model.num_layers
     replicated = 2 * model.vocab_size * h + (2 * layers + 1) * h
-    assert local_parameters(model, 8) == replicated + (count_parameters(model) - replicated) // 8
+    assert local_parameters(model, 4) == replicated + (count_parameters(model) - replicated) // 4
     hardware = planned_hardware(cfg)  # train.num_gpus=8, 80 GB each
-    assert (hardware.data_parallel, hardware.tensor_parallel) == (1, 8)
+    assert (hardware.data_parallel, hardware.tensor_parallel) == (2, 4)
     sliced = estimate_memory(memory_shape(cfg, hardware.data_parallel))
-    whole = estimate_memory(memory_shape(to_object(compose_config(["experiment=llama_1b_example"])), 1))
-    assert sliced.term("parameters") == 2 * local_parameters(model, 8) < whole.term("parameters")
+    whole = estimate_memory(memory_shape(to_object(compose_config(["experiment=llama_1b_example"])), 2))
+    assert sliced.term("parameters") == 2 * local_parameters(model, 4) < whole.term("parameters")
     assert sliced.term("activations") < whole.term("activations")
-    assert "tensor-parallel 8, 1 data-parallel ranks" in format_memory(sliced)
+    assert "tensor-parallel 4, 2 data-parallel ranks" in format_memory(sliced)
     run = run_plan(cfg, count_parameters(model), hardware, free_bytes=2**50)
-    assert f"batch: global {cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x grad accum " \
-           f"{cfg.train.global_batch_size // cfg.train.micro_batch_size} x 1 data-parallel rank(s), on 8 GPU(s) " \
-           "(tensor-parallel 8 x data-parallel 1)" in format_run_plan(run)
+    accum = cfg.train.global_batch_size // (cfg.train.micro_batch_size * 2)
+    assert f"batch: global {cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x grad accum {accum} " \
+           "x 2 data-parallel rank(s), on 8 GPU(s) (tensor-parallel 4 x data-parallel 2)" in format_run_plan(run)
 
 
 def test_cpu_plan_splits_ranks_into_groups():
