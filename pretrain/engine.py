@@ -716,9 +716,21 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
 # -- consolidation for export -------------------------------------------------------------------
 def consolidated_state_dict(root: Path, tag: str) -> dict[str, torch.Tensor]:
     """Full fp32 weights from a checkpoint of any ZeRO stage and tensor-parallel size, on CPU, without a
-    process group: each tensor-parallel rank's weights, merged (pretrain.tensor_parallel.merge_shards)."""
+    process group: each tensor-parallel rank's slices merged (pretrain.tensor_parallel.merge_shards)."""
+    return merge_shards(tensor_parallel_slices(root, tag))
+
+
+def tensor_parallel_slices(root: Path, tag: str) -> list[dict[str, torch.Tensor]]:
+    """Each tensor-parallel rank's fp32 weights of checkpoint root/tag, in rank order (one whole state without
+    tensor parallelism)."""
+    import tempfile
+
     tag_dir = Path(root) / tag
-    return merge_shards([_tp_rank_state(tag_dir, t) for t in range(checkpoint_tensor_parallel(tag_dir))])
+    tp = checkpoint_tensor_parallel(tag_dir)
+    if tp == 1:
+        return [_fp32_weights(tag_dir)]
+    with tempfile.TemporaryDirectory(prefix="ayumi-tp-ranks-") as scratch:
+        return [_fp32_weights(_tp_rank_view(tag_dir, rank, Path(scratch))) for rank in range(tp)]
 
 
 _MP_RANK = re.compile(r"mp_rank_(\d+)")
@@ -733,32 +745,28 @@ def checkpoint_tensor_parallel(tag_dir: Path) -> int:
     return max(ranks) + 1
 
 
-def _tp_rank_state(tag_dir: Path, tp_rank: int) -> dict[str, torch.Tensor]:
-    """Tensor-parallel rank `tp_rank`'s fp32 weights of a checkpoint folder.
+def _tp_rank_view(tag_dir: Path, tp_rank: int, scratch: Path) -> Path:
+    """A folder in which tensor-parallel rank `tp_rank`'s files of `tag_dir` look like a checkpoint without
+    tensor parallelism (named mp_rank_00, linked, not copied): DeepSpeed's zero_to_fp32 reads mp_rank_00 only."""
+    view = scratch / f"tp{tp_rank}" / tag_dir.name
+    view.mkdir(parents=True)
+    rank_name = f"mp_rank_{tp_rank:02d}"
+    for path in tag_dir.glob(f"*{rank_name}*_states.pt"):
+        (view / path.name.replace(rank_name, "mp_rank_00")).symlink_to(path.resolve())
+    return view
 
-    ZeRO 1-3: DeepSpeed's zero_to_fp32 reads one model-parallel rank's files only (mp_rank_00), so that
-    rank's files are linked under those names in a scratch folder (nothing is copied) and read there.
-    """
-    suffix = f"mp_rank_{tp_rank:02d}"
-    if any(tag_dir.glob(f"zero_pp_rank_*_{suffix}_optim_states.pt")):
-        import tempfile
 
+def _fp32_weights(tag_dir: Path) -> dict[str, torch.Tensor]:
+    """The fp32 weights of a checkpoint folder without tensor parallelism, of any ZeRO stage."""
+    if any(tag_dir.glob("*optim_states.pt")) and any(tag_dir.glob("zero_pp_rank_*")):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        if not any(tag_dir.glob("*mp_rank_01*")):  # one tensor-parallel rank: read in place
-            state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
-            return {name: tensor.detach().float() for name, tensor in state.items()}
-        with tempfile.TemporaryDirectory(prefix="ayumi-tp-rank-") as scratch:
-            view = Path(scratch) / tag_dir.name
-            view.mkdir()
-            for path in tag_dir.glob(f"*{suffix}*_states.pt"):
-                (view / path.name.replace(suffix, "mp_rank_00")).symlink_to(path.resolve())
-            state = get_fp32_state_dict_from_zero_checkpoint(scratch, tag=tag_dir.name)
-            return {name: tensor.detach().float() for name, tensor in state.items()}
-    model_file = tag_dir / f"{suffix}_model_states.pt"
-    if not model_file.exists():
-        raise FileNotFoundError(f"{tag_dir} holds no DeepSpeed model states ({model_file.name})")
-    state = torch.load(model_file, map_location="cpu", weights_only=False)["module"]
+        state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+    else:
+        model_file = tag_dir / "mp_rank_00_model_states.pt"
+        if not model_file.exists():
+            raise FileNotFoundError(f"{tag_dir} holds no DeepSpeed model states (mp_rank_00_model_states.pt)")
+        state = torch.load(model_file, map_location="cpu", weights_only=False)["module"]
     return {name: tensor.detach().float() for name, tensor in state.items()}
 
 

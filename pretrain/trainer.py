@@ -214,8 +214,8 @@ class Trainer:
         shared, meta = self.checkpointer.load(self.engine, tag, root=root)
         self.load_shared_state(shared)
         self.apply_optimizer_overrides()
-        resharded = (f"; re-sharded from {_ranks(meta['resharded_from'], meta['resharded_from_tensor_parallel'])} to "
-                     f"{_ranks(self.dist.world_size, self.dist.tensor_parallel)} through DeepSpeed's universal checkpoint"
+        resharded = (f"; re-sharded from {meta['resharded_from']} ranks{_tp(meta['resharded_from_tensor_parallel'])} to "
+                     f"{self.dist.world_size}{_tp(self.dist.tensor_parallel)} through DeepSpeed's universal checkpoint"
                      if "resharded_from" in meta else "")
         self.logger.info(f"resumed from {root / tag} at step {self.state.step} ({format_count(self.state.tokens)} tokens)"
                          f"{resharded}")
@@ -726,9 +726,9 @@ class Trainer:
         return results
 
 
-def _ranks(world_size: int, tensor_parallel: int) -> str:
-    """`N ranks`, with the tensor-parallel size when there is one (resume messages)."""
-    return f"{world_size} ranks" + (f" (tensor-parallel {tensor_parallel})" if tensor_parallel > 1 else "")
+def _tp(tensor_parallel: int) -> str:
+    """` (tensor-parallel T)` after a rank count in resume messages; empty without tensor parallelism."""
+    return f" (tensor-parallel {tensor_parallel})" if tensor_parallel > 1 else ""
 
 
 def _knobs(cfg: AyumiConfig) -> dict[str, Any]:

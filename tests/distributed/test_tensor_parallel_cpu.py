@@ -87,9 +87,8 @@ def test_universal_checkpoint_moves_tp2_to_other_layouts(runs):
     if not (source / "checkpoints" / "step_0000015").is_dir():
         pytest.skip("needs test_tp2_resume_is_exact's step-15 checkpoint")
     expected = train_losses(runs["tp2"])
-    for name, nproc, tp, says in (("tp2dp2", 4, 2, "re-sharded from 2 ranks (tensor-parallel 2) to 4 ranks "
-                                                   "(tensor-parallel 2)"),
-                                  ("tp1dp2", 2, 1, "re-sharded from 2 ranks (tensor-parallel 2) to 2 ranks through")):
+    for name, nproc, tp, says in (("tp2dp2", 4, 2, "re-sharded from 2 ranks (tensor-parallel 2) to 4 (tensor-parallel 2)"),
+                                  ("tp1dp2", 2, 1, "re-sharded from 2 ranks (tensor-parallel 2) to 2 through")):
         run = runs["root"] / name / "cpu_tiny"
         shutil.copytree(source / "checkpoints" / "step_0000015", run / "checkpoints" / "step_0000015")
         (run / "checkpoints" / "latest").write_text("step_0000015\n")
@@ -123,14 +122,16 @@ def test_export_merges_the_tensor_parallel_shards(runs, tmp_path):
     assert {k: v.shape for k, v in one.items()} == {k: v.shape for k, v in two.items()}
     assert max(float((one[k] - two[k]).abs().max()) for k in one) < 1e-5
     # Each rank's slice, as DeepSpeed saved it, has the shape the memory plan counts per GPU.
-    from pretrain.engine import _tp_rank_state
+    from pretrain.engine import tensor_parallel_slices
     from pretrain.memory import local_parameter_shapes
     from pretrain.model.config import ModelConfig
 
-    tag_dir = runs["tp2"] / "checkpoints" / f"step_{STEPS:07d}"
-    model = ModelConfig(**json.loads((tag_dir / "ayumi.json").read_text())["model"])
-    for rank in range(2):
-        assert {k: tuple(v.shape) for k, v in _tp_rank_state(tag_dir, rank).items()} == local_parameter_shapes(model, 2)
+    tag = f"step_{STEPS:07d}"
+    model = ModelConfig(**json.loads((runs["tp2"] / "checkpoints" / tag / "ayumi.json").read_text())["model"])
+    slices = tensor_parallel_slices(runs["tp2"] / "checkpoints", tag)
+    assert len(slices) == 2
+    for state in slices:
+        assert {k: tuple(v.shape) for k, v in state.items()} == local_parameter_shapes(model, 2)
     ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
     logits = [LlamaForCausalLM.from_pretrained(exported[name]).eval()(ids).logits for name in ("tp1", "tp2")]
     assert torch.allclose(logits[0], logits[1], atol=1e-4)
