@@ -138,31 +138,28 @@ def test_export_merges_the_tensor_parallel_shards(runs, tmp_path):
 
 
 def test_zero0_fp32_and_zero2_bf16_train_with_tensor_parallelism(runs):
-    """The other supported ZeRO stages and precisions: ZeRO-0 in fp32 (ayumi computes the grad norm there, over
-    the tensor-parallel group) follows the reference run; ZeRO-2 in bf16 follows its own reference to bf16
-    rounding, with the bf16-vs-fp32 evaluation check gathering whole weights; both export."""
+    """The other supported ZeRO stages and precisions follow the fp32 reference run: ZeRO-0 in fp32 (ayumi computes
+    the grad norm there, over the tensor-parallel group) to fp32 rounding; ZeRO-2 in bf16 as closely as bf16 follows
+    fp32 without tensor parallelism (measured: 2.1e-3 in the loss, 0.2% in the grad norm, for both), its
+    bf16-vs-fp32 evaluation check gathering whole weights. Both export whole weights."""
     from pretrain.checkpoint import load_for_export
 
     steps = 8
-    common = [f"train.max_steps={steps}", "checkpoint.interval=0", "train.eval_interval=0"]
-    layouts = {"zero0_tp2": (2, ["deepspeed=zero0", "deepspeed.precision=fp32", "parallel.tensor=2"]),
-               "zero2_tp2": (2, ["deepspeed=zero2", "deepspeed.precision=bf16", "parallel.tensor=2",
-                                 "stability.precision_check_every=1"]),
-               "zero2_tp1": (1, ["deepspeed=zero2", "deepspeed.precision=bf16", "stability.precision_check_every=1"])}
-    for name, (nproc, extra) in layouts.items():
-        proc = run_training(tiny_overrides(runs["corpus"], runs["root"] / name, *common, *extra), nproc=nproc,
-                            launcher="python" if nproc == 1 else "torchrun")
+    common = [f"train.max_steps={steps}", "checkpoint.interval=0", "train.eval_interval=0", "parallel.tensor=2"]
+    layouts = {"zero0_tp2": ["deepspeed=zero0", "deepspeed.precision=fp32"],
+               "zero2_tp2": ["deepspeed=zero2", "deepspeed.precision=bf16", "stability.precision_check_every=1"]}
+    for name, extra in layouts.items():
+        proc = run_training(tiny_overrides(runs["corpus"], runs["root"] / name, *common, *extra))
         assert proc.returncode == 0, proc.stdout[-6000:]
     reference = records(runs["tp1"])[:steps]
-    zero0 = records(runs["root"] / "zero0_tp2" / "cpu_tiny")
+    zero0, bf16 = (records(runs["root"] / name / "cpu_tiny") for name in layouts)
     assert max(abs(a["train/loss"] - b["train/loss"]) for a, b in zip(reference, zero0)) < 1e-5
     assert [b["opt/grad_norm"] for b in zero0] == pytest.approx([a["opt/grad_norm"] for a in reference], rel=1e-4)
-    bf16 = [records(runs["root"] / name / "cpu_tiny") for name in ("zero2_tp1", "zero2_tp2")]
-    assert max(abs(a["train/loss"] - b["train/loss"]) for a, b in zip(*bf16)) < 5e-3
-    assert [b["opt/grad_norm"] for b in bf16[1]] == pytest.approx([a["opt/grad_norm"] for a in bf16[0]], rel=2e-2)
+    assert max(abs(a["train/loss"] - b["train/loss"]) for a, b in zip(reference, bf16)) < 5e-3
+    assert [b["opt/grad_norm"] for b in bf16] == pytest.approx([a["opt/grad_norm"] for a in reference], rel=1e-2)
     val = [r for r in read_jsonl(runs["root"] / "zero2_tp2/cpu_tiny/metrics.jsonl") if "val/ja/fp32_gap" in r]
     assert val and abs(val[-1]["val/ja/fp32_gap"]) < 0.05
-    whole = {name: load_for_export(runs["root"] / name / "cpu_tiny")[0] for name in ("zero0_tp2", "zero2_tp2")}
-    ten = load_for_export(runs["tp1"])[0]  # shapes: the whole model's
-    for state in whole.values():
-        assert {k: v.shape for k, v in state.items()} == {k: v.shape for k, v in ten.items()}
+    whole = load_for_export(runs["tp1"])[0]
+    for name in layouts:
+        state = load_for_export(runs["root"] / name / "cpu_tiny")[0]
+        assert {k: v.shape for k, v in state.items()} == {k: v.shape for k, v in whole.items()}
