@@ -93,8 +93,7 @@ def tensor_parallel_problems(cfg: Any) -> list[str]:
         problems.append(f"parallel.tensor={tp} with deepspeed.zero_stage=3: DeepSpeed 0.19 trains it, but neither its "
                         "zero_to_fp32 nor its universal-checkpoint converter can read the checkpoints (the replicated "
                         "weights are cut over the tensor-parallel ranks too), so the run could not be exported or "
-                        "resumed at another size. Fix: deepspeed=zero1 or zero2 (tensor parallelism already cuts "
-                        "the weights ZeRO-3 would)")
+                        "resumed at another size. Fix: deepspeed=zero1 or zero2, or parallel.tensor=1 for ZeRO-3")
     if ds.zero_stage == 0 and ds.precision in ("bf16", "fp16", "auto"):
         problems.append(f"parallel.tensor={tp} with deepspeed.zero_stage=0 needs deepspeed.precision=fp32 "
                         f"(it is {ds.precision}; auto may pick bf16): DeepSpeed "
