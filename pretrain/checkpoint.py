@@ -129,15 +129,16 @@ def restore_rng(state: dict[str, Any]) -> None:
 class Checkpointer:
     """Saves and loads ayumi checkpoints for one run (all ranks call every method).
 
-    `world_size` and `zero_stage` describe this run: a ZeRO 1-3 checkpoint saved by another
-    number of ranks is loaded through DeepSpeed's universal form (converted by rank 0 under
-    `<root>/universal/`, removed after loading). `any_rank(flag)` is True on every rank when the
+    `world_size`, `zero_stage` and `tensor_parallel` describe this run: a ZeRO 1-3 checkpoint saved by
+    another number of ranks or another tensor-parallel size is loaded through DeepSpeed's universal form
+    (converted by rank 0 under `<root>/universal/`, removed after loading; DeepSpeed 0.19 merges and
+    re-cuts AutoTP shards there). `any_rank(flag)` is True on every rank when the
     flag is on any one (pretrain.engine.any_rank); it carries a failed conversion to all ranks.
     """
 
     def __init__(self, root: Path, keep_last: int, rank: int, barrier, world_size: int = 1, zero_stage: int = 0,
                  any_rank=lambda flag: flag, expected_bytes: int = 0, async_writes: bool = False,
-                 write_delay_s: float = 0.0):
+                 write_delay_s: float = 0.0, tensor_parallel: int = 1):
         self.expected_bytes = expected_bytes
         """About what one checkpoint of this run takes on disk (curriculum.plan.checkpoint_size); 0 = unknown."""
         self.root = Path(root)
@@ -146,6 +147,7 @@ class Checkpointer:
         self._barrier = barrier
         self.world_size = world_size
         self.zero_stage = zero_stage
+        self.tensor_parallel = tensor_parallel
         self._any_rank = any_rank
         self.async_writes = async_writes
         """Stage in host memory and write in the background (checkpoint.async_save)."""
@@ -291,6 +293,7 @@ class Checkpointer:
         if self._needs_universal(tag_dir, meta):
             self._load_universal(engine, tag_dir)
             meta["resharded_from"] = meta["world_size"]
+            meta["resharded_from_tensor_parallel"] = meta.get("tensor_parallel", 1)
         else:
             engine.load(root, tag)
         shared = torch.load(tag_dir / SHARED_STATE, map_location="cpu", weights_only=False)
@@ -302,13 +305,20 @@ class Checkpointer:
     def _needs_universal(self, tag_dir: Path, meta: dict[str, Any]) -> bool:
         """Whether DeepSpeed cannot load this checkpoint directly on this run's ranks."""
         saved_stage, saved_world = meta.get("zero_stage", self.zero_stage), meta.get("world_size", self.world_size)
+        saved_tp = meta.get("tensor_parallel", 1)  # checkpoints from before tensor parallelism: 1
         if saved_stage != self.zero_stage:
             raise CheckpointError(
                 f"{tag_dir} was saved with ZeRO stage {saved_stage}, this run uses stage {self.zero_stage}. "
                 f"Fix: resume with deepspeed=zero{saved_stage} (the data-parallel size may differ)."
             )
-        # Stage 0 keeps whole optimizer state on every rank and loads at any size.
-        return saved_stage >= 1 and saved_world != self.world_size
+        if saved_stage == 0 and saved_tp != self.tensor_parallel:
+            raise CheckpointError(
+                f"{tag_dir} was saved with parallel.tensor={saved_tp}, this run uses {self.tensor_parallel}: a ZeRO-0 "
+                "checkpoint holds one file per tensor-parallel rank and DeepSpeed converts only ZeRO 1-3 checkpoints "
+                f"between sizes. Fix: resume with parallel.tensor={saved_tp} (the data-parallel size may differ).")
+        # Stage 0 keeps whole optimizer state on every rank of a tensor-parallel position and loads at any
+        # data-parallel size; ZeRO 1-3 cut it by the data-parallel size and the tensor-parallel size.
+        return saved_stage >= 1 and (saved_world != self.world_size or saved_tp != self.tensor_parallel)
 
     def _load_universal(self, engine, tag_dir: Path) -> None:
         universal = self.root / UNIVERSAL_DIR / tag_dir.name

@@ -29,6 +29,7 @@ from curriculum.declared import tokenizer_missing
 from pretrain.model.config import ModelConfig, checkpointing_plan, shape_problems
 from pretrain.hang_watchdog import HangConfig
 from pretrain.ranges import Range, Rule, above, at_least, between, one_of, range_problems
+from pretrain.tensor_parallel import tensor_parallel_problems
 from pretrain.stability.config import StabilityConfig, StabilityConfigError, check_stability_config
 from common.conf import (
     CONF_DIR, ConfigCompositionError, compose, composed_from, conf_label, config_help, group_options, unset_environment,
@@ -126,6 +127,19 @@ class DeepSpeedConfig:
         "allgather_bucket_size": at_least(1), "stage3_prefetch_bucket_size": at_least(0),
         "grad_accum_dtype": one_of("fp32", "bf16", note="bf16 saves memory; fp32 keeps long accumulations exact"),
     }
+    """Allowed values, checked before any rank starts (pretrain/ranges.py)."""
+
+
+@dataclass
+class ParallelConfig:
+    """How the ranks share the model beyond data parallelism (docs/multinode.md, "Tensor parallelism")."""
+
+    tensor: int = 1
+    """Tensor-parallel size T (DeepSpeed AutoTP): each block's projections are cut over T consecutive ranks,
+    which see the same samples; data-parallel size = ranks / T. Keep T within a node (<= its GPUs); it must
+    divide the ranks, model.num_heads, model.num_kv_heads and model.intermediate_size. 1 = off."""
+
+    RANGES: ClassVar[dict[str, Range]] = {"tensor": at_least(1, "1 = off")}
     """Allowed values, checked before any rank starts (pretrain/ranges.py)."""
 
 
@@ -296,6 +310,8 @@ class AyumiConfig:
     """Optimizer and LR schedule (conf/optim/)."""
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     """ZeRO and precision (conf/deepspeed/)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Tensor parallelism (parallel.tensor)."""
     data: DataConfig = field(default_factory=DataConfig)
     """Training data (shards)."""
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -401,8 +417,21 @@ def split_cli_args(argv: list[str]) -> tuple[list[str], bool]:
     return overrides, print_cfg
 
 
+def data_parallel_size(parallel: ParallelConfig, world_size: int) -> int:
+    """Data-parallel ranks of a job of `world_size` ranks: world_size / parallel.tensor; ConfigError when the
+    ranks do not form whole tensor-parallel groups."""
+    tp = parallel.tensor
+    if tp < 1 or world_size % tp:
+        fits = [n for n in range(tp, 8 * tp + 1, tp)][:4]
+        raise ConfigError(f"parallel.tensor={tp} must divide the {world_size} rank(s) of this job (tensor-parallel "
+                          f"groups of {tp} ranks); start {', '.join(map(str, fits))} ... ranks, or choose a "
+                          f"parallel.tensor that divides {world_size}")
+    return world_size // tp
+
+
 def data_parallel_grad_accum(train: TrainConfig, world_size: int) -> int:
-    """Gradient-accumulation steps implied by the batch settings; ConfigError when they disagree."""
+    """Gradient-accumulation steps implied by the batch settings for `world_size` data-parallel ranks (with
+    tensor parallelism: data_parallel_size, not the number of ranks); ConfigError when they disagree."""
     per_step = train.micro_batch_size * world_size
     if train.micro_batch_size < 1 or train.global_batch_size < 1:
         raise ConfigError(
@@ -466,7 +495,10 @@ def config_problems(cfg: AyumiConfig) -> list[str]:
     The run name, every field's range (each section's RANGES, pretrain/ranges.py) and the model's
     shape rules. check_config reports them all at once before its cross-field checks.
     """
-    return name_problems(cfg.name) + range_problems(cfg) + shape_problems(cfg.model) + declared_data_problems(cfg)
+    problems = name_problems(cfg.name) + range_problems(cfg) + shape_problems(cfg.model) + declared_data_problems(cfg)
+    if not problems:  # the tensor-parallel rules divide by the sizes checked above
+        problems = tensor_parallel_problems(cfg)
+    return problems
 
 
 def declared_data_problems(cfg: AyumiConfig) -> list[str]:

@@ -275,7 +275,8 @@ def check_memory(cfg) -> Check:
     hardware = planned_hardware(cfg)
     memory = estimate_memory(memory_shape(cfg, hardware.data_parallel))  # the memory alone: no data to open
     detail = (f"{memory.required / GIB:.1f} GiB per GPU needed ({memory.model_states / GIB:.1f} model states, "
-              f"{memory.term('activations') / GIB:.1f} activations) with {hardware.data_parallel} data-parallel ranks")
+              f"{memory.term('activations') / GIB:.1f} activations) with {hardware.data_parallel} data-parallel ranks"
+              + (f" of tensor-parallel {hardware.tensor_parallel}" if hardware.tensor_parallel > 1 else ""))
     if not hardware.gpu_bytes:
         return Check("plan", "memory", INFO, f"{detail}; not checked: {hardware.where}")
     if memory.required > hardware.gpu_bytes:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 from dataclasses import dataclass
@@ -27,10 +28,13 @@ if not torch.cuda.is_available():
 import deepspeed  # noqa: E402  (after DS_ACCELERATOR)
 import torch.distributed as dist  # noqa: E402
 
-from pretrain.config import AyumiConfig, ConfigError, data_parallel_grad_accum  # noqa: E402
+from pretrain.config import (  # noqa: E402
+    AyumiConfig, ConfigError, ParallelConfig, data_parallel_grad_accum, data_parallel_size,
+)
 from pretrain.grad_accum import Fp32GradAccumulator, fp32_accumulation_by  # noqa: E402
 from pretrain.host_memory import keep_freed_memory_for_reuse  # noqa: E402
 from pretrain.optim import param_groups  # noqa: E402
+from pretrain.tensor_parallel import autotp_partition_config, merge_shards, shard_dim  # noqa: E402
 
 
 class _KnownOptimizerWarning(logging.Filter):
@@ -56,10 +60,26 @@ class DistInfo:
     local_rank: int
     local_world_size: int
     device: torch.device
+    tensor_parallel: int = 1
+    """Ranks per tensor-parallel group (parallel.tensor); consecutive ranks form a group."""
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index: the ranks of one tensor-parallel group share it (and their samples)."""
+        return self.rank // self.tensor_parallel
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel size: how many different micro-batches one forward pass of the job sees."""
+        return self.world_size // self.tensor_parallel
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tensor_parallel
 
 
 def _free_port() -> int:
@@ -87,9 +107,11 @@ def pick_device(preference: str) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(device_preference: str = "auto", timeout_s: float | None = None) -> DistInfo:
+def init_distributed(device_preference: str = "auto", timeout_s: float | None = None,
+                     tensor_parallel: int = 1) -> DistInfo:
     """Join (or create) the process group: NCCL on GPUs, gloo on CPU. `timeout_s` bounds every collective
-    (pretrain.hang_watchdog.process_group_timeout_s: longer than the watchdog's, which speaks first)."""
+    (pretrain.hang_watchdog.process_group_timeout_s: longer than the watchdog's, which speaks first).
+    With `tensor_parallel` > 1 DeepSpeed's tensor- and data-parallel groups are made here too (init_tensor_parallel)."""
     _ensure_rank_env()
     device = pick_device(device_preference)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
@@ -107,13 +129,53 @@ def init_distributed(device_preference: str = "auto", timeout_s: float | None = 
     if not dist.is_initialized():
         extra = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
         deepspeed.init_distributed(dist_backend=backend, verbose=False, **extra)
-    return DistInfo(
+    info = DistInfo(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
         local_rank=int(os.environ.get("LOCAL_RANK", 0)),
         local_world_size=local_world,
         device=device,
+        tensor_parallel=tensor_parallel,
     )
+    if tensor_parallel > 1:
+        init_tensor_parallel(info)
+    return info
+
+
+def init_tensor_parallel(info: DistInfo) -> None:
+    """DeepSpeed's tensor- and data-parallel process groups for AutoTP, made once, before the engine.
+
+    The engine would make the same groups itself (DeepSpeedEngine._configure_tensor_parallel_states), but
+    only after DeepSpeed's config has checked the batch against *all* ranks: made here and handed to
+    deepspeed.initialize as its `mpu`, the config counts data-parallel ranks (train_batch_size = micro x
+    grad accum x data-parallel size, as ayumi renders it). The mesh is (data, tensor): a tensor-parallel
+    group is `tensor_parallel` consecutive ranks, which DistInfo.dp_rank assumes; checked here.
+    """
+    from deepspeed.utils import groups
+
+    data_parallel_size(ParallelConfig(tensor=info.tensor_parallel), info.world_size)  # ConfigError unless they divide
+    groups._init_tp_mesh_device(tensor_model_parallel_size=info.tensor_parallel)
+    layout = (groups.get_data_parallel_rank(), groups.get_tensor_model_parallel_rank(),
+              groups.get_data_parallel_world_size())
+    if layout != (info.dp_rank, info.tp_rank, info.dp_size):
+        raise RuntimeError(f"DeepSpeed placed rank {info.rank} at (data {layout[0]}, tensor {layout[1]}) of "
+                           f"{layout[2]} data-parallel ranks; ayumi expects ({info.dp_rank}, {info.tp_rank}) of "
+                           f"{info.dp_size}: the loader would feed a tensor-parallel group different samples")
+
+
+def _mpu(tensor_parallel: int):
+    """DeepSpeed's groups module as the `mpu` of its config and engine under tensor parallelism (init_tensor_parallel)."""
+    if tensor_parallel == 1:
+        return None
+    from deepspeed.utils import groups
+
+    return groups
+
+
+def _tensor_parallel_group():
+    from deepspeed.utils import groups
+
+    return groups.get_tensor_model_parallel_group()
 
 
 def finalize_distributed() -> None:
@@ -133,7 +195,7 @@ def render_ds_config(cfg: AyumiConfig, world_size: int) -> dict[str, Any]:
     if ds.precision not in ("bf16", "fp16", "fp32"):
         raise ValueError(f"deepspeed.precision={ds.precision!r} must be resolved to bf16, fp16 or fp32 before "
                          "DeepSpeed is configured (pretrain.train.settle_precision)")
-    grad_accum = data_parallel_grad_accum(cfg.train, world_size)
+    grad_accum = data_parallel_grad_accum(cfg.train, data_parallel_size(cfg.parallel, world_size))
     config: dict[str, Any] = {
         "train_batch_size": cfg.train.global_batch_size,
         "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
@@ -160,6 +222,11 @@ def render_ds_config(cfg: AyumiConfig, world_size: int) -> dict[str, Any]:
         # under ZeRO 0-1: stage 0 refuses it and stage 1 would swap in DeepSpeed's BF16_Optimizer;
         # ayumi sums there itself (pretrain/grad_accum.py).
         config["data_types"] = {"grad_accum_dtype": "fp32"}
+    if cfg.parallel.tensor > 1:
+        # AutoTP cuts the layers pretrain/tensor_parallel.py names when the engine is built; the batch
+        # figures above count data-parallel ranks (init_tensor_parallel hands DeepSpeed the groups).
+        config["tensor_parallel"] = {"autotp_size": cfg.parallel.tensor, "vocab_parallel_lm_head": False,
+                                     "partition_config": autotp_partition_config()}
     if ds.offload_optimizer:
         # Offloaded states need DeepSpeed's CPU Adam (built once, then cached).
         config["optimizer"] = {
@@ -312,8 +379,7 @@ class TrainEngine:
         model.set_activation_checkpointing(cfg.deepspeed.activation_checkpointing)
         self.compiled = model.compile_for(cfg.model.compile, dist_info.device.type)
         self.grad_accum = self.ds_config["gradient_accumulation_steps"]
-        # Hooked before deepspeed.initialize, so they run before ZeRO-1's own gradient hooks.
-        self.accumulator = self._fp32_accumulator(model)
+        self.tensor_parallel = dist_info.tensor_parallel
         optimizer = build_optimizer(model, cfg, dist_info.device)
         self.client_optimizer = optimizer  # ours (SkippableAdamW), under DeepSpeed's wrapper
         model_parameters = None
@@ -322,11 +388,16 @@ class TrainEngine:
                 {k: v for k, v in group.items() if k != "name"}
                 for group in param_groups(model.named_parameters(), cfg.optim.weight_decay)
             ]
+        # With tensor parallelism DeepSpeed's groups (made in init_tensor_parallel) are its `mpu`: its batch
+        # check then counts data-parallel ranks, and AutoTP cuts the model inside initialize. It re-points
+        # our optimizer at the cut parameters itself.
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, model_parameters=model_parameters, config=self.ds_config,
+            mpu=_mpu(self.tensor_parallel),
         )
-        if self.accumulator is not None:
-            self.accumulator.allocate()  # on the device the engine put the parameters on
+        # On the parameters the engine holds (AutoTP replaced the ones it cut) and placed (their device);
+        # its hooks go first, ahead of the gradient hooks ZeRO-1 added inside initialize.
+        self.accumulator = self._fp32_accumulator(self.engine.module)
         self.precision = cfg.deepspeed.precision
         # DeepSpeed 0.19's engine.backward() scales the loss only for ZeRO optimizers, yet its
         # stage-0 fp16 optimizer unscales the gradients in step(): unscaled gradients then come
@@ -342,7 +413,9 @@ class TrainEngine:
         ds = self.cfg.deepspeed
         if self.grad_accum == 1 or fp32_accumulation_by(ds.precision, ds.grad_accum_dtype, ds.zero_stage) != "ayumi":
             return None  # one micro-batch per step has nothing to sum
-        return Fp32GradAccumulator(model.named_parameters())
+        accumulator = Fp32GradAccumulator(model.named_parameters(), first=True)
+        accumulator.allocate()
+        return accumulator
 
     @property
     def grad_accum_dtype(self) -> str:
@@ -404,14 +477,32 @@ class TrainEngine:
         return self.cfg.deepspeed.zero_stage == 0 and self.precision in ("fp32", "fp16")
 
     def _stage0_grad_norm(self) -> float:
-        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
-        if not grads:
-            return 0.0
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+        """sqrt(sum of squares): replicated gradients once, the tensor-parallel shards summed over their group."""
+        replicated, cut = [], []
+        for name, param in self.engine.module.named_parameters():
+            if param.grad is not None:
+                (cut if self.tensor_parallel > 1 and shard_dim(name) is not None else replicated).append(param.grad)
+        squares = torch.zeros(2, dtype=torch.float64, device=self.dist.device)
+        for slot, grads in enumerate((replicated, cut)):
+            if grads:
+                squares[slot] = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]).double().square().sum()
+        if cut:
+            dist.all_reduce(squares[1:], group=_tensor_parallel_group())
         scale = self.loss_scale() or 1.0
-        # backward() at the boundary has already averaged the gradients across ranks, so the
-        # norm is the same on every rank.
-        return float(norm) / scale
+        # backward() at the boundary has already averaged the gradients across data-parallel ranks, and
+        # the shards' sum is all-reduced, so the norm is the same on every rank.
+        return float(squares.sum().sqrt()) / scale
+
+    def _whole(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` (this rank's slice of parameter `name`) whole: gathered over the tensor-parallel group.
+
+        Collective under tensor parallelism: every rank calls it for the same names in the same order."""
+        dim = shard_dim(name)
+        if self.tensor_parallel == 1 or dim is None:
+            return tensor
+        pieces = [torch.empty_like(tensor) for _ in range(self.tensor_parallel)]
+        dist.all_gather(pieces, tensor.contiguous(), group=_tensor_parallel_group())
+        return torch.cat(pieces, dim=dim)
 
     # -- knobs the stability machinery turns ----------------------------------------------------
     @property
@@ -467,17 +558,19 @@ class TrainEngine:
         for name, param in self.engine.module.named_parameters():
             grad = param.grad if own_grads else safe_get_full_grad(param)
             if grad is not None:
+                grad = self._whole(name, grad)  # a tensor-parallel slice gathered: the same on every rank
                 yield name, grad if scale is None else grad.float() / scale
 
     def full_fp32_params(self) -> dict[str, torch.Tensor]:
-        """Full fp32 copies of every parameter (collective under ZeRO-3; for update ratios)."""
+        """Full fp32 copies of every parameter (collective under ZeRO-3 and tensor parallelism; for update ratios
+        and the fp32 evaluation)."""
         from deepspeed.utils import safe_get_full_fp32_param
 
         out = {}
         for name, param in self.engine.module.named_parameters():
             full = None if self.cfg.deepspeed.zero_stage == 0 else safe_get_full_fp32_param(param)
             # Stage 0 keeps no fp32 partition to gather; the module's own weights are the truth.
-            out[name] = (param.detach() if full is None else full.detach()).float().clone()
+            out[name] = self._whole(name, (param.detach() if full is None else full.detach()).float()).clone()
         return out
 
     @property
@@ -622,18 +715,59 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
 
 # -- consolidation for export -------------------------------------------------------------------
 def consolidated_state_dict(root: Path, tag: str) -> dict[str, torch.Tensor]:
-    """Full fp32 weights from a checkpoint of any ZeRO stage, on CPU, without a process group."""
+    """Full fp32 weights from a checkpoint of any ZeRO stage and tensor-parallel size, on CPU, without a
+    process group: each tensor-parallel rank's slices merged (pretrain.tensor_parallel.merge_shards)."""
+    return merge_shards(tensor_parallel_slices(root, tag))
+
+
+def tensor_parallel_slices(root: Path, tag: str) -> list[dict[str, torch.Tensor]]:
+    """Each tensor-parallel rank's fp32 weights of checkpoint root/tag, in rank order (one whole state without
+    tensor parallelism)."""
+    import tempfile
+
     tag_dir = Path(root) / tag
+    tp = checkpoint_tensor_parallel(tag_dir)
+    if tp == 1:
+        return [_fp32_weights(tag_dir)]
+    with tempfile.TemporaryDirectory(prefix="ayumi-tp-ranks-") as scratch:
+        return [_fp32_weights(_tp_rank_view(tag_dir, rank, Path(scratch))) for rank in range(tp)]
+
+
+_MP_RANK = re.compile(r"mp_rank_(\d+)")
+
+
+def checkpoint_tensor_parallel(tag_dir: Path) -> int:
+    """The tensor-parallel size a DeepSpeed checkpoint folder was saved with: DeepSpeed names every file with
+    its `mp_rank_NN` (the tensor-parallel rank under AutoTP)."""
+    ranks = {int(m.group(1)) for path in Path(tag_dir).glob("*_states.pt") if (m := _MP_RANK.search(path.name))}
+    if not ranks:
+        raise FileNotFoundError(f"{tag_dir} holds no DeepSpeed model states (mp_rank_00_model_states.pt)")
+    return max(ranks) + 1
+
+
+def _tp_rank_view(tag_dir: Path, tp_rank: int, scratch: Path) -> Path:
+    """A folder in which tensor-parallel rank `tp_rank`'s files of `tag_dir` look like a checkpoint without
+    tensor parallelism (named mp_rank_00, linked, not copied): DeepSpeed's zero_to_fp32 reads mp_rank_00 only."""
+    view = scratch / f"tp{tp_rank}" / tag_dir.name
+    view.mkdir(parents=True)
+    rank_name = f"mp_rank_{tp_rank:02d}"
+    for path in tag_dir.glob(f"*{rank_name}*_states.pt"):
+        (view / path.name.replace(rank_name, "mp_rank_00")).symlink_to(path.resolve())
+    return view
+
+
+def _fp32_weights(tag_dir: Path) -> dict[str, torch.Tensor]:
+    """The fp32 weights of a checkpoint folder without tensor parallelism, of any ZeRO stage."""
     if any(tag_dir.glob("*optim_states.pt")) and any(tag_dir.glob("zero_pp_rank_*")):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
-        return {name: tensor.float() for name, tensor in state.items()}
-    model_file = tag_dir / "mp_rank_00_model_states.pt"
-    if not model_file.exists():
-        raise FileNotFoundError(f"{tag_dir} holds no DeepSpeed model states (mp_rank_00_model_states.pt)")
-    state = torch.load(model_file, map_location="cpu", weights_only=False)["module"]
-    return {name: tensor.float() for name, tensor in state.items()}
+        state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+    else:
+        model_file = tag_dir / "mp_rank_00_model_states.pt"
+        if not model_file.exists():
+            raise FileNotFoundError(f"{tag_dir} holds no DeepSpeed model states (mp_rank_00_model_states.pt)")
+        state = torch.load(model_file, map_location="cpu", weights_only=False)["module"]
+    return {name: tensor.detach().float() for name, tensor in state.items()}
 
 
 def save_ds_config(config: dict[str, Any], path: Path) -> None:

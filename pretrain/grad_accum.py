@@ -47,10 +47,12 @@ class Fp32GradAccumulator:
     (always taken between steps) needs nothing from here.
 
     The hooks must run before any hook DeepSpeed adds (ZeRO-1 reduces the last micro-batch's
-    gradients from its own hook): build this before `deepspeed.initialize`.
+    gradients from its own hook). The engine builds this after `deepspeed.initialize`, on the
+    parameters the engine holds (AutoTP replaces the ones tensor parallelism cuts), with `first=True`:
+    each hook is moved ahead of the hooks already on its parameter.
     """
 
-    def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]]):
+    def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]], first: bool = False):
         named = [(name, p) for name, p in named_params if p.requires_grad]
         self.params = [p for _, p in named]
         self.sums: dict[int, torch.Tensor] = {}
@@ -61,6 +63,9 @@ class Fp32GradAccumulator:
         """Parameters whose sum holds gradients of earlier micro-batches of this step."""
         self._names = {id(p): name for name, p in named}
         self._hooks = [p.register_post_accumulate_grad_hook(self._take) for p in self.params]
+        if first:
+            for param, handle in zip(self.params, self._hooks):
+                run_first(param, handle)
 
     def allocate(self) -> None:
         """One fp32 sum per parameter, on the parameter's device (call once the engine has placed them); a step's
@@ -102,3 +107,17 @@ class Fp32GradAccumulator:
         else:
             self._pending.add(key)
             param.grad = None
+
+
+def run_first(param: torch.nn.Parameter, handle) -> None:
+    """Make the post-accumulate-grad hook behind `handle` the first of `param`'s to run.
+
+    torch runs these hooks in the order of the tensor's `_post_accumulate_grad_hooks` (an OrderedDict
+    keyed by the handle's id, torch >= 2.1) and offers no `prepend`; DeepSpeed registers its own with
+    the same call (deepspeed.utils.torch.register_grad_hook).
+    """
+    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+    if hooks is None or handle.id not in hooks:
+        raise RuntimeError("fp32 gradient accumulation cannot order its hooks on this torch version; "
+                           "set deepspeed.grad_accum_dtype=bf16")
+    hooks.move_to_end(handle.id, last=False)

@@ -61,7 +61,8 @@ def preflight_plan(cfg, nproc: int, gpus: int) -> None:
     _, train, _ = open_run_data(cfg.data.root, cfg.data.domains or None, cfg.train.seq_len, verify="sizes",
                                 validation=cfg.data.validation)
     # On the CPU the ranks train in host memory: no GPU figure to check against.
-    hardware = planned_hardware(cfg, data_parallel=nproc) if gpus else Hardware(nproc, None, "CPU")
+    hardware = planned_hardware(cfg, ranks=nproc) if gpus else \
+        Hardware(nproc // cfg.parallel.tensor, None, "CPU", cfg.parallel.tensor)
     raise_if_refused(run_plan(cfg, count_parameters(cfg.model), hardware, domains=train).plan)
 
 
@@ -182,7 +183,7 @@ def main(argv: list[str]) -> int:
     from pretrain.run_lock import check_unlocked
     from pretrain.config import (
         CHECKED_BY_LAUNCHER_ENV, EXIT_CONFIG_ERROR, ConfigError, config_from_args, data_parallel_grad_accum,
-        default_run_notice, print_config_error,
+        data_parallel_size, default_run_notice, print_config_error,
     )
 
     args, overrides = parse_args(argv)
@@ -192,7 +193,8 @@ def main(argv: list[str]) -> int:
             return 0
         gpus = gpu_count()
         nproc = args.nproc or (gpus if gpus else 2)
-        data_parallel_grad_accum(cfg.train, nproc)  # the global batch must divide over the ranks about to start
+        # The ranks about to start must form whole tensor-parallel groups, and the global batch divide over the groups.
+        data_parallel_grad_accum(cfg.train, data_parallel_size(cfg.parallel, nproc))
         if not args.dry_run:  # a dry run shows the command; its data may live elsewhere
             preflight_plan(cfg, nproc, gpus)
             in_use = check_unlocked(cfg.run_dir)  # the ranks lock it; say it here once, before any starts

@@ -31,6 +31,11 @@ What one GPU holds at the peak of a step (the start of backward), in bytes:
   context, cuBLAS/NCCL workspaces (not in `torch.cuda.max_memory_allocated`, but not free either).
 `peak_allocated` is the figure to compare with `torch.cuda.max_memory_allocated()`; `required` adds the
 allowance and is what must fit.
+
+With tensor parallelism (`parallel.tensor` = T, pretrain/tensor_parallel.py) P above is the parameters one
+GPU holds: the cut projections count 1/T, the embedding, LM head and norms whole; D is the data-parallel
+size (GPUs / T). Activations of the cut parts (q, K/V, the attention output, the MLP's four columns)
+shrink by T; the norms', the block input's and the loss's do not (no sequence parallelism).
 """
 from __future__ import annotations
 
@@ -39,7 +44,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pretrain.model.config import ModelConfig, checkpointing_plan
-from pretrain.model.flops import count_parameters, parameter_shapes
+from pretrain.model.flops import parameter_shapes
+from pretrain.tensor_parallel import local_shape
 
 GIB = 2**30
 FRAGMENTATION = 0.10
@@ -71,6 +77,8 @@ class MemoryShape:
     overlap_comm: bool = True
     gqa_kernel: bool = True
     """The attention kernel reads grouped K/V heads in place (CUDA bf16/fp16); else K/V are repeated per query head."""
+    tensor_parallel: int = 1
+    """GPUs each block's projections are cut over (parallel.tensor); data_parallel counts the groups."""
 
     @property
     def compute_bytes(self) -> int:
@@ -110,10 +118,20 @@ class MemoryEstimate:
 
 
 # -- model states ---------------------------------------------------------------------------------
-def largest_layer_parameters(model: ModelConfig) -> int:
+def local_parameter_shapes(model: ModelConfig, tensor_parallel: int = 1) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every parameter one GPU holds (a tensor-parallel slice where the layout cuts it)."""
+    return {name: local_shape(name, shape, tensor_parallel) for name, shape in parameter_shapes(model).items()}
+
+
+def local_parameters(model: ModelConfig, tensor_parallel: int = 1) -> int:
+    """Parameters one GPU holds before ZeRO cuts anything (all of them without tensor parallelism)."""
+    return sum(math.prod(shape) for shape in local_parameter_shapes(model, tensor_parallel).values())
+
+
+def largest_layer_parameters(model: ModelConfig, tensor_parallel: int = 1) -> int:
     """Parameters of the largest module (DeepSpeed's largest_layer_params: ZeRO-3 gathers one at a time)."""
     per_module: dict[str, int] = {}
-    for name, shape in parameter_shapes(model).items():
+    for name, shape in local_parameter_shapes(model, tensor_parallel).items():
         module = name.rsplit(".", 1)[0]
         per_module[module] = per_module.get(module, 0) + math.prod(shape)
     return max(per_module.values())
@@ -165,26 +183,29 @@ def bucket_bytes(parameters: int, shape: MemoryShape) -> int:
 
 
 # -- activations ------------------------------------------------------------------------------------
-def attention_activation_bytes(model: ModelConfig, tokens: int, e: int, gqa_kernel: bool, seq_len: int) -> int:
+def attention_activation_bytes(model: ModelConfig, tokens: int, e: int, gqa_kernel: bool, seq_len: int,
+                               tp: int = 1) -> int:
     """What the attention half of a block keeps: its RMSNorm (fp32 input copy, 1/rms, normalised and
     scaled outputs), q and K/V after RoPE, the attention output and its log-sum-exp. The fused kernels
-    lay their output out token-major, so o_proj's input is a view of it, not another tensor."""
+    lay their output out token-major, so o_proj's input is a view of it, not another tensor. With `tp`
+    tensor-parallel ranks each keeps its own heads (1/tp of them); the norm is whole on every rank."""
     n, h, heads, kv_heads = tokens, model.hidden_size, model.num_heads, model.num_kv_heads
     head_dim = h // heads
     kv = (kv_heads if gqa_kernel or kv_heads == heads else heads) * head_dim
-    kept = norm_activation_bytes(n, h, e) + e * n * h + 2 * e * n * kv + e * n * h + 4 * n * heads
+    q, heads, kv_heads, kv = h // tp, heads // tp, kv_heads // tp, kv // tp  # this rank's heads
+    kept = norm_activation_bytes(n, h, e) + e * n * q + 2 * e * n * kv + e * n * q + 4 * n * heads
     if model.qk_norm:
-        kept += (4 + e) * n * (h + kv_heads * head_dim) + 4 * n * (heads + kv_heads)
+        kept += (4 + e) * n * (q + kv_heads * head_dim) + 4 * n * (heads + kv_heads)
     if model.attention == "eager":
         batch = n // seq_len
         # fp32 softmax and its model-dtype copy per head, the causal mask; a separate o_proj input, no log-sum-exp.
-        kept += (4 + e) * batch * heads * seq_len * seq_len + seq_len * seq_len + e * n * h - 4 * n * heads
+        kept += (4 + e) * batch * heads * seq_len * seq_len + seq_len * seq_len + e * n * q - 4 * n * heads
     return kept
 
 
-def mlp_activation_bytes(model: ModelConfig, tokens: int, e: int) -> int:
-    """What the SwiGLU half keeps: its RMSNorm, gate, silu(gate), up and their product."""
-    return norm_activation_bytes(tokens, model.hidden_size, e) + 4 * e * tokens * model.intermediate_size
+def mlp_activation_bytes(model: ModelConfig, tokens: int, e: int, tp: int = 1) -> int:
+    """What the SwiGLU half keeps: its RMSNorm, gate, silu(gate), up and their product (1/tp of the columns each)."""
+    return norm_activation_bytes(tokens, model.hidden_size, e) + 4 * e * tokens * (model.intermediate_size // tp)
 
 
 def norm_activation_bytes(tokens: int, hidden: int, e: int) -> int:
@@ -199,8 +220,8 @@ def block_activation_bytes(shape: MemoryShape, recompute: str) -> int:
     block_input = e * n * model.hidden_size
     if recompute == "block":
         return block_input
-    attention = attention_activation_bytes(model, n, e, shape.gqa_kernel, shape.seq_len)
-    mlp = mlp_activation_bytes(model, n, e)
+    attention = attention_activation_bytes(model, n, e, shape.gqa_kernel, shape.seq_len, shape.tensor_parallel)
+    mlp = mlp_activation_bytes(model, n, e, shape.tensor_parallel)
     if recompute == "attention":
         attention = block_input
     elif recompute == "mlp":
@@ -235,15 +256,15 @@ def transient_bytes(shape: MemoryShape) -> int:
     plan = checkpointing_plan(shape.checkpointing, model.num_layers)
     full = block_activation_bytes(shape, "")
     recompute = full if any(plan) else 0
-    grads = 4 * e * n * h + 2 * e * n * model.intermediate_size  # a block's activation gradients in flight
+    grads = 4 * e * n * h + 2 * e * n * (model.intermediate_size // shape.tensor_parallel)  # a block's gradients in flight
     return max(loss, recompute + grads)
 
 
 # -- the estimate ---------------------------------------------------------------------------------
 def estimate_memory(shape: MemoryShape) -> MemoryEstimate:
-    parameters = count_parameters(shape.model)
+    parameters = local_parameters(shape.model, shape.tensor_parallel)
     estimate = MemoryEstimate(shape)
-    estimate.terms += model_state_terms(parameters, largest_layer_parameters(shape.model), shape)
+    estimate.terms += model_state_terms(parameters, largest_layer_parameters(shape.model, shape.tensor_parallel), shape)
     estimate.terms.append(MemoryTerm("communication buckets", bucket_bytes(parameters, shape)))
     plan = checkpointing_plan(shape.checkpointing, shape.model.num_layers)
     estimate.terms.append(MemoryTerm("activations", activation_bytes(shape),
@@ -259,8 +280,10 @@ def estimate_memory(shape: MemoryShape) -> MemoryEstimate:
 
 
 def memory_shape(cfg: Any, data_parallel: int, gqa_kernel: bool = True) -> MemoryShape:
-    """The shape of a composed training config (read by attribute) for `data_parallel` ranks."""
+    """The shape of a composed training config (read by attribute) for `data_parallel` ranks (each a
+    tensor-parallel group of parallel.tensor GPUs)."""
     ds, train = cfg.deepspeed, cfg.train
+    parallel = getattr(cfg, "parallel", None)
     precision = "bf16" if ds.precision == "auto" else ds.precision
     per_step = train.micro_batch_size * max(1, data_parallel)
     accum = train.grad_accum or max(1, train.global_batch_size // per_step)
@@ -270,6 +293,7 @@ def memory_shape(cfg: Any, data_parallel: int, gqa_kernel: bool = True) -> Memor
         offload_param=ds.offload_param, grad_accum_dtype=getattr(ds, "grad_accum_dtype", "fp32"),
         checkpointing=str(ds.activation_checkpointing), reduce_bucket_size=ds.reduce_bucket_size,
         overlap_comm=ds.overlap_comm, gqa_kernel=gqa_kernel,
+        tensor_parallel=parallel.tensor if parallel is not None else 1,
     )
 
 
@@ -320,7 +344,11 @@ def memory_problem(estimate: MemoryEstimate, capacity: int, global_batch: int, w
     shape = estimate.shape
     return (f"the run needs about {_gib(estimate.required)} per GPU but {where} has {_gib(capacity)} "
             f"(micro batch {shape.micro_batch}, ZeRO-{shape.zero_stage}, checkpointing {shape.checkpointing}, "
-            f"{shape.data_parallel} data-parallel ranks); {fit_advice(shape, capacity, global_batch)}")
+            f"{shape.data_parallel} data-parallel ranks{_tp_note(shape)}); {fit_advice(shape, capacity, global_batch)}")
+
+
+def _tp_note(shape: MemoryShape) -> str:
+    return f" of tensor-parallel {shape.tensor_parallel}" if shape.tensor_parallel > 1 else ""
 
 
 def _gib(n: float) -> str:
@@ -332,6 +360,7 @@ def format_memory(estimate: MemoryEstimate, capacity: int | None = None, where: 
     shape = estimate.shape
     lines = [f"memory per GPU ({shape.precision}, ZeRO-{shape.zero_stage}"
              + (", optimizer offload" if shape.offload_optimizer else "") + (", param offload" if shape.offload_param else "")
+             + (f", tensor-parallel {shape.tensor_parallel}" if shape.tensor_parallel > 1 else "")
              + f", {shape.data_parallel} data-parallel ranks):"]
     for term in estimate.terms:
         if term.bytes or term.note:

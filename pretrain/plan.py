@@ -40,11 +40,13 @@ class Hardware:
     """The GPUs a plan is checked against."""
 
     data_parallel: int
-    """Data-parallel ranks (ZeRO divides states by it)."""
+    """Data-parallel ranks (ZeRO divides states by it): GPUs / tensor_parallel."""
     gpu_bytes: int | None
     """Memory of one GPU; None: not known, memory is estimated but not checked."""
     where: str
     """Where the figures come from, for messages."""
+    tensor_parallel: int = 1
+    """GPUs per tensor-parallel group (parallel.tensor)."""
 
 
 @dataclass
@@ -74,17 +76,19 @@ def visible_gpus() -> tuple[int, int | None, str]:
     return count, int(props.total_memory), props.name
 
 
-def planned_hardware(cfg: Any, data_parallel: int | None = None) -> Hardware:
+def planned_hardware(cfg: Any, ranks: int | None = None) -> Hardware:
     """The GPUs to check against: those visible here (count and memory), else train.num_gpus and
-    train.gpu_memory_gib; `data_parallel` when the caller knows the job's size."""
+    train.gpu_memory_gib; `ranks` when the caller knows the job's size. The data-parallel size is the GPUs
+    over parallel.tensor (at least one tensor-parallel group is planned for)."""
     count, gpu_bytes, gpu_name = visible_gpus()
-    data_parallel = data_parallel or cfg.train.num_gpus or count or 1
+    tp = cfg.parallel.tensor
+    data_parallel = max(1, (ranks or cfg.train.num_gpus or count or 1) // tp)
     if gpu_bytes:
-        return Hardware(data_parallel, gpu_bytes, f"this {gpu_name or 'GPU'}")
+        return Hardware(data_parallel, gpu_bytes, f"this {gpu_name or 'GPU'}", tp)
     if cfg.train.gpu_memory_gib > 0:
         return Hardware(data_parallel, int(cfg.train.gpu_memory_gib * GIB),
-                        f"each GPU (train.gpu_memory_gib={cfg.train.gpu_memory_gib:g})")
-    return Hardware(data_parallel, None, "no GPU visible and train.gpu_memory_gib unset")
+                        f"each GPU (train.gpu_memory_gib={cfg.train.gpu_memory_gib:g})", tp)
+    return Hardware(data_parallel, None, "no GPU visible and train.gpu_memory_gib unset", tp)
 
 
 def run_plan(cfg: Any, num_parameters: int, hardware: Hardware, tokens_per_s: float | None = None,
@@ -100,8 +104,18 @@ def run_plan(cfg: Any, num_parameters: int, hardware: Hardware, tokens_per_s: fl
     return RunPlan(plan, memory, hardware)
 
 
+def batch_line(run: RunPlan) -> str:
+    """How the global batch splits over the GPUs: micro batch x grad accum x data-parallel ranks, each rank a
+    tensor-parallel group of parallel.tensor GPUs (which all see the same samples)."""
+    shape = run.memory.shape
+    dp, tp = shape.data_parallel, shape.tensor_parallel
+    groups = f" (tensor-parallel {tp} x data-parallel {dp})" if tp > 1 else ""
+    return (f"batch: global {run.plan.run.global_batch} = micro {shape.micro_batch} x grad accum {shape.grad_accum} "
+            f"x {dp} data-parallel rank(s), on {dp * tp} GPU(s){groups}")
+
+
 def format_run_plan(run: RunPlan) -> str:
-    memory = format_memory(run.memory, run.hardware.gpu_bytes, run.hardware.where)
+    memory = batch_line(run) + "\n" + format_memory(run.memory, run.hardware.gpu_bytes, run.hardware.where)
     if not run.hardware.gpu_bytes:
         memory += (f"\n  not checked: {run.hardware.where} (e.g. train.gpu_memory_gib=80 train.num_gpus=8 "
                    "to plan for 8 H100 80GB)")

@@ -112,9 +112,9 @@ def load_tokenizer_identity(tokenizer_dir: str | None) -> dict:
 def job_hardware(dist: DistInfo) -> Hardware:
     """The job's own size and GPU for the memory plan (on the CPU, memory is not checked)."""
     if dist.device.type != "cuda":
-        return Hardware(dist.world_size, None, "CPU training: GPU memory not checked")
+        return Hardware(dist.dp_size, None, "CPU training: GPU memory not checked", dist.tensor_parallel)
     props = torch.cuda.get_device_properties(dist.device)
-    return Hardware(dist.world_size, int(props.total_memory), f"this {props.name}")
+    return Hardware(dist.dp_size, int(props.total_memory), f"this {props.name}", dist.tensor_parallel)
 
 
 def build_data(cfg: AyumiConfig, tokenizer: dict,
@@ -188,7 +188,7 @@ def data_vocab_size(cfg: AyumiConfig) -> int:
 def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict,
                   watchdog: HangWatchdog | None = None) -> tuple[Trainer, NullLogger]:
     """Everything the loop needs, in data-flow order: data, model, engine, checkpoints, metrics."""
-    grad_accum = data_parallel_grad_accum(cfg.train, dist.world_size)
+    grad_accum = data_parallel_grad_accum(cfg.train, dist.dp_size)
     run_dir = Path(cfg.run_dir)
     start = _checkpoint_meta(cfg)  # the checkpoint this run starts from ({} for a fresh run)
     precision = settle_precision(cfg, dist, start.get("precision"))
@@ -204,7 +204,7 @@ def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict,
                                 dist.world_size, cfg.deepspeed.zero_stage, any_rank,
                                 expected_bytes=checkpoint_shape(cfg, count_parameters(cfg.model)).size,
                                 async_writes=async_checkpoints(cfg, dist.device),
-                                write_delay_s=cfg.checkpoint.inject_write_delay_s)
+                                write_delay_s=cfg.checkpoint.inject_write_delay_s, tensor_parallel=dist.tensor_parallel)
     # Each rank gets its own stream of randomness (dropout-free today, but user code may add it).
     torch.manual_seed(cfg.train.seed + 1000 * dist.rank)
 
@@ -218,9 +218,11 @@ def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict,
     else:
         logger = NullLogger()
     barrier()
-    loader = BatchLoader(source, cfg.train.micro_batch_size, grad_accum, dist.rank, dist.world_size, dist.device,
+    # By data-parallel rank: the ranks of a tensor-parallel group read the same samples (pretrain/tensor_parallel.py).
+    loader = BatchLoader(source, cfg.train.micro_batch_size, grad_accum, dist.dp_rank, dist.dp_size, dist.device,
                          prefetch=cfg.data.prefetch_batches)
     run_meta = {"name": cfg.name, "model": asdict(cfg.model), "world_size": dist.world_size,
+                "tensor_parallel": dist.tensor_parallel,
                 "zero_stage": cfg.deepspeed.zero_stage, "precision": cfg.deepspeed.precision,
                 "precision_reason": precision.reason, **tokenizer}
     trainer = Trainer(cfg, dist, engine, loader, val_sets, logger, checkpointer, total_steps(cfg.train), run_meta,
@@ -339,7 +341,7 @@ def lock_run_dir(cfg: AyumiConfig, dist: DistInfo) -> RunDirLock | None:
 
 def run(cfg: AyumiConfig, resolved: dict) -> TrainResult:
     check_config(cfg)
-    dist = init_distributed(cfg.train.device, process_group_timeout_s(cfg.hang))
+    dist = init_distributed(cfg.train.device, process_group_timeout_s(cfg.hang), cfg.parallel.tensor)
     logger: NullLogger = NullLogger()
     lock = None
     watchdog = HangWatchdog(cfg.hang, Path(cfg.run_dir), dist.rank, dist.world_size)

@@ -165,7 +165,8 @@ class Trainer:
         self.ring = Checkpointer(Path(cfg.checkpoint.dir) / "recovery", keep_last=0, rank=dist.rank, barrier=barrier,
                                  world_size=dist.world_size, zero_stage=cfg.deepspeed.zero_stage, any_rank=any_rank,
                                  expected_bytes=checkpointer.expected_bytes, async_writes=checkpointer.async_writes,
-                                 write_delay_s=cfg.checkpoint.inject_write_delay_s)
+                                 write_delay_s=cfg.checkpoint.inject_write_delay_s,
+                                 tensor_parallel=dist.tensor_parallel)
         self._pending: tuple[int, float] | None = None  # (step, all-reduced loss) for the update gate
         if stab.enabled:
             engine.set_update_gate(self._update_gate)
@@ -213,8 +214,9 @@ class Trainer:
         shared, meta = self.checkpointer.load(self.engine, tag, root=root)
         self.load_shared_state(shared)
         self.apply_optimizer_overrides()
-        resharded = (f"; re-sharded from {meta['resharded_from']} ranks to {self.dist.world_size} through DeepSpeed's "
-                     "universal checkpoint" if "resharded_from" in meta else "")
+        resharded = (f"; re-sharded from {meta['resharded_from']} ranks{_tp(meta['resharded_from_tensor_parallel'])} to "
+                     f"{self.dist.world_size}{_tp(self.dist.tensor_parallel)} through DeepSpeed's universal checkpoint"
+                     if "resharded_from" in meta else "")
         self.logger.info(f"resumed from {root / tag} at step {self.state.step} ({format_count(self.state.tokens)} tokens)"
                          f"{resharded}")
         return self.state.step
@@ -356,10 +358,17 @@ class Trainer:
         self.logger.info(
             f"run {cfg.name}: {format_count(cfg.train.tokens)} tokens = {self.total_steps} steps x "
             f"{format_count(self.tokens_per_step)} tokens/step ({cfg.train.global_batch_size} x {cfg.train.seq_len}); "
-            f"{self.dist.world_size} rank(s) on {self.dist.device.type}, micro batch {cfg.train.micro_batch_size}, "
+            f"{self.dist.world_size} rank(s) on {self.dist.device.type}{self.tensor_parallel_note()}, "
+            f"micro batch {cfg.train.micro_batch_size}, "
             f"grad accum {self.engine.grad_accum} (summed in {self.engine.grad_accum_dtype}), "
             f"ZeRO {cfg.deepspeed.zero_stage}, {cfg.deepspeed.precision}"
         )
+
+    def tensor_parallel_note(self) -> str:
+        """`` (tensor-parallel T x data-parallel D)`` for the start line; empty without tensor parallelism."""
+        if self.dist.tensor_parallel == 1:
+            return ""
+        return f" (tensor-parallel {self.dist.tensor_parallel} x data-parallel {self.dist.dp_size})"
 
     def should_evaluate(self, step: int) -> bool:
         train = self.cfg.train
@@ -397,8 +406,9 @@ class Trainer:
         if not self.stability.injector.should_randomize_batch(step):
             return
         for index, batch in enumerate(batches):
+            # Seeded by the data-parallel rank: the ranks of a tensor-parallel group must see the same tokens.
             noise = self.stability.injector.random_tokens(tuple(batch.input_ids.shape), self.cfg.model.vocab_size,
-                                                          step * 1000 + index, self.dist.rank)
+                                                          step * 1000 + index, self.dist.dp_rank)
             tokens = torch.from_numpy(noise).to(batch.input_ids.device)
             batch.input_ids.copy_(tokens)
             batch.labels[:, :-1].copy_(tokens[:, 1:])
@@ -472,6 +482,8 @@ class Trainer:
                                          device=device)
                 self.watchdog.beat(step, "all-reduce")
                 reduced = all_reduce_tensor(torch.cat([loss_sum.reshape(1), domain_sums, stop_flag]))
+                # Over all ranks: the ranks of a tensor-parallel group computed the same loss on the same samples,
+                # so each data-parallel batch counts tensor_parallel times, in the sum and in the divisor alike.
                 mean_loss = float(reduced[0]) / (len(batches) * self.dist.world_size)
                 self._pending = (step, mean_loss)
                 telemetry, before = self.pre_update_telemetry(step)
@@ -647,13 +659,15 @@ class Trainer:
     def eval_batches(self, available: int) -> list[tuple[list[int], list[float]]]:
         """This rank's share of the evaluation samples as micro-batches of (ids, weights).
 
-        Rank r takes samples r, r+W, r+2W, ...; ranks with one sample fewer pad with a weight-0
-        repeat, because every rank must run the same number of forwards (ZeRO-3 gathers
-        parameters collectively). The result is the same mean at any world size.
+        Data-parallel rank r of W takes samples r, r+W, r+2W, ... (the ranks of a tensor-parallel group
+        take the same ones: they compute one forward together); ranks with one sample fewer pad with a
+        weight-0 repeat, because every rank must run the same number of forwards (ZeRO-3 gathers
+        parameters collectively). The result is the same mean at any world size: the all-reduce counts
+        each sample once per tensor-parallel rank, in the sums and in the weights alike.
         """
         count = min(self.cfg.train.eval_samples, available)
-        world, micro = self.dist.world_size, self.cfg.train.micro_batch_size
-        mine = list(range(self.dist.rank, count, world))
+        world, micro = self.dist.dp_size, self.cfg.train.micro_batch_size
+        mine = list(range(self.dist.dp_rank, count, world))
         per_rank = math.ceil(count / world)
         per_rank = math.ceil(per_rank / micro) * micro
         weights = [1.0] * len(mine) + [0.0] * (per_rank - len(mine))
@@ -710,6 +724,11 @@ class Trainer:
                 self.state.step, ", ".join(f"{name} {value:.4f}" for name, value in results.items())))
         barrier()
         return results
+
+
+def _tp(tensor_parallel: int) -> str:
+    """` (tensor-parallel T)` after a rank count in resume messages; empty without tensor parallelism."""
+    return f" (tensor-parallel {tensor_parallel})" if tensor_parallel > 1 else ""
 
 
 def _knobs(cfg: AyumiConfig) -> dict[str, Any]:

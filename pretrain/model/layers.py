@@ -104,18 +104,20 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        # Head counts come from the projections' widths, not the config: a tensor-parallel rank's
+        # projections hold a whole-head slice of them (pretrain/tensor_parallel.py), and the same code runs.
+        q = self.q_proj(x).view(b, t, -1, self.head_dim)
+        k = self.k_proj(x).view(b, t, -1, self.head_dim)
+        v = self.v_proj(x).view(b, t, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # [B, heads, T, head_dim]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = self._sdpa(q, k, v) if self.kernel == "sdpa" else self._eager(q, k, v)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
     def _sdpa(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        n_rep = self.num_heads // self.num_kv_heads
+        n_rep = q.shape[1] // k.shape[1]  # query heads per K/V head (the same on a tensor-parallel slice)
         if n_rep > 1 and _SDPA_HAS_GQA and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
             # The flash kernel reads grouped K/V heads in place: no repeated copy.
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -124,7 +126,7 @@ class Attention(nn.Module):
 
     def _eager(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Reference path: explicit scores, causal mask, fp32 softmax."""
-        n_rep = self.num_heads // self.num_kv_heads
+        n_rep = q.shape[1] // k.shape[1]
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
         t = q.shape[-2]
