@@ -108,13 +108,14 @@ def merge_domains(cfg: TokenizerConfig, samples: dict[str, DomainSample], models
 def _prune_mixture(cfg: TokenizerConfig, samples: dict[str, DomainSample], template: Path, pieces, log: Log):
     """Unigram: the candidate pool cut to size by EM and pruning on the share-weighted mixture (mixture.py)."""
     from tokenizer.merge import candidate_proto, target_size
-    from tokenizer.mixture import domain_weights, prune_to_size
+    from tokenizer.mixture import domain_weights, prune_to_size, word_counts
 
     proto, protected = candidate_proto(cfg, template, pieces)
-    lines = domain_subsets(samples, cfg.merge.em_sample_bytes)
+    lines = {d: word_counts(ls, cfg.add_dummy_prefix, cfg.remove_extra_whitespaces)
+             for d, ls in domain_subsets(samples, cfg.merge.em_sample_bytes).items()}
     fixed = NUM_BYTE_PIECES + len(special_pieces(cfg.specials))
     shares = {d: max(1, cfg.domains[d].vocab_size - fixed) for d in lines}
-    weights = domain_weights({d: sum(map(len, ls)) for d, ls in lines.items()}, shares, cfg.merge.share_weight)
+    weights = domain_weights({d: wc.chars for d, wc in lines.items()}, shares, cfg.merge.share_weight)
     result = prune_to_size(proto, lines, weights, target_size(cfg), protected, shrink=cfg.merge.shrink,
                            em_iterations=cfg.merge.em_iterations, smoothing=cfg.merge.smoothing,
                            num_threads=cfg.num_threads, log=log)

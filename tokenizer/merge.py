@@ -193,13 +193,16 @@ def candidate_proto(cfg: TokenizerConfig, template_model: Path, domains: Sequenc
 
     Returns the proto and the pieces pruning must keep (characters of the specials, indentation runs);
     a VocabShortfall when the pool is already smaller than the vocabulary."""
+    from tokenizer.mixture import crosses_words
+
     proto, specials = _base_proto(cfg, template_model)
     reserved = {p.piece for p in proto.pieces}
     reserved_chars = {symbol for symbol in reserved if len(symbol) == 1}
     pool: dict[str, None] = {}
     for d in domains:
         for piece, _ in d.pieces:
-            if piece not in reserved and (len(piece) == 1 or not any(ch in piece for ch in reserved_chars)):
+            if piece not in reserved and (len(piece) == 1 or not any(ch in piece for ch in reserved_chars)) \
+                    and not crosses_words(piece):
                 pool.setdefault(piece)
     protected = [ch for ch in special_chars(specials[:4]) if ch not in reserved]
     protected += [run for run in indentation_pieces(cfg.merge.indent_tabs, cfg.merge.indent_spaces) if run not in reserved]

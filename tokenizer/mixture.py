@@ -29,7 +29,9 @@ SentencePiece's own trainer does when a domain is up-weighted in its input (docs
 from __future__ import annotations
 
 import math
+import re
 import time
+from collections import Counter
 from itertools import chain
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -61,24 +63,69 @@ def domain_weights(chars: dict[str, int], shares: dict[str, float], share_weight
     return {d: mass[d] / norm / max(1, chars[d]) for d in chars}
 
 
-def domain_counts(proto, lines_by_domain: dict[str, list[str]], num_threads: int) -> dict[str, np.ndarray]:
-    """How often each id is used in the Viterbi segmentation of each domain's lines."""
+@dataclass(frozen=True)
+class WordCounts:
+    """A domain's EM text as distinct space-led words and how often each occurs (SentencePiece's trainer
+    works on the same: no learned piece crosses into the next word, so each word's Viterbi split is its
+    split inside the line, and encoding each distinct word once gives the line counts at a fraction of the cost)."""
+
+    words: list[str]
+    """Distinct words, each with its leading spaces (the first of a line gets the dummy prefix's space)."""
+    freqs: np.ndarray
+    """Occurrences of each word."""
+    chars: int
+    """Characters of the lines they came from (the domain's weight is per character)."""
+
+
+WORD = re.compile(r" *[^ ]+| +$")
+"""A run of spaces with the non-space characters after it; trailing spaces stand alone."""
+
+
+def word_counts(lines: Sequence[str], dummy_prefix: bool, remove_extra_whitespaces: bool = False) -> WordCounts:
+    """The lines' distinct words, with the model's whitespace handling applied to the line first (dummy prefix,
+    collapsed spaces), so each word is encoded exactly as it stands inside its line."""
+    counter: Counter = Counter()
+    prefix = " " if dummy_prefix else ""
+    for line in lines:
+        if remove_extra_whitespaces:
+            line = re.sub(" +", " ", line).strip(" ")
+        counter.update(WORD.findall(prefix + line))
+    words = list(counter)
+    return WordCounts(words, np.fromiter((counter[w] for w in words), dtype=np.float64, count=len(words)),
+                      sum(map(len, lines)))
+
+
+def crosses_words(piece: str) -> bool:
+    """True for a piece with a space after a non-space character ("a▁b", "x▁"): it would span two words.
+    SentencePiece's domain models never learn one (split_by_whitespace); the merge leaves any such piece out
+    so that counting per word stays exact."""
+    return re.search("[^▁]▁", piece) is not None
+
+
+def domain_counts(proto, words_by_domain: dict[str, WordCounts], num_threads: int) -> dict[str, np.ndarray]:
+    """How often each id is used in the Viterbi segmentation of each domain's text (word by word)."""
     import sentencepiece as spm
 
-    proto.trainer_spec.vocab_size = len(proto.pieces)
-    sp = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
+    word_proto = type(proto)()
+    word_proto.CopyFrom(proto)
+    word_proto.trainer_spec.vocab_size = len(proto.pieces)
+    word_proto.normalizer_spec.add_dummy_prefix = False  # the words carry their own leading space
+    word_proto.normalizer_spec.remove_extra_whitespaces = False  # word_counts applied it to the lines
+    sp = spm.SentencePieceProcessor(model_proto=word_proto.SerializeToString())
     counts = {}
-    for domain, lines in lines_by_domain.items():
+    for domain, wc in words_by_domain.items():
         total = np.zeros(len(proto.pieces), dtype=np.float64)
-        for start in range(0, len(lines), 20_000):  # bounded memory for the id lists
-            ids = sp.encode(lines[start:start + 20_000], num_threads=num_threads)
-            flat = np.fromiter(chain.from_iterable(ids), dtype=np.int64, count=sum(map(len, ids)))
-            total += np.bincount(flat, minlength=len(proto.pieces))
+        for start in range(0, len(wc.words), 50_000):  # bounded memory for the id lists
+            ids = sp.encode(wc.words[start:start + 50_000], num_threads=num_threads)
+            lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+            flat = np.fromiter(chain.from_iterable(ids), dtype=np.int64, count=int(lengths.sum()))
+            total += np.bincount(flat, weights=np.repeat(wc.freqs[start:start + 50_000], lengths),
+                                 minlength=len(proto.pieces))
         counts[domain] = total
     return counts
 
 
-def em_pass(proto, lines_by_domain: dict[str, list[str]], weights: dict[str, float], smoothing: float,
+def em_pass(proto, lines_by_domain: dict[str, WordCounts], weights: dict[str, float], smoothing: float,
             num_threads: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """One Viterbi-EM step: NORMAL pieces' scores become log of their weighted relative frequency.
 
@@ -148,7 +195,7 @@ def prune_pass(proto, weighted: np.ndarray, keep: int, protected: set[str]) -> i
     return len(drop)
 
 
-def prune_to_size(proto, lines_by_domain: dict[str, list[str]], weights: dict[str, float], size: int,
+def prune_to_size(proto, lines_by_domain: dict[str, WordCounts], weights: dict[str, float], size: int,
                   protected: set[str], *, shrink: float, em_iterations: int, smoothing: float, num_threads: int,
                   log: Log = print) -> PruneResult:
     """EM, prune at most a (1 - shrink) fraction, repeat until `size` pieces are left; then a last EM.

@@ -84,3 +84,22 @@ def test_build_cuts_the_pool_to_the_exact_size_and_share_weight_moves_pieces(cor
         results[weight] = (meta["pieces_by_domain"], evaluation["ja"]["chars_per_token"])
     (shares0, ja0), (shares1, ja1) = results[0.0], results[1.0]
     assert shares1["ja"] > shares0["ja"] and ja1 > ja0
+
+
+@pytest.mark.slow
+def test_counting_distinct_words_equals_encoding_the_lines(built):
+    """The EM encodes each distinct word once; the counts must be those of encoding every line whole."""
+    import sentencepiece as spm
+
+    from tests.tokenizer.test_build import TRICKY_TEXTS
+    from tokenizer.merge import load_proto
+    from tokenizer.mixture import crosses_words, domain_counts, word_counts
+
+    proto = load_proto(built / "tokenizer.model")
+    assert not any(crosses_words(p.piece) for p in proto.pieces)
+    lines = [line for text in TRICKY_TEXTS for line in text.split("\n") if line] * 3
+    lines += ["  two  spaces  and a tab\tthere ", "x", "    indented(four)", "末尾 の 空白   "]
+    sp = spm.SentencePieceProcessor(model_file=str(built / "tokenizer.model"))
+    direct = np.bincount([i for ids in sp.encode(lines) for i in ids], minlength=len(proto.pieces))
+    counted = domain_counts(proto, {"all": word_counts(lines, dummy_prefix=True)}, num_threads=1)["all"]
+    assert np.array_equal(counted, direct)
