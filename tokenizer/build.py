@@ -53,7 +53,7 @@ def train_domains(cfg: TokenizerConfig, samples: dict[str, DomainSample], out: P
     the pool but at least its configured size is trained at what the sample supports."""
     from tqdm import tqdm
 
-    from tokenizer.train_spm import VocabTooLargeError, train_model, trainer_options
+    from tokenizer.train_spm import VocabTooLargeError, domain_training, train_model
 
     out.mkdir(parents=True, exist_ok=True)
     models = {}
@@ -61,14 +61,14 @@ def train_domains(cfg: TokenizerConfig, samples: dict[str, DomainSample], out: P
         start = time.time()
         size = pool_size(cfg, dcfg.vocab_size)
         try:
-            models[domain] = train_model([samples[domain].train_path], out / domain,
-                                         trainer_options(cfg, dcfg, size), f"domain {domain!r}")
+            inputs, options = domain_training(cfg, dcfg, samples[domain], size)
+            models[domain] = train_model(inputs, out / domain, options, f"domain {domain!r}")
         except VocabTooLargeError as err:
             if err.limit is None or size == dcfg.vocab_size or err.limit < dcfg.vocab_size:
                 raise
             size = err.limit  # the pool is only a choice of candidates: the sample's limit will do
-            models[domain] = train_model([samples[domain].train_path], out / domain,
-                                         trainer_options(cfg, dcfg, size), f"domain {domain!r}")
+            inputs, options = domain_training(cfg, dcfg, samples[domain], size)
+            models[domain] = train_model(inputs, out / domain, options, f"domain {domain!r}")
         log(f"[train] {domain}: {cfg.model_type} vocab {size} (share {dcfg.vocab_size}) in {time.time() - start:.1f}s")
     return models
 

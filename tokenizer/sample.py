@@ -12,8 +12,10 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 from tokenizer.config import DomainConfig, SampleConfig
+from tokenizer.presegment import PresegmentStats, write_presegmented
 from common.corpus import CorpusError, ReadStats, iter_documents
 
 # SentencePiece's worst case, from its documentation and the issue: ~7 GB of RAM per 1M sentences.
@@ -48,12 +50,17 @@ class DomainSample:
     """UTF-8 bytes of all documents read."""
     stats: ReadStats = field(default_factory=ReadStats)
     """Files/documents read and records skipped."""
+    presegmented_path: Optional[Path] = None
+    """The training lines with word-boundary delimiters, for the domain model only (presegment != none)."""
+    presegment: Optional[PresegmentStats] = None
+    """What the segmentation did (None without presegment)."""
 
     def to_dict(self) -> dict:
         return {
             "train_docs": self.train_docs, "train_lines": self.train_lines, "train_bytes": self.train_bytes,
             "heldout_docs": self.heldout_docs, "heldout_bytes": self.heldout_bytes, "bytes_read": self.bytes_read,
             "read": self.stats.to_dict(),
+            **({"presegment": self.presegment.to_dict()} if self.presegment else {}),
         }
 
 
@@ -135,7 +142,18 @@ def sample_domain(
         )
     _write_train(result, train.texts_by_key(), scfg.max_line_chars)
     _write_heldout(result, heldout.texts_by_key())
+    if dcfg.presegment != "none":
+        presegment_sample(result, dcfg.presegment)
     return result
+
+
+def presegment_sample(sample: DomainSample, analyzer: str) -> DomainSample:
+    """Write the sample's training lines again with word-boundary delimiters (train_path itself stays plain:
+    the merge re-estimates scores and the baseline trains on it)."""
+    path = sample.train_path.with_name(f"{sample.domain}.train.{analyzer}.txt")
+    sample.presegment = write_presegmented(sample.train_path, path, analyzer)
+    sample.presegmented_path = path
+    return sample
 
 
 def _write_train(result: DomainSample, texts: list[str], max_chars: int) -> None:

@@ -49,6 +49,21 @@ def trainer_options(cfg: TokenizerConfig, dcfg: DomainConfig, vocab_size: int) -
     return options
 
 
+def domain_training(cfg: TokenizerConfig, dcfg: DomainConfig, sample, vocab_size: int | None = None
+                    ) -> tuple[list[Path], dict]:
+    """The input files and trainer options of a domain's model from its DomainSample: the plain training
+    lines, or with presegment the delimited ones, SentencePiece told the delimiter and the coverage that
+    keeps the real characters' coverage (tokenizer/presegment.py)."""
+    options = trainer_options(cfg, dcfg, vocab_size or dcfg.vocab_size)
+    if sample.presegmented_path is None:
+        return [sample.train_path], options
+    from tokenizer.presegment import DELIMITER, coverage_with_delimiters
+
+    options["pretokenization_delimiter"] = DELIMITER
+    options["character_coverage"] = coverage_with_delimiters(options["character_coverage"], sample.presegment)
+    return [sample.presegmented_path], options
+
+
 def baseline_domain_options(cfg: TokenizerConfig) -> DomainConfig:
     """Options of the joint baseline: what every domain can live with (lowest coverage, longest pieces)."""
     domains = list(cfg.domains.values())

@@ -1,0 +1,274 @@
+"""Benchmark: Japanese pre-segmentation (tokenizer.domains.ja.presegment) vs none, on real text.
+
+The corpora of bench/tokenizer_build.py (Japanese: Debian's manpages-ja rendered with groff; English,
+math, code as there), sampled once per size, so every build of a size sees the same documents:
+
+  sizes   demo_8k = the demo preset (8k); 16k, 32k = the ~50k preset's shares and sample proportions
+          scaled as bench/tokenizer_build.py's bench_overrides does, but with all the Japanese text
+          (a presegmented sample supports far fewer pieces: the 32k ja model's 23k are more than
+          manpages-ja's 8.7 MB give, so only its `none` builds succeed);
+  corpus  ja  = the Japanese sample alone (the ja model at its preset size, merged with nothing else:
+               total_vocab = ja vocab_size, the other domains disabled),
+          mix = all four domains (the preset as it is);
+  ja model trained with presegment none (baseline) and each analyzer that imports here (ours).
+
+Measured on the ja held-out documents of the same sample (never trained on): chars/token of the merged
+model (tokenizer/evaluate.py, as `build` reports it), and the share of its tokens that cross a word
+boundary by each analyzer (a token whose text spans the end of one word and the start of the next).
+Also: the share of the ja model's pieces in the merged vocabulary that each analyzer splits into two or
+more words when given the piece alone (context-free, so not 0 even for presegmented training), the
+time to segment the sample and the ja model's training time.
+
+    .venv/bin/python bench/tokenizer_presegment.py --work /tmp/tokbench [--sizes demo_8k,16k,32k]
+        [--corpus ja,mix] [--analyzers fugashi,sudachi] [--threads 2]
+
+Ends with one line per (size, corpus, analyzer), higher chars/token being better:
+RESULT tokenizer_presegment_<analyzer>_<corpus>_<size> ours=<chars/token> baseline=<chars/token none>
+       ratio=<r> target=>=1.0 ok=<true: it helps>
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+DOMAINS = ("ja", "en", "code", "math")
+SIZES = {"demo_8k": None, "16k": 16000, "32k": 32000}
+"""Size name → total vocab of the scaled ~50k preset (None: the demo_8k preset as shipped)."""
+
+
+def size_overrides(size: str, corpora: dict[str, Path], threads: int) -> list[str]:
+    """Hydra overrides of the mixture build at this size."""
+    from tokenizer_build import bench_overrides
+
+    if SIZES[size] is None:
+        return ["tokenizer=demo_8k", f"tokenizer.num_threads={threads}"] + \
+               [f"tokenizer.inputs.{d}={p}" for d, p in corpora.items()]
+    # All the Japanese text (~8.7 MB after the held-out share), not the preset's 40% of the sample bytes: a
+    # presegmented sample supports far fewer pieces (2.7 MB: at most ~9k, 8.7 MB: ~17k; without: ~81k).
+    return bench_overrides(corpora, SIZES[size] / 12000, threads) + ["tokenizer.domains.ja.sample_bytes=100000000"]
+
+
+def config(overrides: list[str], work: Path):
+    from tokenizer.cli import compose, to_object
+
+    return to_object(compose(overrides + [f"output_dir={work}", "overwrite=true"])).tokenizer
+
+
+def ja_only(cfg):
+    """The mixture's config reduced to its ja model at the same size (nothing else to merge)."""
+    # vocab_size=16: a dropped domain that counts for nothing, so the ja size is not rescaled (docs/tokenizer.md).
+    others = {d: dataclasses.replace(c, enabled=False, vocab_size=16) for d, c in cfg.domains.items() if d != "ja"}
+    return dataclasses.replace(cfg, total_vocab=cfg.domains["ja"].vocab_size, pad_to_multiple_of=0,
+                               domains={"ja": cfg.domains["ja"], **others})
+
+
+def with_presegment(cfg, analyzer: str):
+    ja = dataclasses.replace(cfg.domains["ja"], presegment=analyzer)
+    return dataclasses.replace(cfg, domains={**cfg.domains, "ja": ja})
+
+
+def presegmented(samples: dict, analyzer: str) -> dict:
+    """The samples with the ja training lines segmented by `analyzer` (written once per size and analyzer)."""
+    from tokenizer.sample import presegment_sample
+
+    if analyzer == "none":
+        return samples
+    return {**samples, "ja": presegment_sample(dataclasses.replace(samples["ja"]), analyzer)}
+
+
+# ----------------------------------------------------------------------------------------------
+# Word-boundary measurements
+# ----------------------------------------------------------------------------------------------
+
+
+def byte_cuts(text: str, cuts: list[int]) -> list[int]:
+    """Character offsets → UTF-8 byte offsets (SentencePiece reports token spans in bytes)."""
+    positions, total = [], 0
+    want = iter(cuts)
+    nxt = next(want, None)
+    for i, ch in enumerate(text):
+        while nxt is not None and nxt == i:
+            positions.append(total)
+            nxt = next(want, None)
+        total += len(ch.encode("utf-8"))
+    return positions
+
+
+def heldout_cuts(texts: list[str], analyzer: str) -> list[list[int]]:
+    """Each held-out document's word boundaries by `analyzer`, as byte offsets."""
+    from tokenizer.presegment import document_boundaries, load_analyzer
+
+    analyze = load_analyzer(analyzer)
+    return [byte_cuts(t, document_boundaries(t, analyze)) for t in texts]
+
+
+def token_crossing_share(model: Path, texts: list[str], cuts: list[list[int]]) -> float:
+    """Share of the model's tokens on `texts` whose span contains a word boundary."""
+    import sentencepiece as spm
+
+    from tokenizer.presegment import crossing_tokens
+
+    sp = spm.SentencePieceProcessor(model_file=str(model))
+    crossing = tokens = 0
+    for text, doc_cuts in zip(texts, cuts):
+        pieces = sp.encode(text, return_type="proto").pieces  # begin/end: byte offsets into text
+        tokens += len(pieces)
+        crossing += crossing_tokens(((p.begin, p.end) for p in pieces), doc_cuts)
+    return crossing / max(1, tokens)
+
+
+def ja_vocab_pieces(out: Path) -> list[str]:
+    """The ja model's multi-character pieces that made it into the merged vocabulary (▁ read as a space)."""
+    from tokenizer.merge import load_proto
+
+    merged = {p.piece for p in load_proto(out / "tokenizer.model").pieces}
+    ja = load_proto(out / "domains" / "ja.model")
+    texts = [p.piece.replace("▁", " ").strip() for p in ja.pieces if p.type == p.NORMAL and p.piece in merged]
+    return [t for t in texts if len(t) >= 2]
+
+
+def ja_model_cpt(out: Path, texts: list[str]) -> float:
+    """Chars/token of the ja domain model alone (before the merge re-estimates scores on plain text)."""
+    from tokenizer import evaluate as ev
+
+    return ev.measure(ev.spm_encoder("ja", out / "domains" / "ja.model"), texts)["chars_per_token"]
+
+
+def vocab_crossing_share(pieces: list[str], analyzer: str) -> float:
+    """Share of pieces the analyzer, given the piece alone, splits into two or more words."""
+    from tokenizer.presegment import load_analyzer, word_boundaries
+
+    analyze = load_analyzer(analyzer)
+    return sum(1 for p in pieces if word_boundaries(p, analyze)) / max(1, len(pieces))
+
+
+# ----------------------------------------------------------------------------------------------
+# The runs
+# ----------------------------------------------------------------------------------------------
+
+
+def build_one(cfg, samples: dict, out: Path) -> dict:
+    """Build into `out` from these samples; the figures of the merged model."""
+    from tokenizer.build import build_tokenizer
+
+    start = time.time()
+    meta = build_tokenizer(cfg, out, overwrite=True, samples=samples, log=lambda _: None)
+    seconds = time.time() - start
+    results = json.loads((out / "eval.json").read_text(encoding="utf-8"))["results"]["merged"]
+    return {"ja_cpt": results["domains"]["ja"]["chars_per_token"], "all_tokens": results["all"]["tokens"],
+            "cpt": {d: m["chars_per_token"] for d, m in results["domains"].items()},
+            "build_s": seconds, "train_domains_s": meta["timings"]["train_domains_s"]}
+
+
+def run_size(size: str, corpora: dict, args, analyzers: list[str]) -> list[dict]:
+    from tokenizer.build import _heldout_texts, sample_all
+
+    work = args.work / "presegment" / size
+    mix_cfg = config(size_overrides(size, corpora, args.threads), work / "tok")
+    samples = sample_all(mix_cfg, work / "samples", log=lambda _: None)
+    ja_texts = _heldout_texts({"ja": samples["ja"]})["ja"]
+    print(f"[bench] {size}: ja sample {samples['ja'].train_bytes / 1e6:.2f} MB / {samples['ja'].train_lines} lines, "
+          f"held out {len(ja_texts)} docs / {sum(map(len, ja_texts))} chars; mix total_vocab {mix_cfg.total_vocab}, "
+          f"ja vocab {mix_cfg.domains['ja'].vocab_size}")
+    cuts = {a: heldout_cuts(ja_texts, a) for a in analyzers}
+    rows = []
+    for analyzer in ["none"] + analyzers:
+        seg = presegmented(samples, analyzer)
+        seg_s = seg["ja"].presegment.seconds if seg["ja"].presegment else 0.0
+        for corpus in args.corpus:
+            cfg = with_presegment(mix_cfg if corpus == "mix" else ja_only(mix_cfg), analyzer)
+            use = seg if corpus == "mix" else {"ja": seg["ja"]}
+            out = work / f"tok-{corpus}-{analyzer}"
+            try:
+                row = build_one(cfg, use, out)
+            except ValueError as err:  # e.g. a vocab the presegmented sample cannot support
+                print(f"[bench] {size} {corpus} {analyzer}: build failed: {err}")
+                continue
+            pieces = ja_vocab_pieces(out)
+            row["ja_model_cpt"] = ja_model_cpt(out, ja_texts)
+            row.update(size=size, corpus=corpus, analyzer=analyzer, presegment_s=seg_s, ja_pieces=len(pieces),
+                       ja_train_mb=samples["ja"].train_bytes / 1e6,
+                       token_cross={a: token_crossing_share(out / "tokenizer.model", ja_texts, cuts[a]) for a in analyzers},
+                       vocab_cross={a: vocab_crossing_share(pieces, a) for a in analyzers})
+            print(f"[bench] {size} {corpus:<3} {analyzer:<8} ja chars/token {row['ja_cpt']:.4f} (ja model alone {row['ja_model_cpt']:.4f}), crossing tokens "
+                  + ", ".join(f"{a} {100 * v:.1f}%" for a, v in row["token_cross"].items())
+                  + "; crossing ja pieces " + ", ".join(f"{a} {100 * v:.1f}%" for a, v in row["vocab_cross"].items())
+                  + f"; segment {seg_s:.1f}s, train domains {row['train_domains_s']:.1f}s, build {row['build_s']:.1f}s",
+                  flush=True)
+            rows.append(row)
+    return rows
+
+
+def table(rows: list[dict], analyzers: list[str]) -> str:
+    """Markdown table of every build (the docs' table)."""
+    head = ["size", "corpus", "presegment", "ja chars/token", "vs none", "ja model alone"] + \
+           [f"tokens crossing ({a})" for a in analyzers] + [f"ja pieces crossing ({a})" for a in analyzers] + \
+           ["other domains chars/token", "segment s", "train domains s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    base = {(r["size"], r["corpus"]): r for r in rows if r["analyzer"] == "none"}
+    for r in rows:
+        b = base.get((r["size"], r["corpus"]))
+        others = ", ".join(f"{d} {v:.3f}" for d, v in r["cpt"].items() if d != "ja") or "-"
+        cells = [r["size"], r["corpus"], r["analyzer"], f"{r['ja_cpt']:.4f}",
+                 f"{100 * (r['ja_cpt'] / b['ja_cpt'] - 1):+.2f}%" if b else "-", f"{r['ja_model_cpt']:.4f}"]
+        cells += [f"{100 * r['token_cross'][a]:.1f}%" for a in analyzers]
+        cells += [f"{100 * r['vocab_cross'][a]:.1f}%" for a in analyzers]
+        cells += [others, f"{r['presegment_s']:.1f}", f"{r['train_domains_s']:.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def available(names: list[str]) -> list[str]:
+    from tokenizer.presegment import PresegmentUnavailable, load_analyzer
+
+    ok = []
+    for name in names:
+        try:
+            load_analyzer(name)
+            ok.append(name)
+        except PresegmentUnavailable as err:
+            print(f"[bench] skipping {name}: {err}")
+    return ok
+
+
+def main() -> int:
+    from tokenizer_build import prepare_corpora
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--work", type=Path, default=REPO / ".cache" / "bench" / "tokenizer_build")
+    parser.add_argument("--sizes", default="demo_8k,16k,32k")
+    parser.add_argument("--corpus", default="ja,mix", type=lambda s: s.split(","))
+    parser.add_argument("--analyzers", default="fugashi,sudachi")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+
+    corpora = prepare_corpora(args.work)
+    if "ja" not in corpora:
+        print("[bench] no Japanese corpus (manpages-ja): nothing to measure")
+        return 1
+    analyzers = available(args.analyzers.split(","))
+    rows = []
+    for size in args.sizes.split(","):
+        rows += run_size(size, corpora, args, analyzers)
+    print(table(rows, analyzers))
+    (args.work / "presegment" / "results.json").write_text(json.dumps(rows, indent=1), encoding="utf-8")
+    base = {(r["size"], r["corpus"]): r["ja_cpt"] for r in rows if r["analyzer"] == "none"}
+    for r in rows:
+        if r["analyzer"] != "none" and (r["size"], r["corpus"]) in base:
+            b = base[(r["size"], r["corpus"])]
+            ratio = r["ja_cpt"] / b
+            print(f"RESULT tokenizer_presegment_{r['analyzer']}_{r['corpus']}_{r['size']} ours={r['ja_cpt']:.4f}chars/tok "
+                  f"baseline={b:.4f}chars/tok ratio={ratio:.4f} target=>=1.0 ok={'true' if ratio >= 1.0 else 'false'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
