@@ -5,19 +5,21 @@ math, code as there), sampled once per size, so every build of a size sees the s
 
   sizes   demo_8k = the demo preset (8k); 16k, 32k = the ~50k preset's shares and sample proportions
           scaled as bench/tokenizer_build.py's bench_overrides does, but with all the Japanese text
-          (a presegmented sample supports far fewer pieces: the 32k ja model's 23k are more than
-          manpages-ja's 8.7 MB give, so only its `none` builds succeed);
+          (a presegmented sample supports fewer pieces: manpages-ja's 8.7 MB give at most ~26.8k,
+          against ~81k without; the preset's 40% share, 2.7 MB at 16k, would not hold 16k's 11.5k);
   corpus  ja  = the Japanese sample alone (the ja model at its preset size, merged with nothing else:
                total_vocab = ja vocab_size, the other domains disabled),
           mix = all four domains (the preset as it is);
-  ja model trained with presegment none (baseline) and each analyzer that imports here (ours).
+  ja model trained with presegment none (baseline) and each analyzer that imports here (ours), and,
+  for the record, each analyzer through SentencePiece's pretokenization_delimiter instead of word
+  counts (the ja model alone: the mechanism tokenizer/presegment.py explains it does not use).
 
 Measured on the ja held-out documents of the same sample (never trained on): chars/token of the merged
-model (tokenizer/evaluate.py, as `build` reports it), and the share of its tokens that cross a word
-boundary by each analyzer (a token whose text spans the end of one word and the start of the next).
-Also: the share of the ja model's pieces in the merged vocabulary that each analyzer splits into two or
-more words when given the piece alone (context-free, so not 0 even for presegmented training), the
-time to segment the sample and the ja model's training time.
+model (tokenizer/evaluate.py, as `build` reports it) and of the ja domain model alone, and the share of
+the merged model's tokens that cross a word boundary by each analyzer (a token whose text spans the end
+of one word and the start of the next). Also: the share of the ja model's pieces in the merged
+vocabulary that each analyzer splits into two or more words when given the piece alone (context-free,
+so not 0 even for presegmented training), the time to segment the sample and to train the ja model.
 
     .venv/bin/python bench/tokenizer_presegment.py --work /tmp/tokbench [--sizes demo_8k,16k,32k]
         [--corpus ja,mix] [--analyzers fugashi,sudachi] [--threads 2]
@@ -52,7 +54,7 @@ def size_overrides(size: str, corpora: dict[str, Path], threads: int) -> list[st
         return ["tokenizer=demo_8k", f"tokenizer.num_threads={threads}"] + \
                [f"tokenizer.inputs.{d}={p}" for d, p in corpora.items()]
     # All the Japanese text (~8.7 MB after the held-out share), not the preset's 40% of the sample bytes: a
-    # presegmented sample supports far fewer pieces (2.7 MB: at most ~9k, 8.7 MB: ~17k; without: ~81k).
+    # presegmented sample supports fewer pieces (8.7 MB: at most ~26.8k with either analyzer; none: ~81k).
     return bench_overrides(corpora, SIZES[size] / 12000, threads) + ["tokenizer.domains.ja.sample_bytes=100000000"]
 
 
@@ -73,15 +75,6 @@ def ja_only(cfg):
 def with_presegment(cfg, analyzer: str):
     ja = dataclasses.replace(cfg.domains["ja"], presegment=analyzer)
     return dataclasses.replace(cfg, domains={**cfg.domains, "ja": ja})
-
-
-def presegmented(samples: dict, analyzer: str) -> dict:
-    """The samples with the ja training lines segmented by `analyzer` (written once per size and analyzer)."""
-    from tokenizer.sample import presegment_sample
-
-    if analyzer == "none":
-        return samples
-    return {**samples, "ja": presegment_sample(dataclasses.replace(samples["ja"]), analyzer)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -150,6 +143,46 @@ def vocab_crossing_share(pieces: list[str], analyzer: str) -> float:
     return sum(1 for p in pieces if word_boundaries(p, analyze)) / max(1, len(pieces))
 
 
+DELIMITER = "\ue000"
+"""Word boundary for SentencePiece's pretokenization_delimiter (private use: in no text, kept by every normaliser)."""
+
+
+def delimiter_model(cfg, sample, analyzer: str, out: Path) -> tuple[Path, float]:
+    """The ja model trained with `pretokenization_delimiter` between the analyzer's words; (model, seconds)."""
+    from tokenizer.presegment import load_analyzer, split_words
+    from tokenizer.train_spm import train_model, trainer_options
+
+    analyze = load_analyzer(analyzer)
+    path = sample.train_path.with_name(f"ja.train.{analyzer}.delimited.txt")
+    chars = delimiters = 0
+    with open(sample.train_path, encoding="utf-8") as src, open(path, "w", encoding="utf-8") as dst:
+        for line in src:
+            words = split_words(line.rstrip("\n"), analyze)
+            dst.write(DELIMITER.join(words) + "\n")
+            chars, delimiters = chars + len(line), delimiters + len(words) - 1
+    dcfg = cfg.domains["ja"]
+    options = trainer_options(cfg, dcfg, dcfg.vocab_size)
+    options["pretokenization_delimiter"] = DELIMITER
+    # SentencePiece counts the delimiters among the characters it covers (and covers them first): keep the
+    # real characters' uncovered mass, else ~60 more rare kanji fall to bytes at 0.9995 (alphabet 1054 vs 1113).
+    coverage = options["character_coverage"]
+    if coverage < 1.0:
+        options["character_coverage"] = 1.0 - (1.0 - coverage) * chars / (chars + delimiters)
+    start = time.time()
+    model = train_model([path], out / f"ja-{analyzer}-delimiter", options, f"ja {analyzer} delimiter")
+    return model, time.time() - start
+
+
+def delimiter_row(size, mix_cfg, samples, analyzer, work, ja_texts, cuts, analyzers) -> dict:
+    from tokenizer import evaluate as ev
+
+    model, seconds = delimiter_model(ja_only(mix_cfg), samples["ja"], analyzer, work / "delimiter")
+    return dict(size=size, corpus="ja", analyzer=f"{analyzer}+delimiter", ja_cpt=None, cpt={},
+                ja_model_cpt=ev.measure(ev.spm_encoder("ja", model), ja_texts)["chars_per_token"],
+                token_cross={a: token_crossing_share(model, ja_texts, cuts[a]) for a in analyzers},
+                vocab_cross={}, presegment_s=0.0, train_domains_s=seconds, build_s=seconds)
+
+
 # ----------------------------------------------------------------------------------------------
 # The runs
 # ----------------------------------------------------------------------------------------------
@@ -170,6 +203,7 @@ def build_one(cfg, samples: dict, out: Path) -> dict:
 
 def run_size(size: str, corpora: dict, args, analyzers: list[str]) -> list[dict]:
     from tokenizer.build import _heldout_texts, sample_all
+    from tokenizer.sample import presegment_sample
 
     work = args.work / "presegment" / size
     mix_cfg = config(size_overrides(size, corpora, args.threads), work / "tok")
@@ -179,19 +213,20 @@ def run_size(size: str, corpora: dict, args, analyzers: list[str]) -> list[dict]
           f"held out {len(ja_texts)} docs / {sum(map(len, ja_texts))} chars; mix total_vocab {mix_cfg.total_vocab}, "
           f"ja vocab {mix_cfg.domains['ja'].vocab_size}")
     cuts = {a: heldout_cuts(ja_texts, a) for a in analyzers}
+    for analyzer in analyzers:  # now, so that no build's train_domains_s includes it
+        presegment_sample(samples["ja"], analyzer)
     rows = []
     for analyzer in ["none"] + analyzers:
-        seg = presegmented(samples, analyzer)
-        seg_s = seg["ja"].presegment.seconds if seg["ja"].presegment else 0.0
         for corpus in args.corpus:
             cfg = with_presegment(mix_cfg if corpus == "mix" else ja_only(mix_cfg), analyzer)
-            use = seg if corpus == "mix" else {"ja": seg["ja"]}
+            use = samples if corpus == "mix" else {"ja": samples["ja"]}
             out = work / f"tok-{corpus}-{analyzer}"
             try:
                 row = build_one(cfg, use, out)
             except ValueError as err:  # e.g. a vocab the presegmented sample cannot support
                 print(f"[bench] {size} {corpus} {analyzer}: build failed: {err}")
                 continue
+            seg_s = samples["ja"].presegmented[analyzer].seconds if analyzer != "none" else 0.0
             pieces = ja_vocab_pieces(out)
             row["ja_model_cpt"] = ja_model_cpt(out, ja_texts)
             row.update(size=size, corpus=corpus, analyzer=analyzer, presegment_s=seg_s, ja_pieces=len(pieces),
@@ -204,6 +239,12 @@ def run_size(size: str, corpora: dict, args, analyzers: list[str]) -> list[dict]
                   + f"; segment {seg_s:.1f}s, train domains {row['train_domains_s']:.1f}s, build {row['build_s']:.1f}s",
                   flush=True)
             rows.append(row)
+    for analyzer in analyzers if "ja" in args.corpus else []:
+        row = delimiter_row(size, mix_cfg, samples, analyzer, work, ja_texts, cuts, analyzers)
+        print(f"[bench] {size} ja  {row['analyzer']}: ja model alone {row['ja_model_cpt']:.4f}, crossing tokens "
+              + ", ".join(f"{a} {100 * v:.1f}%" for a, v in row["token_cross"].items())
+              + f"; train {row['train_domains_s']:.1f}s", flush=True)
+        rows.append(row)
     return rows
 
 
@@ -211,16 +252,22 @@ def table(rows: list[dict], analyzers: list[str]) -> str:
     """Markdown table of every build (the docs' table)."""
     head = ["size", "corpus", "presegment", "ja chars/token", "vs none", "ja model alone"] + \
            [f"tokens crossing ({a})" for a in analyzers] + [f"ja pieces crossing ({a})" for a in analyzers] + \
-           ["other domains chars/token", "segment s", "train domains s"]
+           ["other domains chars/token", "segment s", "train domain models s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     base = {(r["size"], r["corpus"]): r for r in rows if r["analyzer"] == "none"}
     for r in rows:
         b = base.get((r["size"], r["corpus"]))
         others = ", ".join(f"{d} {v:.3f}" for d, v in r["cpt"].items() if d != "ja") or "-"
-        cells = [r["size"], r["corpus"], r["analyzer"], f"{r['ja_cpt']:.4f}",
-                 f"{100 * (r['ja_cpt'] / b['ja_cpt'] - 1):+.2f}%" if b else "-", f"{r['ja_model_cpt']:.4f}"]
+        merged = f"{r['ja_cpt']:.4f}" if r["ja_cpt"] else "-"
+        alone = f"{r['ja_model_cpt']:.4f}"
+        if b and r is not b:  # the change against none: merged model, or the ja model alone for the delimiter rows
+            ratio = r["ja_cpt"] / b["ja_cpt"] if r["ja_cpt"] else r["ja_model_cpt"] / b["ja_model_cpt"]
+            change = f"{100 * (ratio - 1):+.2f}%"
+        else:
+            change = "-"
+        cells = [r["size"], r["corpus"], r["analyzer"], merged, change, alone]
         cells += [f"{100 * r['token_cross'][a]:.1f}%" for a in analyzers]
-        cells += [f"{100 * r['vocab_cross'][a]:.1f}%" for a in analyzers]
+        cells += [f"{100 * r['vocab_cross'][a]:.1f}%" if a in r["vocab_cross"] else "-" for a in analyzers]
         cells += [others, f"{r['presegment_s']:.1f}", f"{r['train_domains_s']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -262,7 +309,7 @@ def main() -> int:
     (args.work / "presegment" / "results.json").write_text(json.dumps(rows, indent=1), encoding="utf-8")
     base = {(r["size"], r["corpus"]): r["ja_cpt"] for r in rows if r["analyzer"] == "none"}
     for r in rows:
-        if r["analyzer"] != "none" and (r["size"], r["corpus"]) in base:
+        if r["ja_cpt"] and r["analyzer"] != "none" and (r["size"], r["corpus"]) in base:
             b = base[(r["size"], r["corpus"])]
             ratio = r["ja_cpt"] / b
             print(f"RESULT tokenizer_presegment_{r['analyzer']}_{r['corpus']}_{r['size']} ours={r['ja_cpt']:.4f}chars/tok "

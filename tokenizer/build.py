@@ -53,22 +53,21 @@ def train_domains(cfg: TokenizerConfig, samples: dict[str, DomainSample], out: P
     the pool but at least its configured size is trained at what the sample supports."""
     from tqdm import tqdm
 
-    from tokenizer.train_spm import VocabTooLargeError, domain_training, train_model
+    from tokenizer.train_spm import VocabTooLargeError, train_domain_model
 
     out.mkdir(parents=True, exist_ok=True)
     models = {}
     for domain, dcfg in tqdm(cfg.domains.items(), desc="train domain models", disable=None, leave=False):
         start = time.time()
         size = pool_size(cfg, dcfg.vocab_size)
+        label = f"domain {domain!r}"
         try:
-            inputs, options = domain_training(cfg, dcfg, samples[domain], size)
-            models[domain] = train_model(inputs, out / domain, options, f"domain {domain!r}")
+            models[domain] = train_domain_model(cfg, dcfg, samples[domain], out / domain, label, size)
         except VocabTooLargeError as err:
             if err.limit is None or size == dcfg.vocab_size or err.limit < dcfg.vocab_size:
                 raise
             size = err.limit  # the pool is only a choice of candidates: the sample's limit will do
-            inputs, options = domain_training(cfg, dcfg, samples[domain], size)
-            models[domain] = train_model(inputs, out / domain, options, f"domain {domain!r}")
+            models[domain] = train_domain_model(cfg, dcfg, samples[domain], out / domain, label, size)
         log(f"[train] {domain}: {cfg.model_type} vocab {size} (share {dcfg.vocab_size}) in {time.time() - start:.1f}s")
     return models
 

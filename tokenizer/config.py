@@ -48,9 +48,9 @@ class DomainConfig:
     sample_bytes: Optional[int] = None
     """Override of sample.max_bytes for this domain (None: the global bound)."""
     presegment: str = "none"
-    """Word segmentation of this domain's training text, so no piece spans two words: none, fugashi (MeCab +
-    UniDic short units; pip install fugashi unidic-lite) or sudachi (Sudachi mode C; pip install sudachipy
-    sudachidict_core). Training only: encoding is plain SentencePiece. Measured: docs/tokenizer.md."""
+    """Train this domain's model on words, so no piece spans two: none, fugashi (MeCab + UniDic short units;
+    pip install fugashi unidic-lite) or sudachi (Sudachi mode C; pip install sudachipy sudachidict_core).
+    Training only: encoding is plain SentencePiece. Costs Japanese compression: docs/tokenizer.md."""
     extra_options: Dict[str, Any] = field(default_factory=dict)
     """Further SentencePieceTrainer options for this domain only (e.g. {split_by_unicode_script: false})."""
 
@@ -331,15 +331,19 @@ def check_domain(cfg: TokenizerConfig, domain: str, dcfg: DomainConfig) -> None:
         raise TokenizerConfigError(f"tokenizer.domains.{domain}.vocab_size={dcfg.vocab_size} is too small.")
     if dcfg.max_piece_length < 1:
         raise TokenizerConfigError(f"tokenizer.domains.{domain}.max_piece_length must be ≥ 1.")
-    check_presegment(domain, dcfg)
+    check_presegment(cfg, domain, dcfg)
 
 
-def check_presegment(domain: str, dcfg: DomainConfig) -> None:
+def check_presegment(cfg: TokenizerConfig, domain: str, dcfg: DomainConfig) -> None:
     """A known analyzer that loads here, checked before any text is read (a missing one names its pip install)."""
     field_name = f"tokenizer.domains.{domain}.presegment"
     if dcfg.presegment not in PRESEGMENT_CHOICES:
         raise TokenizerConfigError(f"{field_name}={dcfg.presegment!r}: use one of {', '.join(PRESEGMENT_CHOICES)}.")
     if dcfg.presegment != "none":
+        if cfg.remove_extra_whitespaces:
+            # Words are trained one per line, and that normaliser would strip the space each word starts with.
+            raise TokenizerConfigError(
+                f"{field_name}={dcfg.presegment} needs tokenizer.remove_extra_whitespaces=false (the default).")
         from tokenizer.presegment import load_analyzer
 
         load_analyzer(dcfg.presegment, field_name)

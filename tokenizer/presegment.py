@@ -1,18 +1,29 @@
 """Word segmentation of a domain's training text, so that its model's pieces never span two words.
 
-`tokenizer.domains.<d>.presegment` names a morphological analyzer (as llm-jp-tokenizer segments
-Japanese before training). The analyzer only marks boundaries: the domain's training lines are written
-a second time with DELIMITER between adjacent words, and SentencePiece's own `pretokenization_delimiter`
-keeps every piece inside one word and drops the delimiter from the text it scores. Nothing else sees
-that file: the merge's re-estimation, the joint baseline, the held-out text and the encoder at
-inference all use the plain text, so ids and round-trip are as without it.
+`tokenizer.domains.<d>.presegment` names a morphological analyzer (llm-jp-tokenizer v2 segments Japanese
+with one before training). The analyzer only marks boundaries; the domain model is then trained on the
+sample's *word counts* (SentencePiece's `input_format=tsv`: one "word<TAB>count" per line), so no piece
+can span two words. The unigram EM is the same as on the running text with boundaries marked (pieces
+cannot cross a boundary, so a line's lattice is the product of its words' lattices), and SentencePiece's
+seed extraction sees every word's end as a hard boundary.
 
-Only boundaries between two non-whitespace characters are marked: at a space SentencePiece already
-splits (the space becomes the next piece's `▁` prefix), and a delimiter there would forbid `▁word`.
+Why not SentencePiece's `pretokenization_delimiter` (a character between words, which it drops): in
+sentencepiece 0.2.3 its seed candidates are the substrings followed by two different characters in the
+text, and with the delimiter after every word a word is a candidate only where it also appears not
+followed by one. On manpages-ja (demo_8k, 4,800 pieces) that left 117 of the 300 most frequent
+words out of the vocabulary (場合, この, デフォルト, ファイル…) and cost 30% chars/token against no
+segmentation; word counts cost 11% (bench/tokenizer_presegment.py, docs/tokenizer.md).
+
+A word here is what lies between two boundaries, with the whitespace before it ('▁' to SentencePiece):
+only boundaries between two non-whitespace characters are marked, since at a space SentencePiece already
+starts a new piece (`▁word`). Each line's first word carries the dummy-prefix space the line would get.
+Only the domain model's training changes: the merge, the joint baseline, the held-out text and the
+encoder at inference see the plain text, so ids and round-trip are as without it.
 """
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -22,12 +33,8 @@ from tokenizer.config import PRESEGMENT_CHOICES, TokenizerConfigError
 Analyzer = Callable[[str], list[str]]
 """A line → its words' surfaces in order (whitespace may be left out)."""
 
-DELIMITER = "\ue000"
-"""Marks a word boundary in the training file: a private-use character, which no normaliser maps to
-anything else and real text (almost) never holds; one that does is removed there (it would read as a boundary)."""
-
 INSTALL = {"fugashi": "pip install fugashi unidic-lite", "sudachi": "pip install sudachipy sudachidict_core"}
-"""The pip command that provides each analyzer, dictionary included (both ship it in the wheel: no download at run time)."""
+"""The pip command that provides each analyzer, dictionary included (both ship it in the package: no download at run time)."""
 
 MAX_CHUNK_CHARS = 4000
 """Analyzers see at most this much at once (Sudachi refuses inputs over ~49 kB; training lines are shorter)."""
@@ -45,17 +52,17 @@ def load_analyzer(name: str, field: str = "presegment") -> Analyzer:
     try:
         return loaders[name]()
     except (ImportError, RuntimeError) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
         raise PresegmentUnavailable(
             f"{field}={name} needs the {name} analyzer and its dictionary, which cannot be loaded here "
-            f"({type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else err!r}). "
-            f"Fix: {INSTALL[name]} (or {field}=none)."
+            f"({type(err).__name__}: {reason}). Fix: {INSTALL[name]} (or {field}=none)."
         ) from None
 
 
 def _fugashi() -> Analyzer:
     """MeCab with UniDic (unidic-lite): short units, e.g. 住ん|で|いる."""
     import fugashi
-    import unidic_lite  # noqa: F401  # fugashi falls back to other dictionaries silently; insist on the one we measured
+    import unidic_lite  # noqa: F401  # fugashi would fall back to another installed dictionary silently
 
     tagger = fugashi.Tagger("-Owakati")
     # MeCab drops whitespace and never puts a space inside a word, so the wakati output splits cleanly.
@@ -104,16 +111,10 @@ def document_boundaries(text: str, analyze: Analyzer) -> list[int]:
     return cuts
 
 
-def segment_line(line: str, analyze: Analyzer) -> tuple[str, int]:
-    """The line with DELIMITER at each word boundary, and how many were put in."""
-    line = line.replace(DELIMITER, "")
+def split_words(line: str, analyze: Analyzer) -> list[str]:
+    """The line cut at its word boundaries (the pieces join back to the line)."""
     cuts = word_boundaries(line, analyze)
-    parts, last = [], 0
-    for cut in cuts:
-        parts.append(line[last:cut])
-        last = cut
-    parts.append(line[last:])
-    return DELIMITER.join(parts), len(cuts)
+    return [line[a:b] for a, b in zip([0] + cuts, cuts + [len(line)])]
 
 
 @dataclass
@@ -123,45 +124,50 @@ class PresegmentStats:
     analyzer: str
     """The analyzer's name."""
     lines: int = 0
-    """Lines segmented."""
-    chars: int = 0
-    """Characters of the lines as SentencePiece counts them (each line's text plus its '▁' prefix)."""
-    boundaries: int = 0
-    """Delimiters put in."""
+    """Training lines segmented."""
+    words: int = 0
+    """Words counted (a line with n boundaries has n + 1)."""
+    distinct: int = 0
+    """Distinct words: the lines SentencePiece trains on."""
+    tabs: int = 0
+    """Tab characters left out (the word list's separator; the merge keeps every domain's characters and tab runs)."""
     seconds: float = 0.0
-    """Time spent analysing and writing."""
+    """Time spent analysing, counting and writing."""
 
     def to_dict(self) -> dict:
-        return {"analyzer": self.analyzer, "lines": self.lines, "chars": self.chars,
-                "boundaries": self.boundaries, "seconds": round(self.seconds, 3)}
+        return {"analyzer": self.analyzer, "lines": self.lines, "words": self.words, "distinct": self.distinct,
+                "tabs": self.tabs, "seconds": round(self.seconds, 3)}
 
 
-def write_presegmented(src: Path, dst: Path, analyzer: str) -> PresegmentStats:
-    """Copy the training lines of src to dst with DELIMITER between adjacent words."""
+def count_words(lines: Iterable[str], analyze: Analyzer, dummy_prefix: bool, stats: PresegmentStats) -> Counter:
+    """word → count over `lines`; each line's first word gets the ' ' SentencePiece's dummy prefix would add."""
+    counts: Counter = Counter()
+    for line in lines:
+        words = split_words(line, analyze)
+        if dummy_prefix:
+            words[0] = " " + words[0]
+        for word in words:
+            # A tab would end the word list's first column: it stays out, as a boundary.
+            parts = word.split("\t")
+            stats.tabs += len(parts) - 1
+            counts.update(p for p in parts if p)
+        stats.lines += 1
+        stats.words += len(words)
+    return counts
+
+
+def write_word_counts(src: Path, dst: Path, analyzer: str, dummy_prefix: bool) -> PresegmentStats:
+    """Segment the training lines of src with `analyzer` and write their word counts to dst (word<TAB>count)."""
     analyze = load_analyzer(analyzer)
     stats, start = PresegmentStats(analyzer), time.time()
-    with open(src, encoding="utf-8") as fin, open(dst, "w", encoding="utf-8") as fout:
-        for line in fin:
-            line = line.rstrip("\n")
-            segmented, cuts = segment_line(line, analyze)
-            fout.write(segmented + "\n")
-            stats.lines += 1
-            stats.chars += len(line) + 1
-            stats.boundaries += cuts
+    with open(src, encoding="utf-8") as f:
+        counts = count_words((line.rstrip("\n") for line in f), analyze, dummy_prefix, stats)
+    with open(dst, "w", encoding="utf-8") as f:
+        for word, count in counts.most_common():
+            f.write(f"{word}\t{count}\n")
+    stats.distinct = len(counts)
     stats.seconds = time.time() - start
     return stats
-
-
-def coverage_with_delimiters(character_coverage: float, stats: PresegmentStats) -> float:
-    """The character_coverage to give SentencePiece so that the real characters keep `character_coverage`.
-
-    SentencePiece (0.2.3) counts the delimiters among the characters it covers, and as the most frequent
-    character they are covered first: with ~40% of the characters being delimiters, 0.9995 would let
-    rare characters worth 0.08% of the text fall to bytes instead of 0.05%. Same uncovered mass:
-    (1 - c') (chars + delimiters) = (1 - c) chars."""
-    if character_coverage >= 1.0 or stats.chars == 0:
-        return character_coverage
-    return 1.0 - (1.0 - character_coverage) * stats.chars / (stats.chars + stats.boundaries)
 
 
 def crossing_tokens(spans: Iterable[tuple[int, int]], cuts: Sequence[int]) -> int:

@@ -12,10 +12,9 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from tokenizer.config import DomainConfig, SampleConfig
-from tokenizer.presegment import PresegmentStats, write_presegmented
+from tokenizer.presegment import PresegmentStats, write_word_counts
 from common.corpus import CorpusError, ReadStats, iter_documents
 
 # SentencePiece's worst case, from its documentation and the issue: ~7 GB of RAM per 1M sentences.
@@ -50,17 +49,16 @@ class DomainSample:
     """UTF-8 bytes of all documents read."""
     stats: ReadStats = field(default_factory=ReadStats)
     """Files/documents read and records skipped."""
-    presegmented_path: Optional[Path] = None
-    """The training lines with word-boundary delimiters, for the domain model only (presegment != none)."""
-    presegment: Optional[PresegmentStats] = None
-    """What the segmentation did (None without presegment)."""
+    presegmented: dict[str, PresegmentStats] = field(default_factory=dict)
+    """Analyzer → the word counts of the training lines made for it (word_counts_path), made when a domain
+    model with that presegment is trained, so builds sharing a sample (a sweep) each get their own."""
 
     def to_dict(self) -> dict:
         return {
             "train_docs": self.train_docs, "train_lines": self.train_lines, "train_bytes": self.train_bytes,
             "heldout_docs": self.heldout_docs, "heldout_bytes": self.heldout_bytes, "bytes_read": self.bytes_read,
             "read": self.stats.to_dict(),
-            **({"presegment": self.presegment.to_dict()} if self.presegment else {}),
+            **({"presegmented": {a: st.to_dict() for a, st in self.presegmented.items()}} if self.presegmented else {}),
         }
 
 
@@ -142,18 +140,23 @@ def sample_domain(
         )
     _write_train(result, train.texts_by_key(), scfg.max_line_chars)
     _write_heldout(result, heldout.texts_by_key())
-    if dcfg.presegment != "none":
-        presegment_sample(result, dcfg.presegment)
     return result
 
 
-def presegment_sample(sample: DomainSample, analyzer: str) -> DomainSample:
-    """Write the sample's training lines again with word-boundary delimiters (train_path itself stays plain:
-    the merge re-estimates scores and the baseline trains on it)."""
-    path = sample.train_path.with_name(f"{sample.domain}.train.{analyzer}.txt")
-    sample.presegment = write_presegmented(sample.train_path, path, analyzer)
-    sample.presegmented_path = path
-    return sample
+def word_counts_path(sample: DomainSample, analyzer: str, dummy_prefix: bool = True) -> Path:
+    """Where the word counts of the training lines segmented by `analyzer` are written (next to train_path)."""
+    return sample.train_path.with_name(f"{sample.domain}.words.{analyzer}{'' if dummy_prefix else '.noprefix'}.tsv")
+
+
+def presegment_sample(sample: DomainSample, analyzer: str, dummy_prefix: bool = True) -> PresegmentStats:
+    """Count the sample's training lines' words as `analyzer` segments them, once per analyzer (and prefix).
+
+    train_path itself stays as it is: the merge re-estimates scores on it and the joint baseline trains on it."""
+    key = analyzer if dummy_prefix else f"{analyzer}.noprefix"
+    path = word_counts_path(sample, analyzer, dummy_prefix)
+    if key not in sample.presegmented or not path.exists():
+        sample.presegmented[key] = write_word_counts(sample.train_path, path, analyzer, dummy_prefix)
+    return sample.presegmented[key]
 
 
 def _write_train(result: DomainSample, texts: list[str], max_chars: int) -> None:

@@ -51,17 +51,35 @@ def trainer_options(cfg: TokenizerConfig, dcfg: DomainConfig, vocab_size: int) -
 
 def domain_training(cfg: TokenizerConfig, dcfg: DomainConfig, sample, vocab_size: int | None = None
                     ) -> tuple[list[Path], dict]:
-    """The input files and trainer options of a domain's model from its DomainSample: the plain training
-    lines, or with presegment the delimited ones, SentencePiece told the delimiter and the coverage that
-    keeps the real characters' coverage (tokenizer/presegment.py)."""
+    """The input files and trainer options of a domain's model (vocab_size: default its share) from its
+    DomainSample: the training lines, or with presegment the word counts of that analyzer's segmentation
+    (tokenizer/presegment.py)."""
     options = trainer_options(cfg, dcfg, vocab_size or dcfg.vocab_size)
-    if sample.presegmented_path is None:
+    if dcfg.presegment == "none":
         return [sample.train_path], options
-    from tokenizer.presegment import DELIMITER, coverage_with_delimiters
+    from tokenizer.sample import presegment_sample, word_counts_path
 
-    options["pretokenization_delimiter"] = DELIMITER
-    options["character_coverage"] = coverage_with_delimiters(options["character_coverage"], sample.presegment)
-    return [sample.presegmented_path], options
+    presegment_sample(sample, dcfg.presegment, cfg.add_dummy_prefix)
+    # Every word is a line of its own: the list carries the line-initial space, so no dummy prefix per word.
+    options.update(input_format="tsv", add_dummy_prefix=False)
+    return [word_counts_path(sample, dcfg.presegment, cfg.add_dummy_prefix)], options
+
+
+def train_domain_model(cfg: TokenizerConfig, dcfg: DomainConfig, sample, model_prefix: Path, label: str,
+                       vocab_size: int | None = None) -> Path:
+    """Train a domain's model on its sample; a presegmented one gets back the normaliser the config asks for
+    (trained without the dummy prefix, it encodes running text with it)."""
+    inputs, options = domain_training(cfg, dcfg, sample, vocab_size)
+    model = train_model(inputs, model_prefix, options, label)
+    if dcfg.presegment != "none":
+        from sentencepiece import sentencepiece_model_pb2 as pb
+
+        proto = pb.ModelProto()
+        proto.ParseFromString(model.read_bytes())
+        proto.normalizer_spec.add_dummy_prefix = cfg.add_dummy_prefix
+        proto.trainer_spec.input_format = "text"
+        model.write_bytes(proto.SerializeToString())
+    return model
 
 
 def baseline_domain_options(cfg: TokenizerConfig) -> DomainConfig:

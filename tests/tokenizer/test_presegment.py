@@ -8,8 +8,7 @@ import pytest
 
 from tests.tokenizer.conftest import tiny_overrides
 from tokenizer.cli import main
-from tokenizer.presegment import (DELIMITER, PresegmentStats, coverage_with_delimiters, crossing_tokens,
-                                  load_analyzer, segment_line, word_boundaries)
+from tokenizer.presegment import PresegmentStats, count_words, crossing_tokens, load_analyzer, split_words, word_boundaries
 
 
 def words_of(line: str) -> list[str]:
@@ -21,22 +20,20 @@ def words_of(line: str) -> list[str]:
 
 def test_boundaries_only_between_non_spaces():
     line = "ls コマンドは一覧を表示"
-    cuts = word_boundaries(line, words_of)
-    # ls|▁コマンド: the space already separates them (a delimiter there would forbid '▁コマンド').
-    assert [line[:c][-1] + "|" + line[c] for c in cuts] == ["ド|は", "は|一", "覧|を", "を|表"]
-    segmented, count = segment_line(line, words_of)
-    assert count == 4 and segmented.replace(DELIMITER, "") == line
-    assert segment_line("a" + DELIMITER + "b", words_of)[0] == "ab", "a delimiter in the text is not a boundary"
+    # ls|▁コマンド: the space already separates them (SentencePiece starts '▁コマンド' there).
+    assert split_words(line, words_of) == ["ls コマンド", "は", "一覧", "を", "表示"]
+    stats = PresegmentStats("x")
+    counts = count_words([line, "一覧\tを見る"], words_of, dummy_prefix=True, stats=stats)
+    # The line's first word carries the dummy prefix's space; a tab (the word list's separator) is a boundary.
+    assert counts == {" ls コマンド": 1, "は": 1, "一覧": 1, " 一覧": 1, "を": 2, "表示": 1, "見": 1, "る": 1}
+    assert (stats.lines, stats.words, stats.tabs) == (2, 8, 1)
+    assert count_words([line], words_of, dummy_prefix=False, stats=PresegmentStats("x"))["ls コマンド"] == 1
 
 
-def test_crossing_tokens_and_coverage():
+def test_crossing_tokens():
     # tokens [0,3) [3,4) [4,9): a boundary at 2 lies inside the first, one at 4 is between tokens.
     assert crossing_tokens([(0, 3), (3, 4), (4, 9)], [2, 4]) == 1
     assert crossing_tokens([(0, 3), (3, 4), (4, 9)], [1, 2, 5]) == 2
-    stats = PresegmentStats("x", lines=1, chars=600, boundaries=400)
-    # The same uncovered mass: (1 - c') * 1000 == (1 - 0.9995) * 600.
-    assert coverage_with_delimiters(0.9995, stats) == pytest.approx(1 - 0.0005 * 0.6)
-    assert coverage_with_delimiters(1.0, stats) == 1.0
 
 
 def test_bad_value_names_the_field(corpus, tmp_path, capsys):
@@ -59,47 +56,68 @@ def test_missing_analyzer_names_the_pip_install(corpus, tmp_path, capsys, monkey
     assert not (tmp_path / "o").exists()
 
 
-def training_segments(path) -> str:
-    """The words SentencePiece trains on, as it sees them ('▁' for spaces and the line's prefix), joined by NULs."""
-    segments = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        segments += ("▁" + line.replace(" ", "▁")).split(DELIMITER)
-    return "\0".join(segments)
+def template_japanese(path):
+    """Japanese whose phrases recur in fixed combinations, so a model without presegmentation learns pieces
+    across words (は東京, を読んで…): every subject × place × object × predicate, 30 documents."""
+    import itertools
+
+    who = ["学生は", "先生は", "子供たちは", "私の友人は", "会社員の父は", "隣に住む姉は"]
+    where = ["東京の図書館で", "駅の近くの喫茶店で", "大学の研究室で", "静かな公園のベンチで", "家の台所で"]
+    what = ["新しい本を", "日本語の文章を", "昔の手紙を", "難しい問題を", "温かいコーヒーを", "長い説明書を",
+            "古い地図を", "友達の写真を", "小さな猫を"]
+    how = ["ゆっくり読んでいる。", "毎日書いている。", "ずっと探していた。", "何度も考えている。", "静かに楽しんだ。",
+           "丁寧に片付けた。", "急いで届けた。"]
+    docs = ["".join(a + b + c + d for c, d in itertools.product(what, how)) for a, b in itertools.product(who, where)]
+    path.write_text("\n\n".join(docs), encoding="utf-8")
+    return path
+
+
+def ja_only_build(corpus, ja, out, presegment):
+    from tokenizer.cli import main as cli
+
+    others = [o for d in ("en", "code", "math") for o in (f"tokenizer.domains.{d}.enabled=false",
+                                                         f"tokenizer.domains.{d}.vocab_size=16")]
+    args = tiny_overrides(corpus, out, **{"tokenizer.inputs.ja": ja, "tokenizer.total_vocab": 400,
+                                          "tokenizer.domains.ja.vocab_size": 400,
+                                          "tokenizer.domains.ja.character_coverage": 1.0, "keep_work": "true",
+                                          "tokenizer.domains.ja.presegment": presegment})
+    assert cli(["build", *args, *others]) == 0
+    return out
 
 
 def multi_char_pieces(model) -> list[str]:
     from tokenizer.merge import load_proto
 
-    proto = load_proto(model)
-    return [p.piece for p in proto.pieces if p.type == p.NORMAL and len(p.piece.lstrip("▁")) >= 2]
+    return [p.piece for p in load_proto(model).pieces if p.type == p.NORMAL and len(p.piece.lstrip("▁")) >= 2]
 
 
 @pytest.mark.slow
-def test_fugashi_presegmented_ja_model_never_crosses_a_word(corpus, built, tmp_path, capsys):
+def test_fugashi_presegmented_ja_model_never_crosses_a_word(corpus, tmp_path):
     pytest.importorskip("fugashi", reason="the test extra installs fugashi and unidic-lite (pyproject.toml)")
-    out = tmp_path / "pre"
-    # The small fixture supports fewer pieces once no piece may span two words.
-    args = tiny_overrides(corpus, out, **{"tokenizer.domains.ja.presegment": "fugashi", "keep_work": "true",
-                                          "tokenizer.domains.ja.vocab_size": 400})
-    assert main(["build", *args]) == 0, capsys.readouterr().err
+    from tokenizer.merge import load_proto
+
+    ja = template_japanese(tmp_path / "ja.txt")
+    out = ja_only_build(corpus, ja, tmp_path / "pre", "fugashi")
     samples = out.with_name(out.name + ".work") / "samples"
-    words = training_segments(samples / "ja.train.fugashi.txt")
+    words = {line.split("\t")[0].replace(" ", "▁") for line in
+             (samples / "ja.words.fugashi.tsv").read_text(encoding="utf-8").splitlines()}
+    in_words = "\0".join(words)
 
     pieces = multi_char_pieces(out / "domains" / "ja.model")
-    assert len(pieces) > 100
-    crossing = [p for p in pieces if p not in words]
-    assert crossing == [], f"pieces spanning two words: {crossing[:10]}"
-    # The same text without presegmentation (the shared build) does learn pieces across words.
-    assert [p for p in multi_char_pieces(built / "domains" / "ja.model") if p not in words]
+    assert len(pieces) >= 20 and {"公園", "ベンチ", "台所"} <= set(pieces)
+    assert [p for p in pieces if p not in in_words] == [], "every piece lies inside one of fugashi's words"
+    # The same text without presegmentation learns pieces across words.
+    plain = multi_char_pieces(ja_only_build(corpus, ja, tmp_path / "plain", "none") / "domains" / "ja.model")
+    assert len([p for p in plain if p not in in_words]) >= 10
 
-    # Training only: the merge, the baseline and the held-out text see plain text, and ids round-trip.
-    assert DELIMITER not in (samples / "ja.train.txt").read_text(encoding="utf-8")
-    assert not [p for p in multi_char_pieces(out / "tokenizer.model") if DELIMITER in p]
+    # Training only: the model encodes running text with the dummy prefix, the sample stays plain, ids round-trip.
+    assert load_proto(out / "domains" / "ja.model").normalizer_spec.add_dummy_prefix
+    assert not (samples / "ja.train.txt").read_text(encoding="utf-8").count("\t")
     meta = json.loads((out / "tokenizer_meta.json").read_text())
-    assert meta["samples"]["ja"]["presegment"]["boundaries"] > 0
+    assert meta["samples"]["ja"]["presegmented"]["fugashi"]["distinct"] == len(words)
     assert meta["config"]["domains"]["ja"]["presegment"] == "fugashi"
     ev = json.loads((out / "eval.json").read_text())
-    assert all(m["roundtrip_ok"] for m in ev["results"]["merged"]["domains"].values())
+    assert ev["results"]["merged"]["domains"]["ja"]["roundtrip_ok"]
     assert all(r["mismatches"] == 0 for r in ev["hf_parity"].values())
 
 
@@ -110,3 +128,25 @@ def test_analyzer_words_cover_the_line():
     cuts = word_boundaries(line, analyze)
     pieces = [line[a:b] for a, b in zip([0] + cuts, cuts + [len(line)])]
     assert "".join(pieces) == line and "住ん" in pieces and "ls -l で" not in pieces
+
+
+def test_training_input_follows_each_builds_config(tmp_path):
+    """Builds sharing one sample (a sweep over presegment=none,fugashi) each train on their own input."""
+    pytest.importorskip("fugashi", reason="the test extra installs fugashi and unidic-lite (pyproject.toml)")
+    from tokenizer.config import DomainConfig, TokenizerConfig
+    from tokenizer.sample import DomainSample
+    from tokenizer.train_spm import domain_training
+
+    train = tmp_path / "ja.train.txt"
+    train.write_text("東京都に住んでいる。\n名前はまだない。\n", encoding="utf-8")
+    sample = DomainSample("ja", train, tmp_path / "ja.heldout.jsonl")
+    plain, fugashi = DomainConfig(), DomainConfig(presegment="fugashi")
+    cfg = TokenizerConfig(domains={"ja": plain})
+
+    inputs, options = domain_training(cfg, fugashi, sample)
+    assert inputs == [tmp_path / "ja.words.fugashi.tsv"]
+    assert options["input_format"] == "tsv" and options["add_dummy_prefix"] is False
+    assert {" 東京", "は", "。"} <= {line.split("\t")[0] for line in inputs[0].read_text(encoding="utf-8").splitlines()}
+    assert sample.presegmented["fugashi"].lines == 2
+    inputs, options = domain_training(cfg, plain, sample)
+    assert inputs == [train] and "input_format" not in options and options["add_dummy_prefix"] is True
