@@ -44,6 +44,9 @@ sys.path.insert(0, str(REPO / "bench"))
 DOMAINS = ("ja", "en", "code", "math")
 SIZES = {"demo_8k": None, "16k": 16000, "32k": 32000}
 """Size name → total vocab of the scaled ~50k preset (None: the demo_8k preset as shipped)."""
+JA_ONLY_SIZES = {"32k"}
+"""Sizes measured on the Japanese sample alone: at 32k the English model's 15.4k pieces need more text than
+Jane Austen's 4 MB hold (at most ~12.9k), whatever the Japanese model does."""
 
 
 def size_overrides(size: str, corpora: dict[str, Path], threads: int) -> list[str]:
@@ -177,10 +180,14 @@ def delimiter_row(size, mix_cfg, samples, analyzer, work, ja_texts, cuts, analyz
     from tokenizer import evaluate as ev
 
     model, seconds = delimiter_model(ja_only(mix_cfg), samples["ja"], analyzer, work / "delimiter")
-    return dict(size=size, corpus="ja", analyzer=f"{analyzer}+delimiter", ja_cpt=None, cpt={},
-                ja_model_cpt=ev.measure(ev.spm_encoder("ja", model), ja_texts)["chars_per_token"],
-                token_cross={a: token_crossing_share(model, ja_texts, cuts[a]) for a in analyzers},
-                vocab_cross={}, presegment_s=0.0, train_domains_s=seconds, build_s=seconds)
+    row = dict(size=size, corpus="ja", analyzer=f"{analyzer}+delimiter", ja_cpt=None, cpt={},
+               ja_model_cpt=ev.measure(ev.spm_encoder("ja", model), ja_texts)["chars_per_token"],
+               token_cross={a: token_crossing_share(model, ja_texts, cuts[a]) for a in analyzers},
+               vocab_cross={}, train_domains_s=seconds, build_s=seconds)
+    print(f"[bench] {size} ja  {row['analyzer']}: ja model alone {row['ja_model_cpt']:.4f}; tokens crossing a word "
+          + ", ".join(f"{a} {100 * v:.1f}%" for a, v in row["token_cross"].items()) + f"; train {seconds:.1f}s",
+          flush=True)
+    return row
 
 
 # ----------------------------------------------------------------------------------------------
@@ -201,7 +208,30 @@ def build_one(cfg, samples: dict, out: Path) -> dict:
             "build_s": seconds, "train_domains_s": meta["timings"]["train_domains_s"]}
 
 
-def run_size(size: str, corpora: dict, args, analyzers: list[str]) -> list[dict]:
+def build_row(size, corpus, analyzer, mix_cfg, samples, work, ja_texts, cuts, analyzers) -> dict | None:
+    """Build one (corpus, presegment) tokenizer from the size's samples and measure it; None if it cannot be built."""
+    cfg = with_presegment(mix_cfg if corpus == "mix" else ja_only(mix_cfg), analyzer)
+    out = work / f"tok-{corpus}-{analyzer}"
+    try:
+        row = build_one(cfg, samples if corpus == "mix" else {"ja": samples["ja"]}, out)
+    except ValueError as err:  # e.g. a vocab the presegmented sample cannot support
+        print(f"[bench] {size} {corpus} {analyzer}: build failed: {err}")
+        return None
+    pieces = ja_vocab_pieces(out)
+    row.update(size=size, corpus=corpus, analyzer=analyzer, ja_pieces=len(pieces),
+               ja_model_cpt=ja_model_cpt(out, ja_texts),
+               token_cross={a: token_crossing_share(out / "tokenizer.model", ja_texts, cuts[a]) for a in analyzers},
+               vocab_cross={a: vocab_crossing_share(pieces, a) for a in analyzers})
+    print(f"[bench] {size} {corpus:<3} {analyzer:<8} ja chars/token {row['ja_cpt']:.4f} (ja model alone "
+          f"{row['ja_model_cpt']:.4f}); tokens crossing a word "
+          + ", ".join(f"{a} {100 * v:.1f}%" for a, v in row["token_cross"].items())
+          + "; ja pieces crossing " + ", ".join(f"{a} {100 * v:.1f}%" for a, v in row["vocab_cross"].items())
+          + f"; build {row['build_s']:.1f}s", flush=True)
+    return row
+
+
+def run_size(size: str, corpora: dict, args, analyzers: list[str]) -> tuple[list[dict], dict]:
+    """Every build of one size from one sample: (rows, the ja model's timing)."""
     from tokenizer.build import _heldout_texts, sample_all
     from tokenizer.sample import presegment_sample
 
@@ -213,46 +243,55 @@ def run_size(size: str, corpora: dict, args, analyzers: list[str]) -> list[dict]
           f"held out {len(ja_texts)} docs / {sum(map(len, ja_texts))} chars; mix total_vocab {mix_cfg.total_vocab}, "
           f"ja vocab {mix_cfg.domains['ja'].vocab_size}")
     cuts = {a: heldout_cuts(ja_texts, a) for a in analyzers}
-    for analyzer in analyzers:  # now, so that no build's train_domains_s includes it
+    for analyzer in analyzers:  # segmented once per size, before any build
         presegment_sample(samples["ja"], analyzer)
-    rows = []
-    for analyzer in ["none"] + analyzers:
-        for corpus in args.corpus:
-            cfg = with_presegment(mix_cfg if corpus == "mix" else ja_only(mix_cfg), analyzer)
-            use = samples if corpus == "mix" else {"ja": samples["ja"]}
-            out = work / f"tok-{corpus}-{analyzer}"
-            try:
-                row = build_one(cfg, use, out)
-            except ValueError as err:  # e.g. a vocab the presegmented sample cannot support
-                print(f"[bench] {size} {corpus} {analyzer}: build failed: {err}")
-                continue
-            seg_s = samples["ja"].presegmented[analyzer].seconds if analyzer != "none" else 0.0
-            pieces = ja_vocab_pieces(out)
-            row["ja_model_cpt"] = ja_model_cpt(out, ja_texts)
-            row.update(size=size, corpus=corpus, analyzer=analyzer, presegment_s=seg_s, ja_pieces=len(pieces),
-                       ja_train_mb=samples["ja"].train_bytes / 1e6,
-                       token_cross={a: token_crossing_share(out / "tokenizer.model", ja_texts, cuts[a]) for a in analyzers},
-                       vocab_cross={a: vocab_crossing_share(pieces, a) for a in analyzers})
-            print(f"[bench] {size} {corpus:<3} {analyzer:<8} ja chars/token {row['ja_cpt']:.4f} (ja model alone {row['ja_model_cpt']:.4f}), crossing tokens "
-                  + ", ".join(f"{a} {100 * v:.1f}%" for a, v in row["token_cross"].items())
-                  + "; crossing ja pieces " + ", ".join(f"{a} {100 * v:.1f}%" for a, v in row["vocab_cross"].items())
-                  + f"; segment {seg_s:.1f}s, train domains {row['train_domains_s']:.1f}s, build {row['build_s']:.1f}s",
-                  flush=True)
-            rows.append(row)
+    corpora_here = [c for c in args.corpus if c == "ja" or size not in JA_ONLY_SIZES]
+    rows = [build_row(size, corpus, analyzer, mix_cfg, samples, work, ja_texts, cuts, analyzers)
+            for analyzer in ["none"] + analyzers for corpus in corpora_here]
     for analyzer in analyzers if "ja" in args.corpus else []:
-        row = delimiter_row(size, mix_cfg, samples, analyzer, work, ja_texts, cuts, analyzers)
-        print(f"[bench] {size} ja  {row['analyzer']}: ja model alone {row['ja_model_cpt']:.4f}, crossing tokens "
-              + ", ".join(f"{a} {100 * v:.1f}%" for a, v in row["token_cross"].items())
-              + f"; train {row['train_domains_s']:.1f}s", flush=True)
-        rows.append(row)
-    return rows
+        try:
+            rows.append(delimiter_row(size, mix_cfg, samples, analyzer, work, ja_texts, cuts, analyzers))
+        except ValueError as err:  # the delimiter's seeds support fewer pieces still (8.7 MB: ~17k)
+            print(f"[bench] {size} ja {analyzer}+delimiter: training failed: {err}")
+    times = timing(size, mix_cfg, samples, analyzers, args.timing_rounds, work) if args.timing_rounds else {}
+    return [r for r in rows if r], times
+
+
+def timing(size: str, mix_cfg, samples: dict, analyzers: list[str], rounds: int, work: Path) -> dict:
+    """Median seconds to train the ja model (and to segment its sample) per presegment, rounds interleaved
+    so that other load on the machine hits every variant alike."""
+    import statistics
+
+    from tokenizer.presegment import write_word_counts
+    from tokenizer.train_spm import train_domain_model
+
+    cfg = ja_only(mix_cfg)
+    ja = samples["ja"]
+    train: dict[str, list[float]] = {a: [] for a in ["none"] + analyzers}
+    segment: dict[str, list[float]] = {a: [] for a in analyzers}
+    for _ in range(rounds):
+        for analyzer in ["none"] + analyzers:
+            if analyzer != "none":
+                stats = write_word_counts(ja.train_path, work / f"timing.{analyzer}.tsv", analyzer, cfg.add_dummy_prefix)
+                segment[analyzer].append(stats.seconds)
+            dcfg = with_presegment(cfg, analyzer).domains["ja"]
+            start = time.time()
+            train_domain_model(cfg, dcfg, ja, work / "timing" / analyzer, analyzer)
+            train[analyzer].append(time.time() - start)
+    result = {a: {"train_s": statistics.median(t), "segment_s": statistics.median(segment[a]) if a in segment else 0.0}
+              for a, t in train.items()}
+    print(f"[bench] {size} time to make the ja model ({cfg.domains['ja'].vocab_size} pieces, "
+          f"{ja.train_bytes / 1e6:.1f} MB; median of {rounds}): "
+          + ", ".join(f"{a} {r['segment_s']:.1f}s segment + {r['train_s']:.1f}s train" for a, r in result.items()),
+          flush=True)
+    return result
 
 
 def table(rows: list[dict], analyzers: list[str]) -> str:
     """Markdown table of every build (the docs' table)."""
     head = ["size", "corpus", "presegment", "ja chars/token", "vs none", "ja model alone"] + \
            [f"tokens crossing ({a})" for a in analyzers] + [f"ja pieces crossing ({a})" for a in analyzers] + \
-           ["other domains chars/token", "segment s", "train domain models s"]
+           ["other domains chars/token"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     base = {(r["size"], r["corpus"]): r for r in rows if r["analyzer"] == "none"}
     for r in rows:
@@ -268,8 +307,20 @@ def table(rows: list[dict], analyzers: list[str]) -> str:
         cells = [r["size"], r["corpus"], r["analyzer"], merged, change, alone]
         cells += [f"{100 * r['token_cross'][a]:.1f}%" for a in analyzers]
         cells += [f"{100 * r['vocab_cross'][a]:.1f}%" if a in r["vocab_cross"] else "-" for a in analyzers]
-        cells += [others, f"{r['presegment_s']:.1f}", f"{r['train_domains_s']:.1f}"]
+        cells += [others]
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def timing_table(times: dict, analyzers: list[str]) -> str:
+    """Markdown table of the ja model's making time per size (medians of the interleaved rounds)."""
+    lines = ["| size | " + " | ".join(["none: train s"] + [f"{a}: segment s + train s" for a in analyzers]) + " |",
+             "|" + "---|" * (2 + len(analyzers))]
+    for size, result in times.items():
+        if result:
+            cells = [f"{result['none']['train_s']:.1f}"]
+            cells += [f"{result[a]['segment_s']:.1f} + {result[a]['train_s']:.1f}" for a in analyzers]
+            lines.append(f"| {size} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -295,6 +346,7 @@ def main() -> int:
     parser.add_argument("--corpus", default="ja,mix", type=lambda s: s.split(","))
     parser.add_argument("--analyzers", default="fugashi,sudachi")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--timing-rounds", type=int, default=3, help="interleaved rounds timing the ja model (0: none)")
     args = parser.parse_args()
 
     corpora = prepare_corpora(args.work)
@@ -302,11 +354,14 @@ def main() -> int:
         print("[bench] no Japanese corpus (manpages-ja): nothing to measure")
         return 1
     analyzers = available(args.analyzers.split(","))
-    rows = []
+    rows, times = [], {}
     for size in args.sizes.split(","):
-        rows += run_size(size, corpora, args, analyzers)
+        size_rows, times[size] = run_size(size, corpora, args, analyzers)
+        rows += size_rows
     print(table(rows, analyzers))
-    (args.work / "presegment" / "results.json").write_text(json.dumps(rows, indent=1), encoding="utf-8")
+    print(timing_table(times, analyzers))
+    (args.work / "presegment" / "results.json").write_text(json.dumps({"rows": rows, "timing": times}, indent=1),
+                                                           encoding="utf-8")
     base = {(r["size"], r["corpus"]): r["ja_cpt"] for r in rows if r["analyzer"] == "none"}
     for r in rows:
         if r["ja_cpt"] and r["analyzer"] != "none" and (r["size"], r["corpus"]) in base:
