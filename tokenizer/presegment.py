@@ -11,8 +11,8 @@ Why not SentencePiece's `pretokenization_delimiter` (a character between words, 
 sentencepiece 0.2.3 its seed candidates are the substrings followed by two different characters in the
 text, and with the delimiter after every word a word is a candidate only where it also appears not
 followed by one. On manpages-ja (demo_8k, 4,800 pieces) that left 117 of the 300 most frequent
-words out of the vocabulary (場合, この, デフォルト, ファイル…) and cost 30% chars/token against no
-segmentation; word counts cost 11% (bench/tokenizer_presegment.py, docs/tokenizer.md).
+words out of the vocabulary (場合, この, デフォルト, ファイル…) and cost 30% of the model's chars/token
+against no segmentation; word counts cost 10.5% (bench/tokenizer_presegment.py, docs/tokenizer.md).
 
 A word here is what lies between two boundaries, with the whitespace before it ('▁' to SentencePiece):
 only boundaries between two non-whitespace characters are marked, since at a space SentencePiece already
