@@ -5,24 +5,22 @@ math, code as there), sampled once per size, so every build of a size sees the s
 
   sizes   demo_8k = the demo preset (8k); 16k, 32k = the ~50k preset's shares and sample proportions
           scaled as bench/tokenizer_build.py's bench_overrides does, but with all the Japanese text
-          (a presegmented sample supports fewer pieces: manpages-ja's 8.7 MB give at most ~26.8k,
-          against ~81k without; the preset's 40% share, 2.7 MB at 16k, would not hold 16k's 11.5k);
-  corpus  ja  = the Japanese sample alone (the ja model at its preset size, merged with nothing else:
-               total_vocab = ja vocab_size, the other domains disabled),
-          mix = all four domains (the preset as it is);
-  ja model trained with presegment none (baseline) and each analyzer that imports here (ours), and,
-  for the record, each analyzer through SentencePiece's pretokenization_delimiter instead of word
-  counts (the ja model alone: the mechanism tokenizer/presegment.py explains it does not use).
+          (8.7 MB: a presegmented sample supports fewer pieces, at most ~26.8k here against ~81k);
+  corpus  ja  = the Japanese sample alone (its share of the preset as total_vocab, the other domains
+               disabled: the ja model merged with nothing else), mix = all four domains (the preset);
+  ja model trained with presegment none (baseline) and each analyzer that imports here (ours).
 
 Measured on the ja held-out documents of the same sample (never trained on): chars/token of the merged
-model (tokenizer/evaluate.py, as `build` reports it) and of the ja domain model alone, and the share of
-the merged model's tokens that cross a word boundary by each analyzer (a token whose text spans the end
-of one word and the start of the next). Also: the share of the ja model's pieces in the merged
-vocabulary that each analyzer splits into two or more words when given the piece alone (context-free,
-so not 0 even for presegmented training), the time to segment the sample and to train the ja model.
+model (tokenizer/evaluate.py, as `build` reports it), the share of its tokens that cross a word boundary
+by each analyzer (a token whose text spans the end of one word and the start of the next), and the share
+of the ja model's multi-character pieces in the merged vocabulary that each analyzer splits into two or
+more words when given the piece alone (context-free, so not 0 even for presegmented training).
+Also, per size: the ja model alone at its share trained plain, on word counts (what presegment does)
+and through SentencePiece's pretokenization_delimiter (what it does not: tokenizer/presegment.py says
+why), and the time to segment the sample and to train that model (interleaved rounds, medians).
 
     .venv/bin/python bench/tokenizer_presegment.py --work /tmp/tokbench [--sizes demo_8k,16k,32k]
-        [--corpus ja,mix] [--analyzers fugashi,sudachi] [--threads 2]
+        [--corpus ja,mix] [--analyzers fugashi,sudachi] [--threads 2] [--timing-rounds 3] [--no-mechanisms]
 
 Ends with one line per (size, corpus, analyzer), higher chars/token being better:
 RESULT tokenizer_presegment_<analyzer>_<corpus>_<size> ours=<chars/token> baseline=<chars/token none>
@@ -41,12 +39,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-DOMAINS = ("ja", "en", "code", "math")
 SIZES = {"demo_8k": None, "16k": 16000, "32k": 32000}
 """Size name → total vocab of the scaled ~50k preset (None: the demo_8k preset as shipped)."""
-JA_ONLY_SIZES = {"32k"}
-"""Sizes measured on the Japanese sample alone: at 32k the English model's 15.4k pieces need more text than
-Jane Austen's 4 MB hold (at most ~12.9k), whatever the Japanese model does."""
 
 
 def size_overrides(size: str, corpora: dict[str, Path], threads: int) -> list[str]:
@@ -131,11 +125,10 @@ def ja_vocab_pieces(out: Path) -> list[str]:
     return [t for t in texts if len(t) >= 2]
 
 
-def ja_model_cpt(out: Path, texts: list[str]) -> float:
-    """Chars/token of the ja domain model alone (before the merge re-estimates scores on plain text)."""
+def chars_per_token(model: Path, texts: list[str]) -> float:
     from tokenizer import evaluate as ev
 
-    return ev.measure(ev.spm_encoder("ja", out / "domains" / "ja.model"), texts)["chars_per_token"]
+    return ev.measure(ev.spm_encoder("m", model), texts)["chars_per_token"]
 
 
 def vocab_crossing_share(pieces: list[str], analyzer: str) -> float:
@@ -150,8 +143,8 @@ DELIMITER = "\ue000"
 """Word boundary for SentencePiece's pretokenization_delimiter (private use: in no text, kept by every normaliser)."""
 
 
-def delimiter_model(cfg, sample, analyzer: str, out: Path) -> tuple[Path, float]:
-    """The ja model trained with `pretokenization_delimiter` between the analyzer's words; (model, seconds)."""
+def delimiter_model(cfg, sample, analyzer: str, out: Path) -> Path:
+    """The ja model at its share trained with `pretokenization_delimiter` between the analyzer's words."""
     from tokenizer.presegment import load_analyzer, split_words
     from tokenizer.train_spm import train_model, trainer_options
 
@@ -171,23 +164,29 @@ def delimiter_model(cfg, sample, analyzer: str, out: Path) -> tuple[Path, float]
     coverage = options["character_coverage"]
     if coverage < 1.0:
         options["character_coverage"] = 1.0 - (1.0 - coverage) * chars / (chars + delimiters)
-    start = time.time()
-    model = train_model([path], out / f"ja-{analyzer}-delimiter", options, f"ja {analyzer} delimiter")
-    return model, time.time() - start
+    return train_model([path], out / f"ja-{analyzer}-delimiter", options, f"ja {analyzer} delimiter")
 
 
-def delimiter_row(size, mix_cfg, samples, analyzer, work, ja_texts, cuts, analyzers) -> dict:
-    from tokenizer import evaluate as ev
+def mechanism_rows(size, mix_cfg, samples, analyzers, work, ja_texts) -> list[dict]:
+    """The ja model alone at its share, trained plain, on word counts (ours) and through the delimiter."""
+    from tokenizer.train_spm import train_domain_model
 
-    model, seconds = delimiter_model(ja_only(mix_cfg), samples["ja"], analyzer, work / "delimiter")
-    row = dict(size=size, corpus="ja", analyzer=f"{analyzer}+delimiter", ja_cpt=None, cpt={},
-               ja_model_cpt=ev.measure(ev.spm_encoder("ja", model), ja_texts)["chars_per_token"],
-               token_cross={a: token_crossing_share(model, ja_texts, cuts[a]) for a in analyzers},
-               vocab_cross={}, train_domains_s=seconds, build_s=seconds)
-    print(f"[bench] {size} ja  {row['analyzer']}: ja model alone {row['ja_model_cpt']:.4f}; tokens crossing a word "
-          + ", ".join(f"{a} {100 * v:.1f}%" for a, v in row["token_cross"].items()) + f"; train {seconds:.1f}s",
-          flush=True)
-    return row
+    cfg, out = ja_only(mix_cfg), work / "mechanism"
+    plain = chars_per_token(train_domain_model(cfg, cfg.domains["ja"], samples["ja"], out / "none", "ja"), ja_texts)
+    rows = []
+    for analyzer in analyzers:
+        dcfg = with_presegment(cfg, analyzer).domains["ja"]
+        words = chars_per_token(train_domain_model(cfg, dcfg, samples["ja"], out / analyzer, "ja"), ja_texts)
+        try:
+            delimited = chars_per_token(delimiter_model(cfg, samples["ja"], analyzer, out), ja_texts)
+        except ValueError as err:  # the delimiter's seeds hold fewer pieces still (8.7 MB: ~17k)
+            print(f"[bench] {size} ja {analyzer} through the delimiter: training failed: {err}")
+            delimited = None
+        rows.append(dict(size=size, analyzer=analyzer, vocab=cfg.domains["ja"].vocab_size, none=plain,
+                         words=words, delimiter=delimited))
+        print(f"[bench] {size} ja model alone at {cfg.domains['ja'].vocab_size}: none {plain:.4f}, {analyzer} word "
+              f"counts {words:.4f}, {analyzer} delimiter " + (f"{delimited:.4f}" if delimited else "-"), flush=True)
+    return rows
 
 
 # ----------------------------------------------------------------------------------------------
@@ -210,28 +209,30 @@ def build_one(cfg, samples: dict, out: Path) -> dict:
 
 def build_row(size, corpus, analyzer, mix_cfg, samples, work, ja_texts, cuts, analyzers) -> dict | None:
     """Build one (corpus, presegment) tokenizer from the size's samples and measure it; None if it cannot be built."""
+    from tokenizer.merge import load_proto
+
     cfg = with_presegment(mix_cfg if corpus == "mix" else ja_only(mix_cfg), analyzer)
     out = work / f"tok-{corpus}-{analyzer}"
     try:
         row = build_one(cfg, samples if corpus == "mix" else {"ja": samples["ja"]}, out)
-    except ValueError as err:  # e.g. a vocab the presegmented sample cannot support
+    except ValueError as err:  # e.g. a vocab a sample cannot support
         print(f"[bench] {size} {corpus} {analyzer}: build failed: {err}")
         return None
     pieces = ja_vocab_pieces(out)
     row.update(size=size, corpus=corpus, analyzer=analyzer, ja_pieces=len(pieces),
-               ja_model_cpt=ja_model_cpt(out, ja_texts),
+               ja_model_size=len(load_proto(out / "domains" / "ja.model").pieces),
                token_cross={a: token_crossing_share(out / "tokenizer.model", ja_texts, cuts[a]) for a in analyzers},
                vocab_cross={a: vocab_crossing_share(pieces, a) for a in analyzers})
-    print(f"[bench] {size} {corpus:<3} {analyzer:<8} ja chars/token {row['ja_cpt']:.4f} (ja model alone "
-          f"{row['ja_model_cpt']:.4f}); tokens crossing a word "
+    print(f"[bench] {size} {corpus:<3} {analyzer:<8} ja chars/token {row['ja_cpt']:.4f} (ja model trained at "
+          f"{row['ja_model_size']}); tokens crossing a word "
           + ", ".join(f"{a} {100 * v:.1f}%" for a, v in row["token_cross"].items())
           + "; ja pieces crossing " + ", ".join(f"{a} {100 * v:.1f}%" for a, v in row["vocab_cross"].items())
           + f"; build {row['build_s']:.1f}s", flush=True)
     return row
 
 
-def run_size(size: str, corpora: dict, args, analyzers: list[str]) -> tuple[list[dict], dict]:
-    """Every build of one size from one sample: (rows, the ja model's timing)."""
+def run_size(size: str, corpora: dict, args, analyzers: list[str]) -> tuple[list[dict], list[dict], dict]:
+    """Every build of one size from one sample: (build rows, mechanism rows, the ja model's timing)."""
     from tokenizer.build import _heldout_texts, sample_all
     from tokenizer.sample import presegment_sample
 
@@ -241,25 +242,20 @@ def run_size(size: str, corpora: dict, args, analyzers: list[str]) -> tuple[list
     ja_texts = _heldout_texts({"ja": samples["ja"]})["ja"]
     print(f"[bench] {size}: ja sample {samples['ja'].train_bytes / 1e6:.2f} MB / {samples['ja'].train_lines} lines, "
           f"held out {len(ja_texts)} docs / {sum(map(len, ja_texts))} chars; mix total_vocab {mix_cfg.total_vocab}, "
-          f"ja vocab {mix_cfg.domains['ja'].vocab_size}")
+          f"shares {', '.join(f'{d} {c.vocab_size}' for d, c in mix_cfg.domains.items())}")
     cuts = {a: heldout_cuts(ja_texts, a) for a in analyzers}
     for analyzer in analyzers:  # segmented once per size, before any build
         presegment_sample(samples["ja"], analyzer)
-    corpora_here = [c for c in args.corpus if c == "ja" or size not in JA_ONLY_SIZES]
     rows = [build_row(size, corpus, analyzer, mix_cfg, samples, work, ja_texts, cuts, analyzers)
-            for analyzer in ["none"] + analyzers for corpus in corpora_here]
-    for analyzer in analyzers if "ja" in args.corpus else []:
-        try:
-            rows.append(delimiter_row(size, mix_cfg, samples, analyzer, work, ja_texts, cuts, analyzers))
-        except ValueError as err:  # the delimiter's seeds support fewer pieces still (8.7 MB: ~17k)
-            print(f"[bench] {size} ja {analyzer}+delimiter: training failed: {err}")
+            for analyzer in ["none"] + analyzers for corpus in args.corpus]
+    mechanisms = mechanism_rows(size, mix_cfg, samples, analyzers, work, ja_texts) if args.mechanisms else []
     times = timing(size, mix_cfg, samples, analyzers, args.timing_rounds, work) if args.timing_rounds else {}
-    return [r for r in rows if r], times
+    return [r for r in rows if r], mechanisms, times
 
 
 def timing(size: str, mix_cfg, samples: dict, analyzers: list[str], rounds: int, work: Path) -> dict:
-    """Median seconds to train the ja model (and to segment its sample) per presegment, rounds interleaved
-    so that other load on the machine hits every variant alike."""
+    """Median seconds to train the ja model at its share (and to segment its sample) per presegment, rounds
+    interleaved so that other load on the machine hits every variant alike."""
     import statistics
 
     from tokenizer.presegment import write_word_counts
@@ -287,28 +283,36 @@ def timing(size: str, mix_cfg, samples: dict, analyzers: list[str], rounds: int,
     return result
 
 
+# ----------------------------------------------------------------------------------------------
+# Tables
+# ----------------------------------------------------------------------------------------------
+
+
 def table(rows: list[dict], analyzers: list[str]) -> str:
     """Markdown table of every build (the docs' table)."""
-    head = ["size", "corpus", "presegment", "ja chars/token", "vs none", "ja model alone"] + \
+    head = ["size", "corpus", "presegment", "ja chars/token", "vs none"] + \
            [f"tokens crossing ({a})" for a in analyzers] + [f"ja pieces crossing ({a})" for a in analyzers] + \
            ["other domains chars/token"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     base = {(r["size"], r["corpus"]): r for r in rows if r["analyzer"] == "none"}
     for r in rows:
         b = base.get((r["size"], r["corpus"]))
-        others = ", ".join(f"{d} {v:.3f}" for d, v in r["cpt"].items() if d != "ja") or "-"
-        merged = f"{r['ja_cpt']:.4f}" if r["ja_cpt"] else "-"
-        alone = f"{r['ja_model_cpt']:.4f}"
-        if b and r is not b:  # the change against none: merged model, or the ja model alone for the delimiter rows
-            ratio = r["ja_cpt"] / b["ja_cpt"] if r["ja_cpt"] else r["ja_model_cpt"] / b["ja_model_cpt"]
-            change = f"{100 * (ratio - 1):+.2f}%"
-        else:
-            change = "-"
-        cells = [r["size"], r["corpus"], r["analyzer"], merged, change, alone]
+        change = f"{100 * (r['ja_cpt'] / b['ja_cpt'] - 1):+.2f}%" if b and r is not b else ""
+        cells = [r["size"], r["corpus"], r["analyzer"], f"{r['ja_cpt']:.4f}", change]
         cells += [f"{100 * r['token_cross'][a]:.1f}%" for a in analyzers]
-        cells += [f"{100 * r['vocab_cross'][a]:.1f}%" if a in r["vocab_cross"] else "-" for a in analyzers]
-        cells += [others]
+        cells += [f"{100 * r['vocab_cross'][a]:.1f}%" for a in analyzers]
+        cells += [", ".join(f"{d} {v:.3f}" for d, v in r["cpt"].items() if d != "ja") or "-"]
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def mechanism_table(rows: list[dict]) -> str:
+    """Markdown table: the ja model alone at its share, word counts vs pretokenization_delimiter."""
+    lines = ["| size | ja pieces | analyzer | none | word counts (ours) | pretokenization_delimiter |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        delimited = f"{r['delimiter']:.4f} ({100 * (r['delimiter'] / r['none'] - 1):+.1f}%)" if r["delimiter"] else "cannot"
+        lines.append(f"| {r['size']} | {r['vocab']} | {r['analyzer']} | {r['none']:.4f} | "
+                     f"{r['words']:.4f} ({100 * (r['words'] / r['none'] - 1):+.1f}%) | {delimited} |")
     return "\n".join(lines)
 
 
@@ -347,6 +351,8 @@ def main() -> int:
     parser.add_argument("--analyzers", default="fugashi,sudachi")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--timing-rounds", type=int, default=3, help="interleaved rounds timing the ja model (0: none)")
+    parser.add_argument("--no-mechanisms", dest="mechanisms", action="store_false",
+                        help="skip the word counts vs pretokenization_delimiter comparison")
     args = parser.parse_args()
 
     corpora = prepare_corpora(args.work)
@@ -354,17 +360,18 @@ def main() -> int:
         print("[bench] no Japanese corpus (manpages-ja): nothing to measure")
         return 1
     analyzers = available(args.analyzers.split(","))
-    rows, times = [], {}
+    rows, mechanisms, times = [], [], {}
     for size in args.sizes.split(","):
-        size_rows, times[size] = run_size(size, corpora, args, analyzers)
-        rows += size_rows
+        size_rows, size_mechanisms, times[size] = run_size(size, corpora, args, analyzers)
+        rows, mechanisms = rows + size_rows, mechanisms + size_mechanisms
     print(table(rows, analyzers))
+    print(mechanism_table(mechanisms))
     print(timing_table(times, analyzers))
-    (args.work / "presegment" / "results.json").write_text(json.dumps({"rows": rows, "timing": times}, indent=1),
-                                                           encoding="utf-8")
+    (args.work / "presegment" / "results.json").write_text(
+        json.dumps({"rows": rows, "mechanisms": mechanisms, "timing": times}, indent=1), encoding="utf-8")
     base = {(r["size"], r["corpus"]): r["ja_cpt"] for r in rows if r["analyzer"] == "none"}
     for r in rows:
-        if r["ja_cpt"] and r["analyzer"] != "none" and (r["size"], r["corpus"]) in base:
+        if r["analyzer"] != "none" and (r["size"], r["corpus"]) in base:
             b = base[(r["size"], r["corpus"])]
             ratio = r["ja_cpt"] / b
             print(f"RESULT tokenizer_presegment_{r['analyzer']}_{r['corpus']}_{r['size']} ours={r['ja_cpt']:.4f}chars/tok "
