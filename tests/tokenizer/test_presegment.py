@@ -40,7 +40,16 @@ def test_bad_value_names_the_field(corpus, tmp_path, capsys):
     code = main(["build", *tiny_overrides(corpus, tmp_path / "o"), "tokenizer.domains.ja.presegment=mecab"])
     err = capsys.readouterr().err
     assert code == 1 and "tokenizer.domains.ja.presegment='mecab'" in err and "none, fugashi, sudachi" in err
+    assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
+
+
+def test_presegment_needs_whitespace_kept(corpus, tmp_path, capsys):
+    pytest.importorskip("fugashi", reason="the test extra installs fugashi and unidic-lite (pyproject.toml)")
+    code = main(["build", *tiny_overrides(corpus, tmp_path / "o"), "tokenizer.domains.ja.presegment=fugashi",
+                 "tokenizer.remove_extra_whitespaces=true"])
+    err = capsys.readouterr().err
+    assert code == 1 and "tokenizer.remove_extra_whitespaces=false" in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("analyzer,module,install", [
@@ -53,6 +62,7 @@ def test_missing_analyzer_names_the_pip_install(corpus, tmp_path, capsys, monkey
     code = main(["build", *tiny_overrides(corpus, tmp_path / "o"), f"tokenizer.domains.ja.presegment={analyzer}"])
     err = capsys.readouterr().err
     assert code == 1 and f"tokenizer.domains.ja.presegment={analyzer} needs" in err and install in err, err
+    assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
 
 
