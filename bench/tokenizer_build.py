@@ -9,7 +9,8 @@ Measured in one run, on the same samples:
   ours     = the whole builder: read + sample, train per-domain models, train the joint baseline
              is *not* counted (--no-baseline build), merge + re-estimate, evaluate, export HF;
   baseline = bare `sentencepiece` training of the same per-domain models (at the sizes the builder
-             trained them: each domain's candidate pool, merge.pool_factor x its share) on the same files;
+             trained them: each domain's candidate pool) on the same files, with SentencePiece's
+             default schedule (the builder trains its candidates with merge.pool_options);
   joint    = one joint SentencePiece training of the merged vocabulary's size on all samples (the
              second figure: ours / joint, target <= 2).
 Also printed: the merged-vs-joint quality targets (chars/token per domain, total tokens), peak RSS.

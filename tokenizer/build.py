@@ -40,36 +40,85 @@ def sample_all(cfg: TokenizerConfig, work: Path, log: Log = print) -> dict[str, 
     return samples
 
 
-def pool_size(cfg: TokenizerConfig, vocab_size: int) -> int:
-    """The size a domain model is trained at: unigram merges choose among merge.pool_factor times its learned pieces."""
+def pool_sizes(cfg: TokenizerConfig, samples: dict[str, DomainSample]) -> dict[str, int]:
+    """The size each domain model is trained at. BPE: its share. Unigram: merge.pool_factor times the learned
+    pieces the merge's objective gives the domain: its share, or its part of the mixture's characters (as
+    merge.share_weight weighs them: domain_mass) where that is larger, since a domain whose text outweighs
+    its share (math and code at the 50k preset's shares) is given pieces by the EM beyond it."""
     if cfg.model_type != "unigram":
-        return vocab_size
+        return {d: dcfg.vocab_size for d, dcfg in cfg.domains.items()}
+    from tokenizer.merge import target_size
+    from tokenizer.mixture import domain_mass
+
     fixed = NUM_BYTE_PIECES + len(special_pieces(cfg.specials))
-    return fixed + round((vocab_size - fixed) * cfg.merge.pool_factor)
+    learned = {d: max(1, dcfg.vocab_size - fixed) for d, dcfg in cfg.domains.items()}
+    chars = {d: len(samples[d].train_path.read_text(encoding="utf-8")) for d in learned}
+    mass = domain_mass(chars, learned, cfg.merge.share_weight)
+    # The shares usually overlap (they add up to more than the vocabulary); where they add up to less, the
+    # vocabulary's learned pieces are what the domains divide.
+    total = max(sum(learned.values()), target_size(cfg) - fixed)
+    return {d: fixed + round(cfg.merge.pool_factor * max(learned[d], mass[d] * total)) for d in learned}
 
 
-def train_domains(cfg: TokenizerConfig, samples: dict[str, DomainSample], out: Path, log: Log = print) -> dict[str, Path]:
-    """One SentencePiece model per domain, at its pool size; a domain whose sample supports fewer pieces than
-    the pool but at least its configured size is trained at what the sample supports."""
+def train_domains(cfg: TokenizerConfig, samples: dict[str, DomainSample], out: Path, sizes: dict[str, int],
+                  log: Log = print) -> dict[str, Path]:
+    """One SentencePiece model per domain in `sizes`, at that size or what its sample supports if less; a sample
+    that supports fewer pieces than the domain's configured vocab_size is an error."""
     from tqdm import tqdm
 
-    from tokenizer.train_spm import VocabTooLargeError, train_domain_model
+    from tokenizer.train_spm import too_large, train_domain_model
 
     out.mkdir(parents=True, exist_ok=True)
     models = {}
-    for domain, dcfg in tqdm(cfg.domains.items(), desc="train domain models", disable=None, leave=False):
+    for domain, size in tqdm(sizes.items(), desc="train domain models", disable=None, leave=False):
         start = time.time()
-        size = pool_size(cfg, dcfg.vocab_size)
+        dcfg = cfg.domains[domain]
         label = f"domain {domain!r}"
-        try:
-            models[domain] = train_domain_model(cfg, dcfg, samples[domain], out / domain, label, size)
-        except VocabTooLargeError as err:
-            if err.limit is None or size == dcfg.vocab_size or err.limit < dcfg.vocab_size:
-                raise
-            size = err.limit  # the pool is only a choice of candidates: the sample's limit will do
-            models[domain] = train_domain_model(cfg, dcfg, samples[domain], out / domain, label, size)
-        log(f"[train] {domain}: {cfg.model_type} vocab {size} (share {dcfg.vocab_size}) in {time.time() - start:.1f}s")
+        models[domain] = train_domain_model(cfg, dcfg, samples[domain], out / domain, label, size, candidates=True)
+        trained = piece_count(models[domain])
+        if trained < dcfg.vocab_size:
+            raise too_large(label, dcfg.vocab_size, trained)
+        log(f"[train] {domain}: {cfg.model_type} vocab {trained} (pool {size}, share {dcfg.vocab_size}) "
+            f"in {time.time() - start:.1f}s")
     return models
+
+
+def piece_count(model: Path) -> int:
+    import sentencepiece as spm
+
+    return spm.SentencePieceProcessor(model_file=str(model)).get_piece_size()
+
+
+def train_and_merge(cfg: TokenizerConfig, samples: dict[str, DomainSample], out: Path, timings: dict[str, float],
+                    log: Log = print, attempts: int = 3):
+    """Domain models, then the merge. If the pools hold too few distinct pieces (small samples whose domains
+    share most of their pieces), the domains with room in their samples are retrained larger by the shortfall."""
+    from tokenizer.merge import VocabShortfall
+
+    sizes = pool_sizes(cfg, samples)
+    timings["train_domains_s"] = timings["merge_s"] = 0.0
+    todo = dict(sizes)
+    models: dict[str, Path] = {}
+    for attempt in range(1, attempts + 1):
+        clock = time.time()
+        models.update(train_domains(cfg, samples, out, todo, log))
+        timings["train_domains_s"] += time.time() - clock
+        clock = time.time()
+        try:
+            return merge_domains(cfg, samples, models, log)
+        except VocabShortfall as err:
+            room = {d: size for d, size in sizes.items() if piece_count(models[d]) >= size}
+            if attempt == attempts or not room:
+                raise
+            fixed = NUM_BYTE_PIECES + len(special_pieces(cfg.specials))
+            grow = 1.0 + err.missing / sum(size - fixed for size in room.values()) + 0.1
+            todo = {d: fixed + round((size - fixed) * grow) for d, size in room.items()}
+            sizes.update(todo)
+            log(f"[merge] {err.missing} pieces short after de-duplication: retraining {', '.join(todo)} "
+                f"{100 * (grow - 1):.0f}% larger")
+        finally:
+            timings["merge_s"] += time.time() - clock
+    raise AssertionError("the last attempt returns or raises")
 
 
 def train_baseline(cfg: TokenizerConfig, samples: dict[str, DomainSample], out: Path, log: Log = print) -> Path:
@@ -171,15 +220,9 @@ def build_tokenizer(
         samples = samples or sample_all(cfg, tmp / "work", log)
         timings["sample_s"] = time.time() - clock
 
-        clock = time.time()
-        models = train_domains(cfg, samples, tmp / "domains", log)
-        timings["train_domains_s"] = time.time() - clock
-
-        clock = time.time()
-        proto, shares = merge_domains(cfg, samples, models, log)
+        proto, shares = train_and_merge(cfg, samples, tmp / "domains", timings, log)
         model_path = tmp / MODEL_FILE
         model_path.write_bytes(proto.SerializeToString())
-        timings["merge_s"] = time.time() - clock
 
         clock = time.time()
         export_hf(model_path, tmp, cfg)

@@ -103,9 +103,14 @@ class SampleConfig:
 class MergeConfig:
     """How the domain models become one."""
 
-    pool_factor: float = 2.0
-    """Unigram: each domain model is trained with this many times its share of learned pieces (capped at what
-    its sample supports), so the merge picks from more candidates than the vocabulary keeps."""
+    pool_factor: float = 1.5
+    """Unigram: each domain model is trained with this many times the learned pieces the merge can give it (its
+    share, or its part of the mixture's characters if larger; capped at what its sample supports), so the
+    merge picks from more candidates than the vocabulary keeps."""
+    pool_options: Dict[str, Any] = field(default_factory=lambda: {"shrinking_factor": 0.5, "num_sub_iterations": 1})
+    """Unigram: SentencePieceTrainer options of the domain (candidate) models, under each domain's extra_options.
+    The merge re-estimates and prunes the pool on the mixture, so a coarser schedule than SentencePiece's
+    (0.75, 2) costs no compression and about half the training time (docs/tokenizer.md); {} for its defaults."""
     share_weight: float = 0.0
     """Unigram: how much the configured domain sizes, rather than the sample's character proportions, weight
     each domain's compression in the merge's EM (0: as one joint model would, every domain within 1% of it;

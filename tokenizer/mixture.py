@@ -53,14 +53,19 @@ class PruneResult:
     """Learned piece → the domain whose (weighted) text uses it most."""
 
 
-def domain_weights(chars: dict[str, int], shares: dict[str, float], share_weight: float) -> dict[str, float]:
-    """Weight per character of each domain's EM lines: W_d / chars_d with W_d ∝ chars_d^(1-a) * share_d^a."""
+def domain_mass(chars: dict[str, int], shares: dict[str, float], share_weight: float) -> dict[str, float]:
+    """Each domain's part of the merge's objective, W_d ∝ chars_d^(1-a) * share_d^a, summing to 1."""
     total_chars = sum(chars.values()) or 1
     total_share = sum(shares.values()) or 1.0
     mass = {d: (chars[d] / total_chars) ** (1 - share_weight) * (shares[d] / total_share) ** share_weight
             for d in chars}
     norm = sum(mass.values()) or 1.0
-    return {d: mass[d] / norm / max(1, chars[d]) for d in chars}
+    return {d: m / norm for d, m in mass.items()}
+
+
+def domain_weights(chars: dict[str, int], shares: dict[str, float], share_weight: float) -> dict[str, float]:
+    """Weight per character of each domain's EM lines: W_d / chars_d (domain_mass)."""
+    return {d: m / max(1, chars[d]) for d, m in domain_mass(chars, shares, share_weight).items()}
 
 
 @dataclass(frozen=True)

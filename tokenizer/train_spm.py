@@ -20,8 +20,9 @@ class VocabTooLargeError(ValueError):
         """The largest vocab size the sample supports, when that was the problem."""
 
 
-def trainer_options(cfg: TokenizerConfig, dcfg: DomainConfig, vocab_size: int) -> dict:
-    """SentencePieceTrainer keyword arguments for a model with dcfg's options and cfg's shared settings."""
+def trainer_options(cfg: TokenizerConfig, dcfg: DomainConfig, vocab_size: int, candidates: bool = False) -> dict:
+    """SentencePieceTrainer keyword arguments for a model with dcfg's options and cfg's shared settings;
+    `candidates`: a domain model the merge picks from (a soft size limit; unigram: merge.pool_options)."""
     s = cfg.specials
     options = dict(
         model_type=cfg.model_type,
@@ -45,16 +46,22 @@ def trainer_options(cfg: TokenizerConfig, dcfg: DomainConfig, vocab_size: int) -
         train_extremely_large_corpus=False,
         minloglevel=2,
     )
+    if candidates:
+        # A pool is "up to this many pieces": a sample that supports fewer gives what it has in one training
+        # (with the hard limit SentencePiece fails only at the very end, and the retry doubled the time).
+        options["hard_vocab_limit"] = False
+        if cfg.model_type == "unigram":
+            options.update(cfg.merge.pool_options)
     options.update(dcfg.extra_options)
     return options
 
 
-def domain_training(cfg: TokenizerConfig, dcfg: DomainConfig, sample, vocab_size: int | None = None
-                    ) -> tuple[list[Path], dict]:
+def domain_training(cfg: TokenizerConfig, dcfg: DomainConfig, sample, vocab_size: int | None = None,
+                    candidates: bool = False) -> tuple[list[Path], dict]:
     """The input files and trainer options of a domain's model (vocab_size: default its share) from its
     DomainSample: the training lines, or with presegment the word counts of that analyzer's segmentation
     (tokenizer/presegment.py)."""
-    options = trainer_options(cfg, dcfg, vocab_size or dcfg.vocab_size)
+    options = trainer_options(cfg, dcfg, vocab_size or dcfg.vocab_size, candidates)
     if dcfg.presegment == "none":
         return [sample.train_path], options
     from tokenizer.sample import presegment_sample, word_counts_path
@@ -66,10 +73,10 @@ def domain_training(cfg: TokenizerConfig, dcfg: DomainConfig, sample, vocab_size
 
 
 def train_domain_model(cfg: TokenizerConfig, dcfg: DomainConfig, sample, model_prefix: Path, label: str,
-                       vocab_size: int | None = None) -> Path:
+                       vocab_size: int | None = None, candidates: bool = False) -> Path:
     """Train a domain's model on its sample; a presegmented one gets back the normaliser the config asks for
     (trained without the dummy prefix, it encodes running text with it)."""
-    inputs, options = domain_training(cfg, dcfg, sample, vocab_size)
+    inputs, options = domain_training(cfg, dcfg, sample, vocab_size, candidates)
     model = train_model(inputs, model_prefix, options, label)
     if dcfg.presegment != "none":
         from sentencepiece import sentencepiece_model_pb2 as pb
@@ -80,6 +87,14 @@ def train_domain_model(cfg: TokenizerConfig, dcfg: DomainConfig, sample, model_p
         proto.trainer_spec.input_format = "text"
         model.write_bytes(proto.SerializeToString())
     return model
+
+
+def too_large(label: str, asked: int, limit: int) -> VocabTooLargeError:
+    """The error for a model asked for more pieces than its sample supports."""
+    return VocabTooLargeError(
+        f"{label}: vocab_size {asked} is more than its sample supports (at most {limit}). "
+        f"Fix: lower the vocab size to ≤ {limit}, or give the domain more text "
+        "(tokenizer.sample.max_bytes / more inputs).", limit=limit)
 
 
 def baseline_domain_options(cfg: TokenizerConfig) -> DomainConfig:
@@ -105,11 +120,7 @@ def train_model(inputs: list[Path], model_prefix: Path, options: dict, label: st
     except RuntimeError as err:
         match = re.search(r"Vocabulary size (?:is )?too high \((\d+)\)\. Please set it to a value <= (\d+)", str(err))
         if match:
-            raise VocabTooLargeError(
-                f"{label}: vocab_size {match.group(1)} is more than its sample supports (at most {match.group(2)}). "
-                f"Fix: lower the vocab size to ≤ {match.group(2)}, or give the domain more text "
-                "(tokenizer.sample.max_bytes / more inputs).", limit=int(match.group(2))
-            ) from None
+            raise too_large(label, int(match.group(1)), int(match.group(2))) from None
         match = re.search(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)", str(err))
         if match:
             raise VocabTooLargeError(

@@ -103,3 +103,65 @@ def test_counting_distinct_words_equals_encoding_the_lines(built):
     direct = np.bincount([i for ids in sp.encode(lines) for i in ids], minlength=len(proto.pieces))
     counted = domain_counts(proto, {"all": word_counts(lines, dummy_prefix=True)}, num_threads=1)["all"]
     assert np.array_equal(counted, direct)
+
+
+def test_pool_covers_the_mixture_part_of_a_domain_whose_text_outweighs_its_share(tmp_path):
+    """At share_weight 0 a domain with a small share but much text is given pieces by its characters, so its
+    candidate pool must be sized by them; at share_weight 1 the shares alone decide."""
+    from types import SimpleNamespace
+
+    from tokenizer.build import pool_sizes
+    from tokenizer.cli import compose, to_object
+    from tokenizer.config import NUM_BYTE_PIECES, special_pieces
+
+    cfg = to_object(compose(["tokenizer=demo_8k"])).tokenizer
+    samples = {}
+    for domain, chars in {"ja": 1_000, "en": 1_000, "code": 1_000, "math": 7_000}.items():
+        path = tmp_path / f"{domain}.txt"
+        path.write_text("x" * chars, encoding="utf-8")
+        samples[domain] = SimpleNamespace(train_path=path)
+    fixed = NUM_BYTE_PIECES + len(special_pieces(cfg.specials))
+    learned = {d: cfg.domains[d].vocab_size - fixed for d in samples}
+    factor = cfg.merge.pool_factor
+    cfg.merge.share_weight = 0.0
+    by_chars = pool_sizes(cfg, samples)
+    assert by_chars["math"] == fixed + round(factor * 0.7 * sum(learned.values()))  # 70% of the characters
+    assert by_chars["ja"] == fixed + round(factor * learned["ja"])  # its share is above its 10% of the text
+    cfg.merge.share_weight = 1.0
+    assert pool_sizes(cfg, samples) == {d: fixed + round(factor * n) for d, n in learned.items()}
+
+
+def test_pool_options_reach_only_the_candidate_models():
+    """merge.pool_options shape the domain (candidate) models; the joint baseline, the bench's bare training and
+    BPE keep SentencePiece's schedule, and a domain's extra_options still win."""
+    from tokenizer.cli import compose, to_object
+    from tokenizer.train_spm import trainer_options
+
+    cfg = to_object(compose(["tokenizer=demo_8k"])).tokenizer
+    ja = cfg.domains["ja"]
+    candidate = trainer_options(cfg, ja, 1000, candidates=True)
+    assert candidate["shrinking_factor"] == 0.5 and candidate["hard_vocab_limit"] is False
+    assert "shrinking_factor" not in trainer_options(cfg, ja, 1000) and "hard_vocab_limit" not in trainer_options(cfg, ja, 1000)
+    ja.extra_options["num_sub_iterations"] = 2
+    assert trainer_options(cfg, ja, 1000, candidates=True)["num_sub_iterations"] == 2
+    cfg.model_type = "bpe"
+    assert "shrinking_factor" not in trainer_options(cfg, ja, 1000, candidates=True)
+
+
+@pytest.mark.slow
+def test_pools_short_after_deduplication_are_retrained_larger(corpus, tmp_path):
+    """Pools exactly the vocabulary's size (pool_factor 1) lose pieces to de-duplication across domains; the
+    build retrains the domains whose samples have room, larger by the shortfall, instead of failing."""
+    from tests.tokenizer.conftest import TINY_SIZES, tiny_overrides
+    from tokenizer.build import build_tokenizer, piece_count
+    from tokenizer.cli import compose, to_object
+
+    out = tmp_path / "o"
+    job = to_object(compose(tiny_overrides(corpus, out, **{
+        "tokenizer.evaluate.baseline": "false", "tokenizer.merge.pool_factor": 1.0, "tokenizer.merge.share_weight": 1.0,
+        "tokenizer.domains.en.vocab_size": 400, "tokenizer.domains.code.vocab_size": 400,
+        "tokenizer.domains.math.vocab_size": 400})))
+    logs: list[str] = []
+    build_tokenizer(job.tokenizer, out, log=logs.append)
+    assert any("pieces short after de-duplication: retraining" in line for line in logs), logs
+    assert piece_count(out / "tokenizer.model") == TINY_SIZES["total_vocab"]
