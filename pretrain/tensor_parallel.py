@@ -94,15 +94,9 @@ def tensor_parallel_problems(cfg: Any) -> list[str]:
                         "zero_to_fp32 nor its universal-checkpoint converter can read the checkpoints (the replicated "
                         "weights are cut over the tensor-parallel ranks too), so the run could not be exported or "
                         "resumed at another size. Fix: deepspeed=zero1 or zero2, or parallel.tensor=1 for ZeRO-3")
-    if ds.zero_stage == 0 and ds.precision in ("bf16", "fp16", "auto"):
-        problems.append(f"parallel.tensor={tp} with deepspeed.zero_stage=0 needs deepspeed.precision=fp32 "
-                        f"(it is {ds.precision}; auto may pick bf16): DeepSpeed "
-                        "0.19's stage-0 bf16/fp16 optimizer (FP16_UnfusedOptimizer) leaves the other tensor-parallel "
-                        "ranks' gradient shards out of the grad norm, so clipping would be wrong. Fix: "
-                        "deepspeed=zero1 (or zero2), which also cuts the optimizer states over the data-parallel ranks")
     if ds.precision == "fp16":
-        problems.append(f"parallel.tensor={tp} is tested with bf16 and fp32 only; use deepspeed.precision=bf16 "
-                        "(or fp32), or parallel.tensor=1 for fp16")
+        problems.append(f"parallel.tensor={tp} is tested with bf16 and fp32 only (deepspeed.precision=fp16, or auto on "
+                        "a GPU without bf16); use deepspeed.precision=bf16 (or fp32), or parallel.tensor=1 for fp16")
     if ds.offload_optimizer or ds.offload_param:
         problems.append(f"parallel.tensor={tp} is not tested with ZeRO-Offload; set deepspeed.offload_optimizer=false "
                         "and deepspeed.offload_param=false, or parallel.tensor=1 to offload")

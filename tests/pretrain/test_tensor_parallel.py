@@ -51,8 +51,6 @@ def test_merge_undoes_the_cut_and_refuses_shards_that_do_not_belong_together():
     (["parallel.tensor=4"], "parallel.tensor=4 must divide model.num_kv_heads=2"),
     (["parallel.tensor=2", "model.intermediate_size=175"], "must divide model.intermediate_size=175"),
     (["parallel.tensor=2", "deepspeed=zero3"], "deepspeed.zero_stage=3: .* Fix: deepspeed=zero1 or zero2"),
-    (["parallel.tensor=2", "deepspeed.zero_stage=0", "deepspeed.precision=bf16"],
-     "zero_stage=0 needs deepspeed.precision=fp32 .* Fix: deepspeed=zero1"),
     (["parallel.tensor=2", "deepspeed=zero1", "deepspeed.precision=fp16"], "tested with bf16 and fp32 only"),
     (["parallel.tensor=2", "deepspeed=zero2_offload"], "not tested with ZeRO-Offload"),
     (["parallel.tensor=2", "deepspeed=zero1", "train.num_gpus=3"], "train.num_gpus=3 must divide by parallel.tensor=2"),
@@ -66,9 +64,22 @@ def test_unsupported_combinations_are_one_line_naming_the_field_and_the_fix(over
 
 
 def test_supported_combinations_pass():
-    for overrides in (["deepspeed=zero0", "deepspeed.precision=fp32"], ["deepspeed=zero1"], ["deepspeed=zero2"],
+    for overrides in (["deepspeed=zero0", "deepspeed.precision=fp32"], ["deepspeed=zero0", "deepspeed.precision=bf16"],
+                      ["deepspeed=zero1"], ["deepspeed=zero2"],
                       ["deepspeed=zero1", "model.qk_norm=true", "deepspeed.activation_checkpointing=full"]):
         check_config(config("parallel.tensor=2", *overrides))
+
+
+def test_precision_auto_resolved_to_fp16_is_refused_when_deepspeed_is_configured():
+    """`auto` passes the config check (it may become bf16), but where it resolves to fp16 (a GPU without bf16) the
+    DeepSpeed config is not rendered for tensor parallelism."""
+    from pretrain.engine import render_ds_config
+
+    cfg = config("parallel.tensor=2", "deepspeed=zero1", "deepspeed.precision=auto")
+    check_config(cfg)
+    cfg.deepspeed.precision = "fp16"  # what settle_precision writes on such a GPU
+    with pytest.raises(ValueError, match="parallel.tensor=2 is tested with bf16 and fp32 only"):
+        render_ds_config(cfg, world_size=2)
 
 
 def test_data_parallel_size_is_ranks_over_tensor_parallel():
