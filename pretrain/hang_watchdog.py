@@ -10,12 +10,13 @@ Mechanism (policy lives in `HangConfig`):
   median step time); `checkpoint_timeout_s` while saving and `startup_timeout_s` before the first step
   ends (compilation, the first batch). A rank blocked in a collective keeps its thread running (the
   collectives release the GIL), so every rank still alive notices at about the same moment.
-- On a timeout a rank dumps its own Python stack (faulthandler), asks the ranks on its host that did not
-  arrive for theirs (SIGUSR2, on which every rank's faulthandler writes its stack; a SIGSTOPped rank is
-  sent SIGCONT after it so the pending dump runs, the job ends right after anyway), and the first rank
-  there writes `RUN_DIR/hang/report.txt`: every rank's host, pid, last step and phase, seconds since
-  its progress and since its thread last ran, its process state, which ranks did not arrive, and the
-  stacks. It appends a `hang` event to events.jsonl and exits with EXIT_HANG, which schedulers can
+- On a timeout a rank dumps its own Python stack (faulthandler), and the first rank there writes the
+  report. It waits for the stacks of the ranks that did not arrive, which their own watchdogs dump (a
+  SIGSTOPped rank on its host is resumed with SIGCONT so its watchdog can; the job ends right after
+  anyway); a rank on its host whose stack does not appear is asked with SIGUSR2, on which faulthandler
+  writes it from the signal handler. The report, `RUN_DIR/hang/report.txt`, holds every rank's host,
+  pid, last step and phase, seconds since its progress and since its thread last ran, its process
+  state, which ranks did not arrive, and the stacks. It appends a `hang` event to events.jsonl and exits with EXIT_HANG, which schedulers can
   requeue on; a restart resumes from the last checkpoint. On NCCL the launcher scripts also make
   torch dump its flight recorder on timeout (`TORCH_NCCL_TRACE_BUFFER_SIZE`, launch/env.sh).
 - `process_group_timeout_s` is what the trainer gives `init_process_group`: longer than every watchdog
@@ -208,7 +209,7 @@ class HangWatchdog:
                 with os.fdopen(report, "w") as handle:
                     handle.write(self._report_table(stalled, beats, missing))  # on disk before anything else
                     handle.flush()
-                    self._ask_for_stacks(beats, missing)
+                    self._gather_stacks(beats, missing)
                     handle.write(self._report_stacks(beats))
                 self._append_event(stalled, missing)
         finally:
@@ -241,27 +242,48 @@ class HangWatchdog:
                 missing.append(rank)
         return missing
 
-    def _ask_for_stacks(self, beats: dict[int, dict], missing: list[int]) -> None:
-        """SIGUSR2 to the ranks on this host that did not arrive (their faulthandler writes their stack);
-        a stopped one also gets SIGCONT so the dump runs."""
+    def _gather_stacks(self, beats: dict[int, dict], missing: list[int]) -> None:
+        """Wait for the stacks of the ranks that did not arrive.
+
+        Each rank's own watchdog thread dumps its stack when it sees the stall, from Python with the GIL held,
+        so the other threads' frames hold still; a stopped rank on this host is resumed (SIGCONT) so that its
+        thread can. Only a rank on this host whose stack has not appeared after a heartbeat and 2 s more is sent
+        SIGUSR2, on which faulthandler dumps from the signal handler: the last resort (for a rank whose watchdog
+        cannot run), since that dump reads the other threads' frames while they run, and a resumed rank once
+        crashed in it (SIGSEGV), which made the launcher end the reporting rank before the report was whole."""
         import psutil
 
-        asked = False
+        local = {}
         for rank in missing:
             beat = beats.get(rank) or {}
             if beat.get("host") != self.host or rank == self.rank:
                 continue
             try:
                 process = psutil.Process(int(beat["pid"]))
-                stopped = process.status() == psutil.STATUS_STOPPED
-                process.send_signal(DUMP_SIGNAL)
-                if stopped:
+                if process.status() == psutil.STATUS_STOPPED:
                     process.send_signal(signal.SIGCONT)
-                asked = True
+                local[rank] = process
             except (psutil.Error, KeyError, ValueError):
                 pass
-        if asked:
-            time.sleep(2.0)
+        waiting = [rank for rank in missing if rank != self.rank]
+        deadline = time.monotonic() + self.cfg.heartbeat_s + 2.0
+        while waiting and time.monotonic() < deadline:
+            time.sleep(0.1)
+            waiting = [rank for rank in waiting if not self._has_stack(rank)]
+        asked = False
+        for rank in waiting:
+            try:
+                local[rank].send_signal(DUMP_SIGNAL)
+                asked = True
+            except (KeyError, psutil.Error):
+                pass
+        time.sleep(2.0 if asked else 0.2)  # the dumps in progress finish
+
+    def _has_stack(self, rank: int) -> bool:
+        try:
+            return self.stack_path(rank).stat().st_size > 0
+        except OSError:
+            return False
 
     def _process_state(self, beat: dict) -> str:
         import psutil
