@@ -81,7 +81,7 @@ def test_tp2_resume_is_exact(runs):
 
 def test_universal_checkpoint_moves_tp2_to_other_layouts(runs):
     """The step-15 checkpoint of parallel.tensor=2 (1 data-parallel rank) resumed through DeepSpeed's universal
-    checkpoint: as tensor-parallel 2 x data-parallel 2 (4 ranks) bit for bit, and as plain data parallelism on
+    checkpoint: as tensor-parallel 2 x data-parallel 2 (4 ranks) to fp32 rounding (bit for bit on AVX-512), and as plain data parallelism on
     2 ranks to fp32 rounding (its reductions add in another order)."""
     source = runs["root"] / "split" / "cpu_tiny"
     if not (source / "checkpoints" / "step_0000015").is_dir():
@@ -99,7 +99,10 @@ def test_universal_checkpoint_moves_tp2_to_other_layouts(runs):
         got = train_losses(run)
         assert sorted(got) == list(range(16, STEPS + 1))
         if tp == 2:
-            assert got == {step: expected[step] for step in got}
+            # Bit for bit on an AVX-512 CPU; with AVX2 kernels (ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2)
+            # the two data-parallel ranks' reduction rounds differently from accumulation on one: 2.4e-7.
+            assert got[16] == expected[16]
+            assert max(abs(got[s] - expected[s]) for s in got) < 1e-6
         else:
             assert got[16] == pytest.approx(expected[16], abs=1e-6)
             assert max(abs(got[s] - expected[s]) for s in got) < 1e-5

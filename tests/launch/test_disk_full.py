@@ -43,8 +43,9 @@ def test_a_disk_that_fills_during_the_run_stops_it_cleanly_and_it_resumes(small_
     that fails in the background is the in-process test below."""
     corpus = write_tiny_corpus(tmp_path / "corpus")
     runs, ckpt = tmp_path / "runs", small_disk / "ckpt"
+    # fp32 pinned: the message names the checkpoint's size, which `auto` would make depend on the CPU's bf16.
     overrides = tiny_overrides(corpus, runs, "train.tokens=1000000", "checkpoint.interval=20", f"checkpoint.dir={ckpt}",
-                               f"checkpoint.async_save={async_save}")
+                               f"checkpoint.async_save={async_save}", "deepspeed.precision=fp32")
     from pretrain.launch import launcher_command
 
     log = open(tmp_path / "log", "w")
@@ -61,7 +62,7 @@ def test_a_disk_that_fills_during_the_run_stops_it_cleanly_and_it_resumes(small_
     output = (tmp_path / "log").read_text()
     lines = [line for line in output.splitlines() if line.startswith("pretrain.train:")]
     assert lines == [f"pretrain.train: the disk at {ckpt} is full: 0 B free, a checkpoint of this run needs about "
-                     f"2.1 MiB; nothing of step 40 was kept and {ckpt / 'step_0000020'} is the last good checkpoint. "
+                     f"1.8 MiB; nothing of step 40 was kept and {ckpt / 'step_0000020'} is the last good checkpoint. "
                      "Fix: free space there (old runs, other files) or point checkpoint.dir at a larger disk, then "
                      "start the job again: it resumes from step_0000020"], output[-3000:]
     assert "Traceback (most recent call last):\n  File \"" + str(REPO / "pretrain") not in output
