@@ -9,16 +9,19 @@ Mechanism (policy lives in `HangConfig`):
   rank's last progress with the timeout: `hang.timeout_s`, or when 0, max(`min_timeout_s`, 20 x the
   median step time); `checkpoint_timeout_s` while saving and `startup_timeout_s` before the first step
   ends (compilation, the first batch). A rank blocked in a collective keeps its thread running (the
-  collectives release the GIL), so every rank still alive notices at about the same moment.
+  collectives release the GIL), so every rank still alive notices at about the same moment. In those
+  longer phases the step timeout applies as soon as another rank's thread has been silent that long
+  (that rank is stopped or dead, and the save or evaluation cannot end).
 - On a timeout a rank dumps its own Python stack (faulthandler), and the first rank there writes the
   report. It waits for the stacks of the ranks that did not arrive, which their own watchdogs dump (a
   SIGSTOPped rank on its host is resumed with SIGCONT so its watchdog can; the job ends right after
   anyway); a rank on its host whose stack does not appear is asked with SIGUSR2, on which faulthandler
   writes it from the signal handler. The report, `RUN_DIR/hang/report.txt`, holds every rank's host,
   pid, last step and phase, seconds since its progress and since its thread last ran, its process
-  state, which ranks did not arrive, and the stacks. It appends a `hang` event to events.jsonl and exits with EXIT_HANG, which schedulers can
-  requeue on; a restart resumes from the last checkpoint. On NCCL the launcher scripts also make
-  torch dump its flight recorder on timeout (`TORCH_NCCL_TRACE_BUFFER_SIZE`, launch/env.sh).
+  state, which ranks did not arrive, and the stacks. It appends a `hang` event to events.jsonl and
+  exits with EXIT_HANG, which schedulers can requeue on; a restart resumes from the last checkpoint.
+  On NCCL the launcher scripts also make torch dump its flight recorder on timeout
+  (`TORCH_NCCL_TRACE_BUFFER_SIZE`, launch/env.sh).
 - `process_group_timeout_s` is what the trainer gives `init_process_group`: longer than every watchdog
   timeout, so the watchdog always speaks first.
 """
@@ -157,22 +160,37 @@ class HangWatchdog:
 
     # -- the thread -----------------------------------------------------------------------------------
     def timeout(self) -> float:
+        """The current phase's timeout: checkpoints, start-up and evaluation have their own, longer ones."""
         cfg = self.cfg
         if "checkpoint" in self._phase:
             return cfg.checkpoint_timeout_s
         if not self._first_step_done or self._phase == "evaluation":
             return max(cfg.startup_timeout_s, cfg.timeout_s)
+        return self.step_timeout()
+
+    def step_timeout(self) -> float:
+        """hang.timeout_s, or max(min_timeout_s, 20 x the median step time) (min_timeout_s before a step ends)."""
+        cfg = self.cfg
         if cfg.timeout_s > 0:
             return cfg.timeout_s
-        return max(cfg.min_timeout_s, 20 * statistics.median(self._step_times))
+        return max(cfg.min_timeout_s, 20 * statistics.median(self._step_times or [0.0]))
 
     def _run(self) -> None:
         while not self._stop.wait(self.cfg.heartbeat_s):
             self._write_heartbeat()
             stalled = time.monotonic() - self._progress_mono
-            if stalled > self.timeout():
+            if stalled > self.timeout() or (stalled > self.step_timeout() and self._peer_silent_for(self.step_timeout())):
                 self._hang(stalled)
                 return
+
+    def _peer_silent_for(self, limit: float) -> bool:
+        """Whether another rank's heartbeat thread has not run for `limit` seconds: that rank is stopped, dead or
+        frozen, not slow (a save or an evaluation keeps a live rank's thread beating), so a long phase's timeout
+        (a checkpoint's 30 min) need not run out while this rank waits for it in a collective. The heartbeat
+        files are read only once this rank has stalled past the step timeout."""
+        now = time.time()
+        return any(beat and now - beat.get("alive_at", now) > limit
+                   for rank, beat in self._heartbeats().items() if rank != self.rank)
 
     def stack_path(self, rank: int) -> Path:
         return self.dir / f"stack_rank{rank:05d}.txt"

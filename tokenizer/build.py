@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from tokenizer.config import (NUM_BYTE_PIECES, TokenizerConfig, check_tokenizer_config, domain_patterns,
-                              enabled_domains, special_pieces)
+from tokenizer.config import (TokenizerConfig, check_tokenizer_config, domain_patterns, enabled_domains,
+                              fixed_pieces)
 from common.files import replace_dir
 from tokenizer.info import MODEL_FILE, META_FILE, tokenizer_sha256
 from tokenizer.sample import DomainSample, domain_subsets, sample_domain, spm_memory_estimate
@@ -50,14 +50,19 @@ def pool_sizes(cfg: TokenizerConfig, samples: dict[str, DomainSample]) -> dict[s
     from tokenizer.merge import target_size
     from tokenizer.mixture import domain_mass
 
-    fixed = NUM_BYTE_PIECES + len(special_pieces(cfg.specials))
-    learned = {d: max(1, dcfg.vocab_size - fixed) for d, dcfg in cfg.domains.items()}
-    chars = {d: len(samples[d].train_path.read_text(encoding="utf-8")) for d in learned}
-    mass = domain_mass(chars, learned, cfg.merge.share_weight)
+    fixed = fixed_pieces(cfg.specials)
+    learned = learned_shares(cfg)
+    mass = domain_mass({d: samples[d].train_chars for d in learned}, learned, cfg.merge.share_weight)
     # The shares usually overlap (they add up to more than the vocabulary); where they add up to less, the
     # vocabulary's learned pieces are what the domains divide.
     total = max(sum(learned.values()), target_size(cfg) - fixed)
     return {d: fixed + round(cfg.merge.pool_factor * max(learned[d], mass[d] * total)) for d in learned}
+
+
+def learned_shares(cfg: TokenizerConfig) -> dict[str, int]:
+    """Each domain's share of the learned pieces: its vocab_size less the pieces every model holds."""
+    fixed = fixed_pieces(cfg.specials)
+    return {d: max(1, dcfg.vocab_size - fixed) for d, dcfg in cfg.domains.items()}
 
 
 def train_domains(cfg: TokenizerConfig, samples: dict[str, DomainSample], out: Path, sizes: dict[str, int],
@@ -110,7 +115,7 @@ def train_and_merge(cfg: TokenizerConfig, samples: dict[str, DomainSample], out:
             room = {d: size for d, size in sizes.items() if piece_count(models[d]) >= size}
             if attempt == attempts or not room:
                 raise
-            fixed = NUM_BYTE_PIECES + len(special_pieces(cfg.specials))
+            fixed = fixed_pieces(cfg.specials)
             grow = 1.0 + err.missing / sum(size - fixed for size in room.values()) + 0.1
             todo = {d: fixed + round((size - fixed) * grow) for d, size in room.items()}
             sizes.update(todo)
@@ -161,13 +166,11 @@ def _prune_mixture(cfg: TokenizerConfig, samples: dict[str, DomainSample], templ
     proto, protected = candidate_proto(cfg, template, pieces)
     lines = {d: word_counts(ls, cfg.add_dummy_prefix, cfg.remove_extra_whitespaces)
              for d, ls in domain_subsets(samples, cfg.merge.em_sample_bytes).items()}
-    fixed = NUM_BYTE_PIECES + len(special_pieces(cfg.specials))
-    shares = {d: max(1, cfg.domains[d].vocab_size - fixed) for d in lines}
-    weights = domain_weights({d: wc.chars for d, wc in lines.items()}, shares, cfg.merge.share_weight)
-    result = prune_to_size(proto, lines, weights, target_size(cfg), protected, shrink=cfg.merge.shrink,
+    weights = domain_weights({d: wc.chars for d, wc in lines.items()}, learned_shares(cfg), cfg.merge.share_weight)
+    owners = prune_to_size(proto, lines, weights, target_size(cfg), protected, shrink=cfg.merge.shrink,
                            em_iterations=cfg.merge.em_iterations, smoothing=cfg.merge.smoothing,
                            num_threads=cfg.num_threads, log=log)
-    return proto, result.owners
+    return proto, owners
 
 
 def _heldout_texts(samples: dict[str, DomainSample]) -> dict[str, list[str]]:

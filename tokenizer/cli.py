@@ -171,12 +171,12 @@ SWEEP_HEADROOM = 1.1
 def _scale_domain_vocab(tok, base_cfg) -> None:
     """When a sweep changes total_vocab, scale each domain's *learned* pieces with it (the 256 byte
     pieces and the specials are fixed in every model) so the shares stay as configured."""
-    from tokenizer.config import NUM_BYTE_PIECES, special_pieces
+    from tokenizer.config import fixed_pieces
 
     base_total = base_cfg.tokenizer.total_vocab
     if tok.total_vocab == base_total:
         return
-    fixed = NUM_BYTE_PIECES + len(special_pieces(tok.specials))
+    fixed = fixed_pieces(tok.specials)
     factor = (tok.total_vocab - fixed) / max(1, base_total - fixed)
     for dcfg in tok.domains.values():
         learned = max(16, dcfg.vocab_size - fixed)

@@ -215,6 +215,11 @@ def special_pieces(specials: SpecialTokensConfig) -> list[str]:
     return [ids[i] for i in range(4)] + list(specials.user_defined)
 
 
+def fixed_pieces(specials: SpecialTokensConfig) -> int:
+    """Pieces every model holds besides its learned ones: the specials and the 256 byte pieces."""
+    return NUM_BYTE_PIECES + len(special_pieces(specials))
+
+
 def check_specials(specials: SpecialTokensConfig) -> None:
     """Distinct, non-empty pieces at distinct ids 0..3; user-defined pieces that are not byte pieces."""
     ids = {"unk_id": specials.unk_id, "bos_id": specials.bos_id, "eos_id": specials.eos_id, "pad_id": specials.pad_id}
@@ -310,7 +315,7 @@ def enabled_domains(cfg: TokenizerConfig) -> TokenizerConfig:
         raise TokenizerConfigError(
             f"every domain of tokenizer.domains is disabled ({', '.join(dropped)}). Fix: keep at least one "
             "(tokenizer.domains.<name>.enabled=true).")
-    fixed = NUM_BYTE_PIECES + len(special_pieces(cfg.specials))
+    fixed = fixed_pieces(cfg.specials)
     learned = {d: max(0, dcfg.vocab_size - fixed) for d, dcfg in cfg.domains.items()}
     factor = sum(learned.values()) / max(1, sum(learned[d] for d in kept))
     domains = {d: replace(dcfg, vocab_size=fixed + round(learned[d] * factor)) for d, dcfg in kept.items()}

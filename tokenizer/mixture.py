@@ -43,16 +43,6 @@ from tokenizer.merge import pb
 Log = Callable[[str], None]
 
 
-@dataclass(frozen=True)
-class PruneResult:
-    """What the EM-and-prune rounds did, for the log and the build's meta."""
-
-    rounds: list[dict]
-    """Per round: pieces before pruning, tokens per domain on the EM sample, seconds."""
-    owners: dict[str, str]
-    """Learned piece → the domain whose (weighted) text uses it most."""
-
-
 def domain_mass(chars: dict[str, int], shares: dict[str, float], share_weight: float) -> dict[str, float]:
     """Each domain's part of the merge's objective, W_d ∝ chars_d^(1-a) * share_d^a, summing to 1."""
     total_chars = sum(chars.values()) or 1
@@ -202,12 +192,13 @@ def prune_pass(proto, weighted: np.ndarray, keep: int, protected: set[str]) -> i
 
 def prune_to_size(proto, lines_by_domain: dict[str, WordCounts], weights: dict[str, float], size: int,
                   protected: set[str], *, shrink: float, em_iterations: int, smoothing: float, num_threads: int,
-                  log: Log = print) -> PruneResult:
+                  log: Log = print) -> dict[str, str]:
     """EM, prune at most a (1 - shrink) fraction, repeat until `size` pieces are left; then a last EM.
 
     `em_iterations` passes on the first round and the final vocabulary, one pass between prunings.
 
-    `proto` is edited in place. The scores it ends with come from an EM pass over the final vocabulary."""
+    `proto` is edited in place. The scores it ends with come from an EM pass over the final vocabulary.
+    Returns each learned piece's main user (the domain whose weighted text uses it most)."""
     normal_type = pb().ModelProto.SentencePiece.NORMAL
     fixed = sum(1 for p in proto.pieces if p.type != normal_type)
     rounds = []
@@ -229,7 +220,7 @@ def prune_to_size(proto, lines_by_domain: dict[str, WordCounts], weights: dict[s
             break  # nothing more can go (every piece left is protected or unsplittable)
     log(f"[merge] EM and pruning: {' → '.join(str(r['pieces']) for r in rounds)} pieces in "
         f"{sum(r['seconds'] for r in rounds):.1f}s; tokens on the EM sample at the end: {rounds[-1]['tokens']}")
-    return PruneResult(rounds, _owners(proto, counts, weights))
+    return _owners(proto, counts, weights)
 
 
 def _owners(proto, counts: dict[str, np.ndarray], weights: dict[str, float]) -> dict[str, str]:

@@ -41,6 +41,8 @@ class DomainSample:
     """Lines written to train_path."""
     train_bytes: int = 0
     """UTF-8 bytes written to train_path."""
+    train_chars: int = 0
+    """Characters written to train_path (newlines included): the domain's part of the mixture the merge sees."""
     heldout_docs: int = 0
     """Documents held out."""
     heldout_bytes: int = 0
@@ -56,6 +58,7 @@ class DomainSample:
     def to_dict(self) -> dict:
         return {
             "train_docs": self.train_docs, "train_lines": self.train_lines, "train_bytes": self.train_bytes,
+            "train_chars": self.train_chars,
             "heldout_docs": self.heldout_docs, "heldout_bytes": self.heldout_bytes, "bytes_read": self.bytes_read,
             "read": self.stats.to_dict(),
             **({"presegmented": {a: st.to_dict() for a, st in self.presegmented.items()}} if self.presegmented else {}),
@@ -167,6 +170,7 @@ def _write_train(result: DomainSample, texts: list[str], max_chars: int) -> None
                 f.write(line + "\n")
                 result.train_lines += 1
                 result.train_bytes += len(line.encode("utf-8")) + 1
+                result.train_chars += len(line) + 1
 
 
 def _write_heldout(result: DomainSample, texts: list[str]) -> None:

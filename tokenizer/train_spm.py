@@ -14,11 +14,6 @@ from tokenizer.config import DomainConfig, TokenizerConfig
 class VocabTooLargeError(ValueError):
     """The requested vocabulary does not fit the sample (too large for it, or too small for its characters)."""
 
-    def __init__(self, message: str, limit: int | None = None):
-        super().__init__(message)
-        self.limit = limit
-        """The largest vocab size the sample supports, when that was the problem."""
-
 
 def trainer_options(cfg: TokenizerConfig, dcfg: DomainConfig, vocab_size: int, candidates: bool = False) -> dict:
     """SentencePieceTrainer keyword arguments for a model with dcfg's options and cfg's shared settings;
@@ -94,7 +89,7 @@ def too_large(label: str, asked: int, limit: int) -> VocabTooLargeError:
     return VocabTooLargeError(
         f"{label}: vocab_size {asked} is more than its sample supports (at most {limit}). "
         f"Fix: lower the vocab size to ≤ {limit}, or give the domain more text "
-        "(tokenizer.sample.max_bytes / more inputs).", limit=limit)
+        "(tokenizer.sample.max_bytes / more inputs).")
 
 
 def baseline_domain_options(cfg: TokenizerConfig) -> DomainConfig:

@@ -81,8 +81,8 @@ def test_tp2_resume_is_exact(runs):
 
 def test_universal_checkpoint_moves_tp2_to_other_layouts(runs):
     """The step-15 checkpoint of parallel.tensor=2 (1 data-parallel rank) resumed through DeepSpeed's universal
-    checkpoint: as tensor-parallel 2 x data-parallel 2 (4 ranks) to fp32 rounding (bit for bit on AVX-512), and as plain data parallelism on
-    2 ranks to fp32 rounding (its reductions add in another order)."""
+    checkpoint: as tensor-parallel 2 x data-parallel 2 (4 ranks) to fp32 rounding (bit for bit on AVX-512), and
+    as plain data parallelism on 2 ranks to fp32 rounding (its reductions add in another order)."""
     source = runs["root"] / "split" / "cpu_tiny"
     if not (source / "checkpoints" / "step_0000015").is_dir():
         pytest.skip("needs test_tp2_resume_is_exact's step-15 checkpoint")

@@ -93,3 +93,39 @@ def test_straggler_verdicts_need_the_ratio_for_consecutive_reports():
                         "perf/slowest_rank": 3.0}
     assert monitor.report()[1] is None  # 1.4x: not slow, the streak ends
     assert monitor.report()[1] is None  # another rank, once
+
+
+SAVING_RANK = """
+import sys, time
+from pathlib import Path
+from pretrain.hang_watchdog import HangConfig, HangWatchdog
+
+rank = int(sys.argv[2])
+watchdog = HangWatchdog(HangConfig(timeout_s=2, heartbeat_s=0.2), Path(sys.argv[1]), rank, 2).start()
+for step in (1, 2, 3):
+    watchdog.beat(step, "train step")
+    time.sleep(0.05)
+with watchdog.phase(3, "checkpoint save"):  # its timeout is hang.checkpoint_timeout_s, 30 min
+    time.sleep(120)
+"""
+
+
+def test_a_rank_stopped_during_a_save_ends_the_job_without_waiting_for_the_save_timeout(tmp_path):
+    """Two processes with the real watchdog, both inside a checkpoint save (30 min timeout): while both beat,
+    nothing fires; once one is SIGSTOPped its heartbeat falls silent, and the other ends the job after the step
+    timeout (2 s) with a report naming it. Found when a SIGSTOP of the 2-rank job landed on a checkpoint save."""
+    ranks = [subprocess.Popen([sys.executable, "-c", SAVING_RANK, str(tmp_path), str(rank)], cwd=REPO,
+                              env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in (0, 1)]
+    try:
+        time.sleep(6)  # three times the step timeout inside the save
+        assert [rank.poll() for rank in ranks] == [None, None]
+        psutil.Process(ranks[1].pid).send_signal(signal.SIGSTOP)
+        stopped_at = time.time()
+        assert ranks[0].wait(timeout=30) == EXIT_HANG and time.time() - stopped_at < 10
+        report = (tmp_path / "hang" / "report.txt").read_text()
+        assert "did not arrive: rank 1\n" in report and "--- stack of rank 1 (from stack_rank00001.txt)" in report
+        assert "checkpoint save" in report
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()

@@ -108,19 +108,15 @@ def test_counting_distinct_words_equals_encoding_the_lines(built):
 def test_pool_covers_the_mixture_part_of_a_domain_whose_text_outweighs_its_share(tmp_path):
     """At share_weight 0 a domain with a small share but much text is given pieces by its characters, so its
     candidate pool must be sized by them; at share_weight 1 the shares alone decide."""
-    from types import SimpleNamespace
-
     from tokenizer.build import pool_sizes
     from tokenizer.cli import compose, to_object
-    from tokenizer.config import NUM_BYTE_PIECES, special_pieces
+    from tokenizer.config import fixed_pieces
+    from tokenizer.sample import DomainSample
 
     cfg = to_object(compose(["tokenizer=demo_8k"])).tokenizer
-    samples = {}
-    for domain, chars in {"ja": 1_000, "en": 1_000, "code": 1_000, "math": 7_000}.items():
-        path = tmp_path / f"{domain}.txt"
-        path.write_text("x" * chars, encoding="utf-8")
-        samples[domain] = SimpleNamespace(train_path=path)
-    fixed = NUM_BYTE_PIECES + len(special_pieces(cfg.specials))
+    samples = {domain: DomainSample(domain, tmp_path / f"{domain}.txt", tmp_path / f"{domain}.jsonl", train_chars=chars)
+               for domain, chars in {"ja": 1_000, "en": 1_000, "code": 1_000, "math": 7_000}.items()}
+    fixed = fixed_pieces(cfg.specials)
     learned = {d: cfg.domains[d].vocab_size - fixed for d in samples}
     factor = cfg.merge.pool_factor
     cfg.merge.share_weight = 0.0
@@ -129,6 +125,16 @@ def test_pool_covers_the_mixture_part_of_a_domain_whose_text_outweighs_its_share
     assert by_chars["ja"] == fixed + round(factor * learned["ja"])  # its share is above its 10% of the text
     cfg.merge.share_weight = 1.0
     assert pool_sizes(cfg, samples) == {d: fixed + round(factor * n) for d, n in learned.items()}
+
+
+def test_the_sample_counts_the_characters_the_pools_are_sized_by(corpus, tmp_path):
+    from tests.tokenizer.conftest import tiny_overrides
+    from tokenizer.build import sample_all
+    from tokenizer.cli import compose, to_object
+
+    cfg = to_object(compose(tiny_overrides(corpus, tmp_path / "o"))).tokenizer
+    for sample in sample_all(cfg, tmp_path / "work", log=lambda _: None).values():
+        assert sample.train_chars == len(sample.train_path.read_text(encoding="utf-8")) > 0
 
 
 def test_pool_options_reach_only_the_candidate_models():
