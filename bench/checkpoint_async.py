@@ -48,9 +48,10 @@ def main(argv: list[str]) -> int:
     import torch  # one rank in this process: init_distributed sets the rank variables and a free port
 
     from curriculum.plan import directory_bytes
-    from pretrain.checkpoint import Checkpointer
+    from pretrain.checkpoint.checkpointer import Checkpointer
     from pretrain.config import compose_config, to_object
-    from pretrain.engine import TrainEngine, any_rank, barrier, build_model, finalize_distributed, init_distributed
+    from pretrain.engine.train_engine import TrainEngine, build_model
+    from pretrain.engine.distributed import any_rank, barrier, finalize_distributed, init_distributed
     from pretrain.model.flops import count_parameters
     from pretrain.model.llama import Llama
 

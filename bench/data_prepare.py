@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/data_prepare.py [--work /tmp/ayumi_bench_data] [--repeat 2] [--vocab 8000]
 
-Corpus (real text, ../shared/CORPORA.md): Debian packages manpages-ja (Japanese man pages,
+Corpus (real text, docs/demo-corpus.md): Debian packages manpages-ja (Japanese man pages,
 rendered with groff), r-cran-janeaustenr (Jane Austen's novels, read from R's lazy-load
 database), pari-doc (PARI/GP manual, TeX) and the Python standard library (code). Packages are
 fetched with `apt-get download` into --work; where that fails the script says so and uses what

@@ -5,8 +5,8 @@ process trains with ayumi's own trainer (`pretrain.train.build_trainer`, exactly
 bf16, ZeRO-1 on one rank, fp32 gradient accumulation, evaluation and checkpoints off, metrics on), and
 reports after warm-up steps (compilation included there):
 - tokens/s per GPU and MFU: the trainer's own FLOP count (`pretrain.model.flops.flops_per_token`, 6N +
-  attention, PaLM's convention) against the GPU's dense bf16 peak (`pretrain.trainer.PEAK_BF16_FLOPS`);
-- `torch.cuda.max_memory_allocated()` against the plan's `peak_allocated` (pretrain/memory.py).
+  attention, PaLM's convention) against the GPU's dense bf16 peak (`pretrain.model.flops.PEAK_BF16_FLOPS`);
+- `torch.cuda.max_memory_allocated()` against the plan's `peak_allocated` (pretrain/plan/memory.py).
 
 Shapes: the 125m and 1b presets at seq 2048, and `7b_short`: Llama-2-7B's layers (hidden 4096, 32
 heads, MLP 11008), 4 of them, so it fits one GPU. The micro batch per shape is the largest power of
@@ -144,7 +144,7 @@ def pick_micro_batch(overrides: list[str], requested: str, seq: int, gpu_bytes: 
     if not gpu_bytes:
         return 2
     from pretrain.config import compose_config, to_object
-    from pretrain.memory import estimate_memory, memory_shape
+    from pretrain.plan.memory import estimate_memory, memory_shape
 
     best = 1
     for micro in (1, 2, 4, 8, 16):
@@ -160,10 +160,10 @@ def worker(args: argparse.Namespace) -> int:
 
     from bench.step_overhead import write_corpus
     from pretrain.config import compose_config, to_object
-    from pretrain.engine import finalize_distributed, init_distributed
-    from pretrain.memory import estimate_memory, memory_shape
+    from pretrain.engine.distributed import finalize_distributed, init_distributed
+    from pretrain.plan.memory import estimate_memory, memory_shape
     from pretrain.train import build_trainer
-    from pretrain.trainer import peak_flops
+    from pretrain.model.flops import peak_flops
     from omegaconf import OmegaConf
 
     spec = json.loads(args.worker)

@@ -17,7 +17,7 @@ Both on one CPU core (the process is pinned to one core, torch to one thread), o
    steps at seq 2048: the llama_1b_example geometry on 8 GPUs), with prefetch off so the figure is
    the assembly cost itself on one core, positioned at the start of stage 3 (four domains).
      baseline = the tokens/s one GPU trains the 1b preset at: 50% MFU of an H100's dense bf16 peak
-                (pretrain.trainer.PEAK_BF16_FLOPS) / pretrain.model.flops.flops_per_token — an
+                (pretrain.model.flops.PEAK_BF16_FLOPS) / pretrain.model.flops.flops_per_token — an
                 optimistic GPU (the project's MFU target is 40%), so the ratio is conservative.
      target   = ours / baseline >= 10.
 
@@ -161,7 +161,7 @@ def gpu_tokens_per_s() -> float:
 
     from pretrain.model.config import ModelConfig
     from pretrain.model.flops import flops_per_token
-    from pretrain.trainer import PEAK_BF16_FLOPS
+    from pretrain.model.flops import PEAK_BF16_FLOPS
 
     model = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(REPO / "conf/model/1b.yaml")))
     return ASSUMED_MFU * PEAK_BF16_FLOPS["H100"] / flops_per_token(model, SEQ)

@@ -191,7 +191,7 @@ def launch(cmd: list[str], log: Path, timeout: int) -> tuple[int, float]:
 
 
 def train(kind: str, args: argparse.Namespace, work: Path) -> Path:
-    from pretrain.launch import launcher_command
+    from pretrain.tools.launch import launcher_command
 
     run_dir = work / "runs" / kind
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -236,9 +236,9 @@ def load_worker(argv: list[str]) -> int:
     overrides = [o for o in overrides if o != "--"]
     from omegaconf import OmegaConf
 
-    from pretrain.checkpoint import latest_tag
+    from pretrain.checkpoint.checkpointer import latest_tag
     from pretrain.config import check_config, compose_config, to_object
-    from pretrain.engine import barrier, finalize_distributed, init_distributed
+    from pretrain.engine.distributed import barrier, finalize_distributed, init_distributed
     from pretrain.train import build_trainer
 
     cfg = to_object(compose_config(overrides))
@@ -252,7 +252,7 @@ def load_worker(argv: list[str]) -> int:
     for _ in range(ns.load_repeats):
         barrier()
         start = time.perf_counter()
-        trainer.checkpointer.load(trainer.engine, tag, root=root)
+        trainer.checkpoints.long_term.load(trainer.engine, tag, root=root)
         barrier()
         times.append(time.perf_counter() - start)
     size = sum(f.stat().st_size for f in (root / tag).rglob("*") if f.is_file())

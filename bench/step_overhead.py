@@ -8,7 +8,7 @@ CPU (default): 2 ranks under torchrun, gloo, DS_ACCELERATOR=cpu. Inside every ra
              line, redirected to a file); a step is `Trainer.train_step()` + `logger.log()`, as in
              `Trainer.run` (evaluation and checkpointing off);
   baseline = a bare DeepSpeed loop: the same `Llama` (same seed), the same DeepSpeed JSON
-             (`pretrain.engine.render_ds_config`), a torch AdamW over the same parameter groups,
+             (`pretrain.engine.train_engine.render_ds_config`), a torch AdamW over the same parameter groups,
              `deepspeed.initialize`, and `loss = engine(x, y).loss; engine.backward(loss);
              engine.step()` over the same micro-batches, pre-generated in memory. Nothing else.
 
@@ -32,7 +32,7 @@ Ends with: RESULT step_overhead ours=<ms>ms baseline=<ms>ms ratio=<r> target=<=1
 (GPU: RESULT step_overhead_gpu_<preset> ... tok/s, and RESULT step_overhead_gpu_1b_mfu with target=>=40%,
 a target with a unit applies to `ours` itself).
 
-Note: this script imports `deepspeed` directly. DESIGN.md's "engine.py is the only deepspeed import"
+Note: this script imports `deepspeed` directly. The rule "only pretrain/engine/ imports deepspeed" (docs/design.md)
 rule is for the product packages; the baseline here is, by definition, DeepSpeed without ayumi.
 """
 from __future__ import annotations
@@ -66,7 +66,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=2, help="CPU ranks (default 2)")
     p.add_argument("--zero-stage", type=int, default=1, choices=[0, 1, 2, 3])
     p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"],
-                   help="auto (default): bf16 where this CPU computes it natively, else fp32 (pretrain/precision.py)")
+                   help="auto (default): bf16 where this CPU computes it natively, else fp32 (pretrain/engine/precision.py)")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=8)
@@ -334,13 +334,14 @@ def worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from pretrain.config import check_config
-    from pretrain.engine import init_distributed, finalize_distributed, render_ds_config
+    from pretrain.engine.distributed import init_distributed, finalize_distributed
+    from pretrain.engine.train_engine import render_ds_config
     from pretrain.loader import BatchLoader
     from pretrain.model.flops import count_parameters, flops_per_token
     from pretrain.model.llama import Llama
-    from pretrain.optim import param_groups
+    from pretrain.engine.optimizer import param_groups
     from pretrain.train import build_data, build_trainer
-    from pretrain.trainer import peak_flops
+    from pretrain.model.flops import peak_flops
 
     work = Path(args.work)
     gpu = args.preset is not None
@@ -383,10 +384,10 @@ def worker(args: argparse.Namespace) -> int:
                                   eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay,
                                   fused=dinfo.device.type == "cuda")
     # Both sides sum micro-batch gradients alike: where ayumi sums bf16 gradients in fp32 itself (ZeRO 0-1,
-    # pretrain/grad_accum.py) the bare loop gets the same hooks, so the ratio measures ayumi's machinery,
+    # pretrain/engine/grad_accum.py) the bare loop gets the same hooks, so the ratio measures ayumi's machinery,
     # not that numerics choice (`deepspeed.grad_accum_dtype`; its own cost is memory-bound, ~4% of this
     # tiny CPU step, negligible on a GPU).
-    from pretrain.grad_accum import Fp32GradAccumulator
+    from pretrain.engine.grad_accum import Fp32GradAccumulator
 
     same_sums = Fp32GradAccumulator(model.named_parameters()) if trainer.engine.accumulator is not None else None
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=render_ds_config(cfg, world))

@@ -1,6 +1,6 @@
 """Benchmark: `ayumi tokenizer build` vs bare sentencepiece training of the same per-domain models.
 
-Real text only (see /work/shared/CORPORA.md): Japanese from Debian's manpages-ja, English from
+Real text only (see docs/demo-corpus.md): Japanese from Debian's manpages-ja, English from
 Jane Austen (r-cran-janeaustenr) and the Linux man-pages (manpages, manpages-dev), math from the PARI/GP manual (pari-doc), code from the Python
 standard library. The Debian packages are fetched with `apt-get download` (no install) when
 available; a domain whose package cannot be had is left out with a note (code always works).
@@ -46,7 +46,7 @@ holds enough distinct text for 20k+ pieces (Austen alone supports ~13k) and is n
 
 
 # ----------------------------------------------------------------------------------------------
-# Real corpora (CORPORA.md recipes), cached as one jsonl per domain
+# Real corpora (the recipes of docs/demo-corpus.md), cached as one jsonl per domain
 # ----------------------------------------------------------------------------------------------
 
 

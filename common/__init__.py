@@ -5,5 +5,5 @@
 - `common.files`: atomic run files and folders (temporary name, fsync, rename);
 - `common.conf`: Hydra composition and the -h/--help text of every command.
 
-Nothing here imports another ayumi package.
+May import: nothing of ayumi (every other package imports this one).
 """

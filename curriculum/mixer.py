@@ -30,7 +30,6 @@ the ranges are kept in the state, so a resume from any later checkpoint never re
 """
 from __future__ import annotations
 
-import bisect
 import json
 import os
 import zlib
@@ -42,158 +41,12 @@ import numpy as np
 
 from curriculum.config import CurriculumConfig, CurriculumError, domains_used, max_repetition, validate
 from curriculum.repetition import repetition_problems
-from curriculum.schedule import stage_at_sample, stage_ends, stage_lr, stage_starts, step_in_stage
+from curriculum.schedule import stage_lr, step_in_stage
 from data.manifest import write_json_atomic
 from data.packed import EpochPermutation, PackedSamples
-
-PERIOD = 10_000
+from curriculum.mixture import MixtureSchedule
 STATE_FORMAT = "ayumi-curriculum-mixer"
 STATE_VERSION = 1
-
-
-# -- one stage's interleave ------------------------------------------------------------------------
-def period_counts(weights: Sequence[float], period: int = PERIOD) -> np.ndarray:
-    """Integer seats per `period` samples: largest remainder of weight shares, >= 1 for a positive weight."""
-    w = np.asarray(weights, dtype=np.float64)
-    if w.ndim != 1 or w.size == 0 or np.any(w < 0) or w.sum() <= 0:
-        raise CurriculumError(f"weights must be non-negative with a positive sum, got {list(weights)}")
-    exact = w / w.sum() * period
-    counts = np.floor(exact).astype(np.int64)
-    # Largest remainders first; stable order keeps ties deterministic (lower index first).
-    short = period - int(counts.sum())
-    order = np.argsort(-(exact - counts), kind="stable")
-    counts[order[:short]] += 1
-    # A tiny positive weight would otherwise round to no samples at all: take its seat from the largest.
-    for index in np.flatnonzero((w > 0) & (counts == 0)):
-        counts[int(np.argmax(counts))] -= 1
-        counts[index] = 1
-    return counts
-
-
-def interleave(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(domain, seat number) of each position of one period, Sainte-Lague order (see the module doc)."""
-    domains, seats, keys = [], [], []
-    for d, n in enumerate(int(c) for c in counts):
-        if n == 0:
-            continue
-        k = np.arange(n, dtype=np.int64)
-        domains.append(np.full(n, d, dtype=np.int16))
-        seats.append(k)
-        # (2k+1)/(2n) is correctly rounded, so equal fractions give equal floats and ties stay exact.
-        keys.append((2 * k + 1) / (2.0 * n))
-    domain, seat, key = np.concatenate(domains), np.concatenate(seats), np.concatenate(keys)
-    order = np.lexsort((domain, key))
-    return domain[order], seat[order].astype(np.int32)
-
-
-# -- the pure schedule -------------------------------------------------------------------------------
-class MixtureSchedule:
-    """Global sample -> (stage, domain, domain cursor), from the curriculum alone (no data)."""
-
-    def __init__(self, cfg: CurriculumConfig, seq_len: int, domain_names: Sequence[str] | None = None):
-        if not cfg.stages:
-            raise CurriculumError("a mixture needs at least one stage (an empty curriculum means ShuffledDomains)")
-        if seq_len < 1:
-            raise CurriculumError(f"seq_len must be >= 1, got {seq_len}")
-        self.cfg = cfg
-        self.seq_len = seq_len
-        self.domain_names = list(domain_names if domain_names is not None else domains_used(cfg))
-        self.starts = stage_starts(cfg.stages, seq_len)
-        self.ends = stage_ends(cfg.stages, seq_len)
-        num_domains = len(self.domain_names)
-        self.counts = np.zeros((len(cfg.stages), num_domains), dtype=np.int64)
-        self._domain = []  # per stage: [PERIOD] int16 domain of each position
-        self._seat = []    # per stage: [PERIOD] int32 seat number (rank of the position among its domain's)
-        self._prefix = []  # per stage: [PERIOD + 1, domains] picks of each domain before each position
-        for index, stage in enumerate(cfg.stages):
-            weights = [float(stage.weights.get(name, 0.0)) for name in self.domain_names]
-            self.counts[index] = period_counts(weights)
-            domain, seat = interleave(self.counts[index])
-            prefix = np.zeros((PERIOD + 1, num_domains), dtype=np.int64)
-            prefix[1:] = np.cumsum(domain[:, None] == np.arange(num_domains)[None, :], axis=0)
-            self._domain.append(domain)
-            self._seat.append(seat)
-            self._prefix.append(prefix)
-        # Python copies for the per-sample path: list indexing is several times faster than numpy scalars.
-        self._domain_list = [d.tolist() for d in self._domain]
-        self._seat_list = [s.tolist() for s in self._seat]
-        self._counts_list = self.counts.tolist()
-        self.cursor_start = np.zeros((len(cfg.stages), num_domains), dtype=np.int64)
-        for index in range(1, len(cfg.stages)):
-            previous = index - 1
-            length = self.starts[index] - self.starts[previous]
-            self.cursor_start[index] = self.cursor_start[previous] + self._picks_in_stage(previous, length)
-        self._cursor_start_list = self.cursor_start.tolist()
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.starts)
-
-    def stage_of(self, sample: int) -> int:
-        return stage_at_sample(self.starts, sample)
-
-    def _picks_in_stage(self, stage: int, length: int) -> np.ndarray:
-        """Per-domain picks among the first `length` samples of `stage`."""
-        full, rest = divmod(int(length), PERIOD)
-        return full * self.counts[stage] + self._prefix[stage][rest]
-
-    def picks_before(self, position: int) -> np.ndarray:
-        """Per-domain number of samples among global samples [0, position) (= each domain's cursor there)."""
-        stage = self.stage_of(position)
-        return self.cursor_start[stage] + self._picks_in_stage(stage, position - self.starts[stage])
-
-    def longest_stage_within(self, stage: int, domain: int, cap: int) -> int | None:
-        """The most samples `stage` may span while `domain` has at most `cap` picks by its end.
-
-        None when the stage's length cannot help: the earlier stages alone take more than `cap`, or
-        the stage does not read the domain. Picks within a stage grow with its length (whole periods,
-        then the period's prefix), so the answer is read off the seat table.
-        """
-        room = cap - int(self.cursor_start[stage][domain])
-        per_period = int(self.counts[stage][domain])
-        if room < 0 or per_period == 0:
-            return None
-        full, rest = divmod(room, per_period)
-        within = int(np.searchsorted(self._prefix[stage][:, domain], rest, side="right")) - 1
-        return full * PERIOD + within
-
-    def locate(self, sample: int) -> tuple[int, int]:
-        """(domain index, cursor in that domain's stream) of global sample `sample`."""
-        stage = bisect.bisect_right(self.starts, sample) - 1
-        full, offset = divmod(sample - self.starts[stage], PERIOD)
-        domain = self._domain_list[stage][offset]
-        cursor = (self._cursor_start_list[stage][domain] + full * self._counts_list[stage][domain]
-                  + self._seat_list[stage][offset])
-        return domain, cursor
-
-    def locate_many(self, first: int, count: int) -> tuple[np.ndarray, np.ndarray]:
-        """`locate` for samples [first, first + count), vectorised: (domains int16, cursors int64)."""
-        domains = np.empty(count, dtype=np.int16)
-        cursors = np.empty(count, dtype=np.int64)
-        stop = first + count
-        stage = self.stage_of(first)
-        position = first
-        while position < stop:
-            end = stop if stage + 1 >= self.num_stages else min(stop, max(self.starts[stage + 1], position))
-            if end > position:
-                offsets = np.arange(position - self.starts[stage], end - self.starts[stage], dtype=np.int64)
-                full, offsets = np.divmod(offsets, PERIOD)
-                d = self._domain[stage][offsets]
-                out = slice(position - first, end - first)
-                domains[out] = d
-                cursors[out] = self.cursor_start[stage][d] + full * self.counts[stage][d] + self._seat[stage][offsets]
-            position = end
-            stage += 1
-        return domains, cursors
-
-    def stage_picks(self, run_samples: int | None = None) -> np.ndarray:
-        """[stages, domains] samples each stage takes from each domain (the last stage up to `run_samples`)."""
-        out = np.zeros_like(self.counts)
-        for index in range(self.num_stages):
-            start = self.starts[index]
-            end = self.ends[index] if index + 1 < self.num_stages or run_samples is None else max(run_samples, start)
-            out[index] = self._picks_in_stage(index, end - start)
-        return out
 
 
 def domain_seed(seed: int, name: str) -> int:
@@ -492,4 +345,3 @@ class SkipLedger:
 
     def save(self, ranges: Sequence[Sequence[int]]) -> None:
         write_json_atomic(self.path, {"skips": [list(r) for r in merge_ranges(ranges)]})
-

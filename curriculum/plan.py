@@ -28,7 +28,7 @@ from typing import Any, Mapping
 
 from curriculum.config import CurriculumConfig, CurriculumError, config_problems, domains_used, enabled, max_repetition
 from curriculum.declared import register_curriculum_domains
-from curriculum.mixer import MixtureSchedule
+from curriculum.mixture import MixtureSchedule
 from curriculum.repetition import repetition_problems, shuffled_epochs, shuffled_repetition_problems
 from data.domains import open_run_data
 from data.manifest import ManifestError
@@ -55,7 +55,7 @@ class PlanProblem:
     """One reason to refuse a plan."""
 
     kind: str
-    """config | data | budget | repetition | disk | memory (added by pretrain.plan)."""
+    """config | data | budget | repetition | disk | batch, memory (added by pretrain.plan.run_plan)."""
     message: str
     """What is wrong and how to fix it."""
 
@@ -409,7 +409,7 @@ def _limit(epochs: float) -> str:
 
 def format_plan(plan: Plan, sections: list[str] = ()) -> str:
     """The human-readable plan: header, stage x domain table, totals, checkpoints, the callers' `sections`
-    (pretrain.plan's memory breakdown), problems."""
+    (pretrain.plan.run_plan's memory breakdown), problems."""
     run = plan.run
     lines = [f"plan: curriculum {plan.curriculum!r}: {human_count(run.train_tokens)} tokens, seq_len {run.seq_len}, "
              f"global batch {run.global_batch} = {human_count(run.tokens_per_step)} tokens/step, "

@@ -24,7 +24,7 @@ import numpy as np
 from curriculum.config import CurriculumConfig, max_repetition
 
 if TYPE_CHECKING:  # the schedule lives in mixer.py, which imports this module
-    from curriculum.mixer import MixtureSchedule
+    from curriculum.mixture import MixtureSchedule
 
 DEFAULT_LIMIT_FIELD = "curriculum.default_max_repetition"
 

@@ -93,11 +93,13 @@ def prepare_main(argv: list[str]) -> int:
     show_cfg, overrides = _split_cfg_flag(argv)
     try:
         cfg = compose(overrides)
+        # Checked before `--cfg job` prints: every value it shows is one prepare accepts (tokenizer_dir may be unset).
+        job = prepare_config(cfg, tokenizer_required=not show_cfg)
         if show_cfg:
             print(resolved_yaml(cfg), end="")
             return 0
         with _console_logging():
-            manifest = prepare(prepare_config(cfg))
+            manifest = prepare(job)
     except (ConfigCompositionError, HydraException, OmegaConfBaseException, ConfigError, CorpusError, PrepareError,
             ManifestError, ShardFormatError, TokenizerNotFoundError) as err:
         print(f"ayumi data prepare: error: {err}", file=sys.stderr)
@@ -167,7 +169,7 @@ def verify_main(argv: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """Entry of `ayumi data ...` (called by pretrain/cli.py)."""
+    """Entry of `ayumi data ...` (called by pretrain/tools/cli.py)."""
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(f"usage: ayumi data prepare | inspect | verify [ARGS]\n{USAGE}\n\nconfig: prepare reads "
               f"{composed_from('data_prepare', 'data')}; inspect and verify read no config from conf/. "

@@ -159,11 +159,15 @@ def domain_config(name: str, node: Any, where: str = "data.domains") -> DomainCo
         raise ConfigError(f"{key}: {message}. Fix: {fix}.") from None
 
 
-def prepare_config(cfg: Any) -> DataPrepareConfig:
-    """A composed `data_prepare` DictConfig as a DataPrepareConfig with typed domains, interpolations resolved."""
-    if OmegaConf.is_missing(cfg, "tokenizer_dir"):
+def prepare_config(cfg: Any, tokenizer_required: bool = True) -> DataPrepareConfig:
+    """A composed `data_prepare` DictConfig as a DataPrepareConfig with typed domains, interpolations resolved.
+    `tokenizer_required=False` (for `--cfg job`) checks every value but lets tokenizer_dir be unset yet."""
+    missing = OmegaConf.is_missing(cfg, "tokenizer_dir")
+    if missing and tokenizer_required:
         raise ConfigError("tokenizer_dir is not set. Fix: tokenizer_dir=DIR (the folder holding tokenizer.model).")
-    plain = OmegaConf.to_container(cfg, resolve=True)
+    plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    if missing:
+        plain["tokenizer_dir"] = ""  # only for the checks: unset, as the caller allowed
     domains = {str(name): domain_config(str(name), node) for name, node in plain["data"]["domains"].items()}
     plain["data"]["domains"] = {}
     result = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataPrepareConfig), plain))

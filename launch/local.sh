@@ -11,7 +11,7 @@
 # --no_local_rank: the deepspeed launcher would append --local_rank=N, which Hydra rejects; ranks
 # come from the environment instead. Everything that is not an option here goes to pretrain.train
 # (Hydra overrides, --cfg job). --dry-run prints the command and exits 0. `ayumi train` is the same
-# launch from Python (pretrain/launch.py). AYUMI_GPUS=N overrides GPU detection.
+# launch from Python (pretrain/tools/launch.py). AYUMI_GPUS=N overrides GPU detection.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 

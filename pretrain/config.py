@@ -27,9 +27,9 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 from curriculum.config import CurriculumConfig
 from curriculum.declared import tokenizer_missing
 from pretrain.model.config import ModelConfig, checkpointing_plan, shape_problems
-from pretrain.hang_watchdog import HangConfig
+from pretrain.job.hang_watchdog import HangConfig
 from pretrain.ranges import Range, Rule, above, at_least, between, one_of, range_problems
-from pretrain.tensor_parallel import tensor_parallel_problems
+from pretrain.model.tensor_parallel import tensor_parallel_problems
 from pretrain.stability.config import StabilityConfig, StabilityConfigError, check_stability_config
 from common.conf import (
     CONF_DIR, ConfigCompositionError, compose, composed_from, conf_label, config_help, group_options, unset_environment,
@@ -37,7 +37,7 @@ from common.conf import (
 
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
-"""What deepspeed.precision accepts; every value but `auto` is used as given (pretrain/precision.py)."""
+"""What deepspeed.precision accepts; every value but `auto` is used as given (pretrain/engine/precision.py)."""
 
 
 class ConfigError(ValueError):
@@ -46,7 +46,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class OptimConfig:
-    """AdamW and the learning-rate schedule (a pure function of the step, see pretrain/optim.py)."""
+    """AdamW and the learning-rate schedule (a pure function of the step, see pretrain/engine/optimizer.py)."""
 
     lr: float = 3e-4
     """Peak learning rate, reached at the end of warmup."""
@@ -79,13 +79,13 @@ class OptimConfig:
 
 @dataclass
 class DeepSpeedConfig:
-    """ZeRO stage, precision and memory options; rendered to DeepSpeed's JSON in pretrain/engine.py."""
+    """ZeRO stage, precision and memory options; rendered to DeepSpeed's JSON in pretrain/engine/train_engine.py."""
 
     zero_stage: int = 0
     """ZeRO stage 0 (plain data parallel), 1 (optimizer states), 2 (+gradients) or 3 (+parameters)."""
     precision: str = "auto"
     """auto | bf16 | fp16 (dynamic loss scaling) | fp32. auto: bf16 on GPUs that have it (else fp16), and
-    on CPUs with a fast bf16 matmul (else fp32); see pretrain/precision.py. A resumed auto run keeps its precision."""
+    on CPUs with a fast bf16 matmul (else fp32); see pretrain/engine/precision.py. A resumed auto run keeps its precision."""
     offload_optimizer: bool = False
     """ZeRO 1-3: keep optimizer states (and the step) on the CPU (ZeRO-Offload)."""
     offload_param: bool = False
@@ -325,7 +325,7 @@ class AyumiConfig:
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     """Staged data curriculum (conf/curriculum/); no stages = all domains shuffled together."""
     hang: HangConfig = field(default_factory=HangConfig)
-    """The hang and straggler watchdog (pretrain/hang_watchdog.py)."""
+    """The hang and straggler watchdog (pretrain/job/hang_watchdog.py)."""
 
 
 SCHEMA_NAME = "ayumi_schema"

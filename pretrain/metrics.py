@@ -1,8 +1,8 @@
 """Metrics out of the trainer: console lines, `metrics.jsonl`, `events.jsonl`, and W&B.
 
-This is the only module that imports `wandb` (DESIGN.md). Only rank 0 logs; other ranks get a
-`NullLogger`. Metric names follow DESIGN.md (`train/loss`, `opt/lr`, `perf/tokens_per_s`, ...) so
-W&B groups panels by prefix. A restarted run continues the same W&B run id (kept in the run dir)
+This is the only module that imports `wandb` (docs/design.md). Only rank 0 logs; other ranks get a
+`NullLogger`. Metric names carry a prefix per concern (`train/loss`, `opt/lr`, `perf/tokens_per_s`, ...;
+the README's "Metrics, W&B and the report" lists them) so W&B groups panels by prefix. A restarted run continues the same W&B run id (kept in the run dir)
 and its jsonl files are cut back to the resumed step, so nothing is counted twice.
 """
 from __future__ import annotations

@@ -53,25 +53,27 @@ from data.domains import open_run_data
 from data.manifest import MANIFEST_NAME, ManifestError, check_manifest_tokenizer, load_manifest
 from data.packed import CorruptShardError, DataChangedError, PackedSamples, ShuffledDomains
 from data.shards import ShardFormatError, TokenizerMismatchError
-from pretrain.checkpoint import CheckpointError, Checkpointer, CheckpointWriteFailed, latest_tag, resolve_checkpoint
+from pretrain.checkpoint.checkpointer import META, CheckpointError, Checkpointer, CheckpointWriteFailed, start_checkpoint
 from pretrain.config import (
     CHECKED_BY_LAUNCHER_ENV, EXIT_CONFIG_ERROR, AyumiConfig, ConfigError, async_checkpoints, check_config, config_as_yaml,
     config_from_args, data_parallel_grad_accum, default_run_notice, print_config_error, total_steps,
 )
-from pretrain.engine import (
-    DistInfo, TrainEngine, all_reduce_tensor, any_rank, barrier, broadcast_object, build_model, finalize_distributed,
-    init_distributed, save_ds_config,
+from pretrain.engine.train_engine import DistInfo, TrainEngine, build_model
+from pretrain.engine.distributed import (
+    all_reduce_tensor, any_rank, barrier, broadcast_object, finalize_distributed, init_distributed,
 )
-from pretrain.hang_watchdog import HangWatchdog, process_group_timeout_s
+from pretrain.engine.ds_config import save_ds_config
+from pretrain.job.hang_watchdog import HangWatchdog, process_group_timeout_s
 from pretrain.loader import BatchLoader
-from pretrain.memory import format_memory
-from pretrain.plan import Hardware, run_plan
+from pretrain.plan.memory import format_memory
+from pretrain.plan.hardware import Hardware, gpu_properties
+from pretrain.plan.run_plan import run_plan
 from pretrain.metrics import MetricsLogger, NullLogger
 from pretrain.model.flops import count_parameters
 from pretrain.model.hf_import import HFImportError
 from pretrain.model.llama import Llama
-from pretrain.run_lock import RunDirLock, RunDirLocked
-from pretrain.precision import CAPABILITY_ORDER, PrecisionChoice, agreed, kept_from_checkpoint, resolve_precision
+from pretrain.job.run_lock import RunDirLock, RunDirLocked
+from pretrain.engine.precision import CAPABILITY_ORDER, PrecisionChoice, agreed, kept_from_checkpoint, resolve_precision
 from pretrain.trainer import Trainer, TrainResult
 from common.files import write_text_atomic
 from tokenizer.info import TokenizerNotFoundError
@@ -113,8 +115,8 @@ def job_hardware(dist: DistInfo) -> Hardware:
     """The job's own size and GPU for the memory plan (on the CPU, memory is not checked)."""
     if dist.device.type != "cuda":
         return Hardware(dist.dp_size, None, "CPU training: GPU memory not checked", dist.tensor_parallel)
-    props = torch.cuda.get_device_properties(dist.device)
-    return Hardware(dist.dp_size, int(props.total_memory), f"this {props.name}", dist.tensor_parallel)
+    name, total_memory = gpu_properties(dist.device.index or 0)
+    return Hardware(dist.dp_size, total_memory, f"this {name}", dist.tensor_parallel)
 
 
 def build_data(cfg: AyumiConfig, tokenizer: dict,
@@ -218,7 +220,7 @@ def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict,
     else:
         logger = NullLogger()
     barrier()
-    # By data-parallel rank: the ranks of a tensor-parallel group read the same samples (pretrain/tensor_parallel.py).
+    # By data-parallel rank: the ranks of a tensor-parallel group read the same samples (pretrain/model/tensor_parallel.py).
     loader = BatchLoader(source, cfg.train.micro_batch_size, grad_accum, dist.dp_rank, dist.dp_size, dist.device,
                          prefetch=cfg.data.prefetch_batches)
     run_meta = {"name": cfg.name, "model": asdict(cfg.model), "world_size": dist.world_size,
@@ -314,17 +316,15 @@ def settle_precision(cfg: AyumiConfig, dist: DistInfo, saved: str | None = None)
 
 def _checkpoint_meta(cfg: AyumiConfig) -> dict:
     """ayumi.json of the checkpoint this run will start from ({} for a fresh run)."""
-    if cfg.checkpoint.load_from:
-        root, tag = resolve_checkpoint(cfg.checkpoint.load_from)
-    elif cfg.checkpoint.resume and (tag := latest_tag(Path(cfg.checkpoint.dir))) is not None:
-        root = Path(cfg.checkpoint.dir)
-    else:
+    start = start_checkpoint(cfg.checkpoint.load_from, cfg.checkpoint.resume, Path(cfg.checkpoint.dir))
+    if start is None:
         return {}
-    return json.loads((root / tag / "ayumi.json").read_text())
+    root, tag = start
+    return json.loads((root / tag / META).read_text())
 
 
 def lock_run_dir(cfg: AyumiConfig, dist: DistInfo) -> RunDirLock | None:
-    """Rank 0 locks the run dir for this job (pretrain/run_lock.py); every rank hears a refusal."""
+    """Rank 0 locks the run dir for this job (pretrain/job/run_lock.py); every rank hears a refusal."""
     lock, refusal = None, None
     if dist.is_main:
         try:
@@ -410,7 +410,7 @@ def exit_now(status: int) -> None:
 
     By now every rank has saved, closed its files and W&B, passed a barrier and destroyed the
     process group. What remains is interpreter teardown, where DeepSpeed/gloo processes on CPU
-    sometimes abort ("terminate called without an active exception", shared/DEEPSPEED_CPU.md;
+    sometimes abort ("terminate called without an active exception", docs/deepspeed-on-cpu.md;
     seen here once in ~40 runs even with the barrier and the shm op off), turning a finished run
     into a failed one for the launcher.
     """

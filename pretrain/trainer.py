@@ -1,52 +1,44 @@
-"""The training loop: steps, evaluation, checkpoint policy, signals, metrics.
+"""The training loop: steps, the stability machinery's actions, checkpoints, signals, metrics.
 
 Run length is a token budget; the step count is derived from it and announced before step 1.
 Everything that must survive a restart (engine, data position, counters, RNG) goes into the
 checkpoint, so a resumed run produces the same per-step losses as an uninterrupted one.
 Decisions that change control flow (stop on a signal) are agreed by all ranks first.
+
+What plugs in: the validation `Evaluator` (pretrain/evaluation.py), per-step hooks (pretrain/hooks.py:
+telemetry, histograms, stragglers), the fire drills (pretrain/fault_drills.py) and the run's checkpoints with
+their rollback ring (pretrain/checkpoint/ring.py). The update gate stays here: the stability machinery judges
+a step inside DeepSpeed's optimizer step, once the global grad norm is known.
 """
 from __future__ import annotations
 
 import math
-import shutil
-import signal
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from curriculum.mixer import Mixer, SkipLedger, batches_due, merge_ranges
-from curriculum.schedule import eval_due
+from curriculum.mixer import Mixer
 from data.packed import PackedSamples
-from pretrain.checkpoint import Checkpointer, complete_tags, latest_tag, resolve_checkpoint, step_of, tag_for
+from pretrain.checkpoint.checkpointer import Checkpointer, start_checkpoint
+from pretrain.checkpoint.ring import RunCheckpoints
 from pretrain.config import AyumiConfig, tokens_per_step
-from pretrain.engine import DistInfo, TrainEngine, all_reduce_tensor, any_rank, barrier, broadcast_object
+from pretrain.engine.distributed import DistInfo, all_reduce_tensor, barrier, broadcast_object
+from pretrain.engine.optimizer import lr_at
+from pretrain.engine.train_engine import TrainEngine
+from pretrain.evaluation import Evaluator
+from pretrain.fault_drills import FaultDrills
+from pretrain.hooks import HistogramHook, StepHook, StepReport, StragglerHook, TelemetryHook
+from pretrain.job.hang_watchdog import HangWatchdog, StragglerMonitor
+from pretrain.job.signals import StopSignal
 from pretrain.loader import BatchLoader
 from pretrain.metrics import NullLogger, format_count
-from pretrain.model.flops import flops_per_token
-from pretrain.hang_watchdog import HangWatchdog, StragglerMonitor
-from pretrain.launcher_watch import LauncherWatch
-from pretrain.model.llama import layer_groups
-from pretrain.optim import lr_at
+from pretrain.model.flops import flops_per_token, peak_flops
 from pretrain.stability.policy import Action, ring_checkpoints_to_delete
+from pretrain.skips import SkippedData
 from pretrain.stability.recovery import StabilityMonitor
-from pretrain.stability.telemetry import group_grad_norms, group_metrics, log10_histogram, update_to_weight_ratios
-
-# Dense bf16 peak FLOP/s per GPU, for MFU (vendor datasheets; no sparsity).
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12, "V100": 125e12}
-
-
-def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    for key, flops in PEAK_BF16_FLOPS.items():
-        if key in name:
-            return flops
-    return None
 
 
 @dataclass
@@ -89,60 +81,21 @@ class StepOutcome:
     """SIGTERM/SIGINT asked to stop (state saved)."""
 
 
-class StopSignal:
-    """Records SIGTERM/SIGINT (or a launcher gone, pretrain/launcher_watch.py); the trainer finishes the
-    step, saves, and exits 0."""
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self.reason = ""
-        """Why the stop was requested, for the event."""
-        self._previous: dict[int, Any] = {}
-        self._watch: LauncherWatch | None = None
-
-    def install(self, handle_signals: bool = True) -> None:
-        """Watch the launcher always; take over SIGTERM/SIGINT when `handle_signals` (checkpoint.save_on_signal)."""
-        if handle_signals:
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                self._previous[signum] = signal.signal(signum, self._handle)
-        self._watch = LauncherWatch(self.request).start()
-
-    def _handle(self, signum, frame) -> None:
-        if self.received is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C means "now"
-        self.received = signum
-        self.reason = f"{signal.Signals(signum).name} received"
-
-    def request(self, reason: str) -> None:
-        """Stop as on SIGTERM, for `reason` (called from the launcher watch's thread)."""
-        if self.received is None:
-            self.received = signal.SIGTERM
-            self.reason = reason
-
-    def restore(self) -> None:
-        if self._watch is not None:
-            self._watch.stop()
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-
-
 class Trainer:
-    """Owns the loop; built by pretrain.train.build_trainer."""
+    """Owns the loop; built by pretrain.train.build_trainer. `hooks` add per-step concerns (pretrain/hooks.py)."""
 
     def __init__(self, cfg: AyumiConfig, dist: DistInfo, engine: TrainEngine, loader: BatchLoader,
                  val_sets: dict[str, PackedSamples], logger: NullLogger, checkpointer: Checkpointer,
-                 total_steps: int, run_meta: dict[str, Any], watchdog: HangWatchdog | None = None):
+                 total_steps: int, run_meta: dict[str, Any], watchdog: HangWatchdog | None = None,
+                 hooks: list[StepHook] | None = None):
         self.cfg = cfg
         # The hang watchdog hears of progress; without one (benchmarks, tests) a disabled stand-in.
         self.watchdog = watchdog or HangWatchdog(replace(cfg.hang, enabled=False), Path(cfg.run_dir), dist.rank,
                                                  dist.world_size)
-        self.stragglers = StragglerMonitor(cfg.hang, self._gather_per_rank)
         self.dist = dist
         self.engine = engine
         self.loader = loader
-        self.val_sets = val_sets
         self.logger = logger
-        self.checkpointer = checkpointer
         self.total_steps = total_steps
         self.run_meta = run_meta
         self.state = TrainState()
@@ -152,37 +105,28 @@ class Trainer:
         self.peak_flops = peak_flops(dist.device)
         self.stop = StopSignal()
         self.mixer = loader.source if isinstance(loader.source, Mixer) else None
-        # Skipped sample ranges also live outside checkpoints, so that resuming from a checkpoint
-        # older than a skip still never replays the skipped batches.
-        self.skip_ledger = SkipLedger(Path(cfg.run_dir) / "skipped_samples.json")
-        self.skips: list[tuple[int, int]] = [tuple(r) for r in self.skip_ledger.load()]
-        if self.mixer is not None:
-            self.mixer.add_skips(self.skips)
+        self.skipped = SkippedData(Path(cfg.run_dir), loader, self.mixer, dist.is_main)
         stab = cfg.stability
         if cfg.deepspeed.precision != "fp16":  # there is no loss scale to reset (or to mention)
             stab = replace(stab, recovery=replace(stab.recovery, reset_loss_scale=False))
         self.stability = StabilityMonitor(stab, cfg.optim.grad_clip, cfg.deepspeed.min_loss_scale, knobs=_knobs(cfg))
-        self.ring = Checkpointer(Path(cfg.checkpoint.dir) / "recovery", keep_last=0, rank=dist.rank, barrier=barrier,
-                                 world_size=dist.world_size, zero_stage=cfg.deepspeed.zero_stage, any_rank=any_rank,
-                                 expected_bytes=checkpointer.expected_bytes, async_writes=checkpointer.async_writes,
-                                 write_delay_s=cfg.checkpoint.inject_write_delay_s,
-                                 tensor_parallel=dist.tensor_parallel)
+        self.checkpoints = RunCheckpoints(checkpointer, dist.is_main, barrier, broadcast_object)
+        self.evaluator = Evaluator(cfg, dist, engine, val_sets, logger, self.watchdog, total_steps)
+        self.drills = FaultDrills(cfg, dist, self.stability.injector, logger, self.tokens_per_step)
+        stragglers = StragglerMonitor(cfg.hang, self._gather_per_rank)
+        self.hooks: list[StepHook] = [TelemetryHook(cfg, engine), HistogramHook(cfg, logger, self.stability.percentiles),
+                                      StragglerHook(stragglers, logger), *(hooks or [])]
         self._pending: tuple[int, float] | None = None  # (step, all-reduced loss) for the update gate
         if stab.enabled:
             engine.set_update_gate(self._update_gate)
             if not engine.can_withhold_updates:
                 logger.info("note: with ZeRO-Offload's CPU Adam ayumi cannot withhold single updates; "
                             "spikes still roll back, and DeepSpeed skips overflow steps itself")
-        if self.stability.injector.active:
-            logger.info(f"FAULT INJECTION ON (stability.inject, a fire drill, not a real run): "
-                        f"{self.stability.injector.describe()}")
-        self.checkpoint_steps: list[int] = []
-        self.evaluations = 0
 
     # -- state ----------------------------------------------------------------------------------
     def shared_state(self) -> dict[str, Any]:
         shared = {"train": asdict(self.state), "loader": self.loader.state_dict(),
-                  "stability": self.stability.state_dict(), "skips": [list(r) for r in self.skips]}
+                  "stability": self.stability.state_dict(), "skips": self.skipped.state()}
         if self.mixer is not None:
             shared["mixer"] = self.mixer.state_dict()
         else:  # all domains shuffled: the data's shape, so a resume notices changed data as the mixer does
@@ -193,10 +137,10 @@ class Trainer:
         """Restore counters, data position and (unless rolling back in-process) the stability history."""
         self.state = TrainState(**shared["train"])
         self.loader.load_state_dict(shared["loader"])
-        self.add_skips(shared.get("skips", []))
+        self.skipped.add(shared.get("skips", []))
         if self.mixer is not None and "mixer" in shared:
             self.mixer.load_state_dict(shared["mixer"])
-            self.mixer.add_skips(self.skips)
+            self.skipped.add([])  # the mixer's state holds its own ranges: the run's join them
         elif self.mixer is None and "data" in shared:
             self.loader.source.load_state_dict(shared["data"])
         if with_stability and "stability" in shared:
@@ -204,14 +148,12 @@ class Trainer:
 
     def resume_if_possible(self) -> int | None:
         """Load `latest` (or checkpoint.load_from); returns the resumed step, None for a fresh start."""
-        ckpt = self.cfg.checkpoint
-        if ckpt.load_from:
-            root, tag = resolve_checkpoint(ckpt.load_from)
-        elif ckpt.resume and (tag := latest_tag(self.checkpointer.root)) is not None:
-            root = self.checkpointer.root
-        else:
+        start = start_checkpoint(self.cfg.checkpoint.load_from, self.cfg.checkpoint.resume,
+                                 self.checkpoints.long_term.root)
+        if start is None:
             return None
-        shared, meta = self.checkpointer.load(self.engine, tag, root=root)
+        root, tag = start
+        shared, meta = self.checkpoints.long_term.load(self.engine, tag, root=root)
         self.load_shared_state(shared)
         self.apply_optimizer_overrides()
         resharded = (f"; re-sharded from {meta['resharded_from']} ranks{_tp(meta['resharded_from_tensor_parallel'])} to "
@@ -227,55 +169,53 @@ class Trainer:
         slots[self.dist.rank] = value
         return all_reduce_tensor(slots).tolist()
 
+    # -- checkpoints ----------------------------------------------------------------------------
     def save(self, reason: str) -> None:
         start = time.perf_counter()
         with self.watchdog.phase(self.state.step, "checkpoint save"):
-            path = self.checkpointer.save(self.engine, self.state.step, self.shared_state(), self.run_meta)
-        how = "staged; writing in the background" if self.checkpointer.async_writes else "saved"
+            path = self.checkpoints.save(self.engine, self.state.step, self.shared_state(), self.run_meta)
+        how = "staged; writing in the background" if self.checkpoints.long_term.async_writes else "saved"
         self.logger.info(f"{how} checkpoint {path} ({reason}, {time.perf_counter() - start:.1f}s)")
-        self.refresh_checkpoint_steps()
+        self.stability.set_checkpoints(self.checkpoints.steps)
 
     def drain_checkpoints(self, prune: bool = True) -> None:
         """Wait for background checkpoint writes (all ranks): before a rollback, a stop, the end."""
-        if self.checkpointer.pending_step is None and self.ring.pending_step is None:
+        if not self.checkpoints.writing():
             return
-        start = time.perf_counter()
         with self.watchdog.phase(self.state.step, "checkpoint save"):
-            done = [self.checkpointer.wait(prune=prune), self.ring.wait(prune=prune)]
-        for path in filter(None, done):
-            self.logger.info(f"checkpoint {path} is written ({time.perf_counter() - start:.1f}s waited)")
-        self.refresh_checkpoint_steps()
+            done = self.checkpoints.drain(prune=prune)
+        for path, waited in done:
+            self.logger.info(f"checkpoint {path} is written ({waited:.1f}s waited)")
+        self.stability.set_checkpoints(self.checkpoints.steps)
 
     def save_recovery_checkpoint(self) -> None:
         """The cheap, frequent ring that makes a rollback >= rollback_steps back always possible."""
         step = self.state.step
         if self.stability.in_episode(step):
             return  # weights taken during an outlier episode are never a rollback target
+        rec = self.cfg.stability.recovery
+
+        def to_delete(ring_steps: list[int]) -> list[int]:
+            return ring_checkpoints_to_delete(ring_steps, rec.ring_keep, step, rec.rollback_steps,
+                                              self.stability.policy.bad_steps)
+
         with self.watchdog.phase(step, "checkpoint save"):
-            self.ring.save(self.engine, step, self.shared_state(), self.run_meta)
-        if self.dist.is_main:
-            rec = self.cfg.stability.recovery
-            ring_steps = [step_of(tag) for tag in complete_tags(self.ring.root)]
-            for old in ring_checkpoints_to_delete(ring_steps, rec.ring_keep, step, rec.rollback_steps,
-                                                  self.stability.policy.bad_steps):
-                shutil.rmtree(self.ring.root / tag_for(old), ignore_errors=True)
-        barrier()
-        self.refresh_checkpoint_steps()
+            self.checkpoints.save_ring(self.engine, step, self.shared_state(), self.run_meta, to_delete)
+        self.stability.set_checkpoints(self.checkpoints.steps)
 
     def refresh_checkpoint_steps(self) -> None:
         """Steps of every complete checkpoint (long-term and ring), identical on all ranks."""
-        steps = None
-        if self.dist.is_main:
-            steps = sorted({step_of(t) for root in (self.checkpointer.root, self.ring.root) for t in complete_tags(root)})
-        self.checkpoint_steps = broadcast_object(steps)
-        self.stability.set_checkpoints(self.checkpoint_steps)
+        self.stability.set_checkpoints(self.checkpoints.refresh())
 
-    def checkpoint_root_of(self, step: int) -> Path:
-        """Where checkpoint `step` lives (the long-term folder wins over the ring)."""
-        for root in (self.checkpointer.root, self.ring.root):
-            if (root / tag_for(step) / "ayumi.json").is_file():
-                return root
-        raise FileNotFoundError(f"no complete checkpoint for step {step} under {self.checkpointer.root}")
+    @property
+    def checkpoint_steps(self) -> list[int]:
+        return self.checkpoints.steps
+
+    def ring_due(self, step: int) -> bool:
+        stab = self.cfg.stability
+        interval = stab.recovery.ring_interval
+        return stab.enabled and stab.action == "recover" and interval > 0 and step % interval == 0 \
+            and step < self.total_steps
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> TrainResult:
@@ -285,8 +225,7 @@ class Trainer:
         self.refresh_checkpoint_steps()
         self.engine.train()
         last_loss: float | None = None
-        stopped = False
-        stability_stop: str | None = None
+        outcome = StepOutcome(loss=None)
         max_steps = self.cfg.train.max_steps
         start_step = self.state.step
         if start_step >= self.total_steps:
@@ -297,22 +236,19 @@ class Trainer:
             while self.state.step < self.total_steps and not (max_steps and self.state.step >= max_steps):
                 outcome = self.step_once()
                 last_loss = outcome.loss if outcome.loss is not None else last_loss
-                if outcome.stability_stop is not None:
-                    stability_stop = outcome.stability_stop
-                    break
-                if outcome.signal_stop:
-                    stopped = True
+                if outcome.stability_stop is not None or outcome.signal_stop:
                     break
             else:
                 if self.cfg.checkpoint.save_final and self.state.step > start_step:
                     self.save("final")
-            val = {} if stopped or stability_stop or not self.val_sets else self.evaluate()
+            stopped = outcome.signal_stop or outcome.stability_stop is not None
+            val = {} if stopped or not self.evaluator.val_sets else self.evaluate()
             self.drain_checkpoints()
         finally:
             self.stop.restore()
             self.loader.close()
-        return TrainResult(self.state.step, self.state.tokens, stopped, last_loss,
-                           stopped_by_stability=stability_stop, val_losses=val)
+        return TrainResult(self.state.step, self.state.tokens, outcome.signal_stop, last_loss,
+                           stopped_by_stability=outcome.stability_stop, val_losses=val)
 
     def step_once(self) -> StepOutcome:
         """One turn of the run loop: train a step, log it, then do what it calls for (a rollback,
@@ -333,7 +269,7 @@ class Trainer:
             self.save("stability stop")
             outcome.stability_stop = action.message
             return outcome
-        if self.should_evaluate(step):
+        if self.evaluator.due(step):
             self.evaluate()
         if stop_requested:
             why = self.stop.reason or "asked on another rank: a signal, or its launcher is gone"
@@ -347,34 +283,20 @@ class Trainer:
             self.save_recovery_checkpoint()
         return outcome
 
-    def ring_due(self, step: int) -> bool:
-        stab = self.cfg.stability
-        interval = stab.recovery.ring_interval
-        return stab.enabled and stab.action == "recover" and interval > 0 and step % interval == 0 \
-            and step < self.total_steps
+    def evaluate(self) -> dict[str, float]:
+        return self.evaluator.run(self.state.step, self.state.tokens)
 
     def announce(self) -> None:
-        cfg = self.cfg
+        cfg, dist = self.cfg, self.dist
+        layout = f" (tensor-parallel {dist.tensor_parallel} x data-parallel {dist.dp_size})" \
+            if dist.tensor_parallel > 1 else ""
         self.logger.info(
             f"run {cfg.name}: {format_count(cfg.train.tokens)} tokens = {self.total_steps} steps x "
             f"{format_count(self.tokens_per_step)} tokens/step ({cfg.train.global_batch_size} x {cfg.train.seq_len}); "
-            f"{self.dist.world_size} rank(s) on {self.dist.device.type}{self.tensor_parallel_note()}, "
-            f"micro batch {cfg.train.micro_batch_size}, "
+            f"{dist.world_size} rank(s) on {dist.device.type}{layout}, micro batch {cfg.train.micro_batch_size}, "
             f"grad accum {self.engine.grad_accum} (summed in {self.engine.grad_accum_dtype}), "
             f"ZeRO {cfg.deepspeed.zero_stage}, {cfg.deepspeed.precision}"
         )
-
-    def tensor_parallel_note(self) -> str:
-        """`` (tensor-parallel T x data-parallel D)`` for the start line; empty without tensor parallelism."""
-        if self.dist.tensor_parallel == 1:
-            return ""
-        return f" (tensor-parallel {self.dist.tensor_parallel} x data-parallel {self.dist.dp_size})"
-
-    def should_evaluate(self, step: int) -> bool:
-        train = self.cfg.train
-        if not self.val_sets or step >= self.total_steps:
-            return False  # the final evaluation runs after the loop
-        return eval_due(step, train.eval_interval, train.eval_dense_interval, train.eval_dense_until)
 
     # -- one step -------------------------------------------------------------------------------
     def begin_step(self, step: int) -> float:
@@ -388,39 +310,8 @@ class Trainer:
         self.engine.set_lr(lr)
         if self.cfg.stability.clip.enabled:
             self.engine.set_grad_clip(self.stability.clip_threshold())
-        faults = self.stability.injector.faults_at(step)
-        if faults:
-            self.logger.event("fault_injected", step + 1, self.state.tokens + self.tokens_per_step,
-                              f"injected {', '.join(faults)} (stability.inject fire drill)", faults=faults)
         self.engine.withhold_next_update(False)
         return lr
-
-    def injected_delay(self) -> None:
-        """Fault drill (hang.inject_delay_s): one rank works slower, as a throttled GPU or a busy host would."""
-        hang = self.cfg.hang
-        if hang.inject_delay_s > 0 and self.dist.rank == hang.inject_rank:
-            time.sleep(hang.inject_delay_s)
-
-    def corrupt_batches(self, step: int, batches) -> None:
-        """Fault injection: replace this step's tokens with uniformly random ones."""
-        if not self.stability.injector.should_randomize_batch(step):
-            return
-        for index, batch in enumerate(batches):
-            # Seeded by the data-parallel rank: the ranks of a tensor-parallel group must see the same tokens.
-            noise = self.stability.injector.random_tokens(tuple(batch.input_ids.shape), self.cfg.model.vocab_size,
-                                                          step * 1000 + index, self.dist.dp_rank)
-            tokens = torch.from_numpy(noise).to(batch.input_ids.device)
-            batch.input_ids.copy_(tokens)
-            batch.labels[:, :-1].copy_(tokens[:, 1:])
-
-    def loss_fault(self, step: int) -> float:
-        """Fault injection: the factor this step's loss is multiplied by (NaN, a fp16-overflowing 1e30, or 1)."""
-        injector = self.stability.injector
-        if injector.should_nan_loss(step):
-            return float("nan")
-        if injector.should_force_overflow(step):
-            return 1e30
-        return 1.0
 
     def _update_gate(self) -> bool:
         """Asked inside the optimizer step, once DeepSpeed knows the global grad norm."""
@@ -448,49 +339,49 @@ class Trainer:
             # begins in it has its grace period from this very step. Events carry the step's 1-based number.
             self.log_curriculum_events(self.mixer.advance(self.loader.consumed_samples), step, step + 1,
                                        self.state.tokens + self.tokens_per_step)
-        self.corrupt_batches(step, batches)
-        num_domains = len(self.domain_names)
-        # Per-domain [loss sum, sample count], plus the total loss sum and the stop flag: one
-        # all-reduce per step carries everything the ranks must agree on or report.
-        # Kept on the device: a .cpu() per micro-batch would make the host wait for the GPU each time.
-        device = self.dist.device
-        domain_sums = torch.zeros(2 * num_domains, dtype=torch.float64, device=device)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        fault, delayed = self.drills.apply(step, batches, self.state.tokens)
+        own += delayed
+        # Per-domain [loss sum, sample count], the total loss sum and the stop flag: one all-reduce per step
+        # carries everything the ranks must agree on or report. Kept on the device until then.
+        device, num_domains = self.dist.device, len(self.domain_names)
+        sums = torch.zeros(2 + 2 * num_domains, dtype=torch.float64, device=device)
         result = None
-        telemetry: dict[str, float] = {}
-        reduced = None
-        before = None
-        mean_loss = float("nan")
-        fault = self.loss_fault(step)
-        delay_start = time.perf_counter()
-        self.injected_delay()
-        own += time.perf_counter() - delay_start
         for index, batch in enumerate(batches):
             forward_start = time.perf_counter()
             out = self.engine.forward(batch.input_ids, batch.labels)
             own += time.perf_counter() - forward_start
             self.engine.backward(out.loss if fault == 1.0 else out.loss * fault)
             # The reported loss is the cross-entropy (no z-loss); an injected NaN shows in it too.
-            logged = out.ce_loss * float("nan") if math.isnan(fault) else out.ce_loss
-            loss_sum += logged.double()
-            sample_loss = out.sample_loss.double()
-            domains = batch.domains.to(device, non_blocking=True)
-            domain_sums.index_add_(0, domains, sample_loss)
-            domain_sums.index_add_(0, domains + num_domains, torch.ones_like(sample_loss))
+            sums[0] += (out.ce_loss * float("nan") if math.isnan(fault) else out.ce_loss).double()
+            sample_loss, domains = out.sample_loss.double(), batch.domains.to(device, non_blocking=True)
+            sums[1:1 + num_domains].index_add_(0, domains, sample_loss)
+            sums[1 + num_domains:1 + 2 * num_domains].index_add_(0, domains, torch.ones_like(sample_loss))
             if index == len(batches) - 1:
-                stop_flag = torch.tensor([1.0 if self.stop.received is not None else 0.0], dtype=torch.float64,
-                                         device=device)
+                sums[-1] = 1.0 if self.stop.received is not None else 0.0
                 self.watchdog.beat(step, "all-reduce")
-                reduced = all_reduce_tensor(torch.cat([loss_sum.reshape(1), domain_sums, stop_flag]))
+                reduced = all_reduce_tensor(sums)
                 # Over all ranks: the ranks of a tensor-parallel group computed the same loss on the same samples,
                 # so each data-parallel batch counts tensor_parallel times, in the sum and in the divisor alike.
                 mean_loss = float(reduced[0]) / (len(batches) * self.dist.world_size)
                 self._pending = (step, mean_loss)
-                telemetry, before = self.pre_update_telemetry(step)
+                for hook in self.hooks:
+                    hook.before_update(step)
             result = self.engine.micro_step() or result
         self._pending = None
         step_time = time.perf_counter() - start
+        applied, action = self.judge_step(step, mean_loss, result)
+        self.state.step += 1
+        self.state.tokens += self.tokens_per_step
+        self.state.wall_time += step_time
+        self.state.skipped_steps += 0 if applied else 1
+        metrics = self.step_metrics(mean_loss, lr, result, step_time, reduced)
+        report = StepReport(step, self.state.step, self.state.tokens, own, applied, metrics)
+        for hook in self.hooks:
+            hook.after_step(report)
+        return metrics, bool(reduced[-1] > 0), action
 
+    def judge_step(self, step: int, mean_loss: float, result) -> tuple[bool, Action]:
+        """The stability machinery's verdict on a finished step: (update applied, the action to carry out)."""
         grad_norm = result.grad_norm if result is not None else None
         applied = bool(result is not None and result.applied and not self.engine.update_was_withheld())
         # DeepSpeed skipped the update itself (fp16 overflow, non-finite bf16 grads): judge now.
@@ -502,53 +393,34 @@ class Trainer:
         action, events, reset_scale = self.stability.after_step(step, self.engine.loss_scale(), applied)
         if reset_scale is not None:
             self.engine.reset_loss_scale(reset_scale)
-        if before is not None and applied:
-            telemetry.update(group_metrics(update_to_weight_ratios(before, self.engine.full_fp32_params()),
-                                           "stability/update_ratio/"))
+        for event in events:
+            self.log_stability_event(event)
+        return applied, action
 
-        self.state.step += 1
-        self.state.tokens += self.tokens_per_step
-        self.state.wall_time += step_time
-        if not applied:
-            self.state.skipped_steps += 1
-        metrics = self.step_metrics(mean_loss, lr, result, step_time)
-        metrics.update(self.stability.metrics(step))
-        metrics.update(telemetry)
+    def step_metrics(self, loss: float, lr: float, result, step_time: float, reduced: torch.Tensor) -> dict[str, Any]:
+        """The step's metrics: loss (total and per domain), optimizer, throughput, stability, curriculum."""
+        tokens_per_s = self.tokens_per_step / step_time if step_time > 0 else 0.0
+        metrics: dict[str, Any] = {
+            "train/loss": loss if math.isfinite(loss) else float("nan"),
+            "opt/lr": lr,
+            "opt/grad_norm": result.grad_norm if result else None,
+            "opt/loss_scale": result.loss_scale if result else None,
+            "opt/skipped_steps": self.state.skipped_steps,
+            "perf/tokens_per_s": tokens_per_s,
+            "perf/step_time": step_time,
+            "tokens": self.state.tokens,
+        }
+        if self.peak_flops:
+            metrics["perf/mfu"] = tokens_per_s * self.flops_per_token / (self.peak_flops * self.dist.world_size)
+        metrics.update(self.stability.metrics(self.state.step - 1))
+        num_domains = len(self.domain_names)
         counts = reduced[1 + num_domains:1 + 2 * num_domains]
         for index, name in enumerate(self.domain_names):
             if counts[index] > 0:
                 metrics[f"train/loss/{name}"] = float(reduced[1 + index] / counts[index])
         if self.mixer is not None:
             metrics.update(self.mixer.metrics())
-        for event in events:
-            self.log_stability_event(event)
-        self.log_histogram(step)
-        self.stragglers.record(own)
-        if self.stragglers.due(self.state.step):
-            straggler_metrics, straggler = self.stragglers.report()
-            metrics.update(straggler_metrics)
-            if straggler:
-                self.logger.event("straggler", self.state.step, self.state.tokens, straggler)
-        return metrics, bool(reduced[-1] > 0), action
-
-    def log_histogram(self, step: int) -> None:
-        telemetry = self.cfg.stability.telemetry
-        if telemetry.histogram_interval > 0 and step % telemetry.histogram_interval == 0 and step > 0:
-            counts, edges = log10_histogram(self.stability.percentiles.values(), telemetry.histogram_bins)
-            self.logger.histogram(self.state.step, "opt/grad_norm_log10_hist", counts, edges)
-
-    def pre_update_telemetry(self, step: int) -> tuple[dict[str, float], dict | None]:
-        """Every telemetry.group_norm_interval steps: grad norm per group, and weights before the update.
-
-        Runs on every rank between the last backward and the update: under ZeRO the full
-        gradients and fp32 weights are gathered from their partitions (collective).
-        """
-        interval = self.cfg.stability.telemetry.group_norm_interval
-        if interval <= 0 or step % interval:
-            return {}, None
-        metrics = group_metrics(group_grad_norms(self.engine.named_full_grads(), layer_groups), "opt/grad_norm/")
-        before = self.engine.full_fp32_params() if self.cfg.stability.telemetry.update_ratio else None
-        return metrics, before
+        return metrics
 
     def log_stability_event(self, event: dict[str, Any]) -> None:
         """Stability components count steps from 0 (step k runs on checkpoint k's weights); events and
@@ -570,11 +442,11 @@ class Trainer:
         began = time.perf_counter()
         to_step = int(action.to_step)
         self.drain_checkpoints(prune=False)  # nothing in flight while folders are loaded and dropped
-        root = self.checkpoint_root_of(to_step)
         with self.watchdog.phase(self.state.step, "checkpoint load"):
-            shared, _ = self.checkpointer.load(self.engine, tag_for(to_step), root=root)
+            root, shared = self.checkpoints.load(self.engine, to_step)
         self.load_shared_state(shared, with_stability=False)
-        self.drop_checkpoints_after(to_step)
+        self.checkpoints.drop_after(to_step)
+        self.stability.set_checkpoints(self.checkpoints.steps)
         self.skip_batches(action.skip_batches)
         if action.reset_loss_scale is not None:
             self.engine.reset_loss_scale(action.reset_loss_scale)
@@ -589,16 +461,6 @@ class Trainer:
                           skip_batches=action.skip_batches)
         self.logger.set_progress(self.total_steps, self.state.step)
 
-    def drop_checkpoints_after(self, step: int) -> None:
-        """Delete checkpoints of the abandoned timeline (later than the rollback target)."""
-        if self.dist.is_main:
-            for root in (self.checkpointer.root, self.ring.root):
-                for tag in complete_tags(root):
-                    if step_of(tag) > step:
-                        shutil.rmtree(root / tag, ignore_errors=True)
-        barrier()
-        self.refresh_checkpoint_steps()
-
     def apply_optimizer_overrides(self) -> None:
         overrides = self.stability.policy.optimizer_overrides()
         if overrides:
@@ -612,118 +474,22 @@ class Trainer:
                 self.stability.detector.note_stage_switch(first_step)
             self.logger.event(event.kind, at_step, tokens, event.message, **event.fields)
 
-    def add_skips(self, ranges) -> None:
-        self.skips = [tuple(r) for r in merge_ranges([*self.skips, *[tuple(r) for r in ranges]])]
-
     def skip_recorded_ranges(self) -> None:
         """After restoring a position older than a recorded skip, jump over the skipped batches again
         when the stream reaches them (checked every step: a few range comparisons)."""
-        self.skip_batches(batches_due(self.skips, self.loader.consumed_samples, self.loader.global_batch))
+        self.skip_batches(self.skipped.due())
 
     def skip_batches(self, num_batches: int) -> None:
         """Advance the data stream past `num_batches` global batches that will never be trained on."""
         if num_batches <= 0:
             return
-        start = self.loader.consumed_samples
-        self.loader.skip(num_batches)
-        self.add_skips([(start, self.loader.consumed_samples)])
+        start, stop, events = self.skipped.skip(num_batches)
         if self.mixer is not None:
-            self.log_curriculum_events(self.mixer.skip(num_batches), self.state.step, self.state.step, self.state.tokens)
+            self.log_curriculum_events(events, self.state.step, self.state.step, self.state.tokens)
         else:
             self.logger.event("batches_skipped", self.state.step, self.state.tokens,
-                              f"skipped {num_batches} batch(es): global samples [{start:,}, "
-                              f"{self.loader.consumed_samples:,}) will never be trained on",
-                              skip_start=start, skip_stop=self.loader.consumed_samples, batches=num_batches)
-        if self.dist.is_main:
-            self.skip_ledger.save([list(r) for r in self.skips])
-
-    def step_metrics(self, loss: float, lr: float, result, step_time: float) -> dict[str, Any]:
-        tokens_per_s = self.tokens_per_step / step_time if step_time > 0 else 0.0
-        metrics: dict[str, Any] = {
-            "train/loss": loss,
-            "opt/lr": lr,
-            "opt/grad_norm": result.grad_norm if result else None,
-            "opt/loss_scale": result.loss_scale if result else None,
-            "opt/skipped_steps": self.state.skipped_steps,
-            "perf/tokens_per_s": tokens_per_s,
-            "perf/step_time": step_time,
-            "tokens": self.state.tokens,
-        }
-        if self.peak_flops:
-            metrics["perf/mfu"] = tokens_per_s * self.flops_per_token / (self.peak_flops * self.dist.world_size)
-        if not math.isfinite(loss):
-            metrics["train/loss"] = float("nan")
-        return metrics
-
-    # -- evaluation -----------------------------------------------------------------------------
-    def eval_batches(self, available: int) -> list[tuple[list[int], list[float]]]:
-        """This rank's share of the evaluation samples as micro-batches of (ids, weights).
-
-        Data-parallel rank r of W takes samples r, r+W, r+2W, ... (the ranks of a tensor-parallel group
-        take the same ones: they compute one forward together); ranks with one sample fewer pad with a
-        weight-0 repeat, because every rank must run the same number of forwards (ZeRO-3 gathers
-        parameters collectively). The result is the same mean at any world size: the all-reduce counts
-        each sample once per tensor-parallel rank, in the sums and in the weights alike.
-        """
-        count = min(self.cfg.train.eval_samples, available)
-        world, micro = self.dist.dp_size, self.cfg.train.micro_batch_size
-        mine = list(range(self.dist.dp_rank, count, world))
-        per_rank = math.ceil(count / world)
-        per_rank = math.ceil(per_rank / micro) * micro
-        weights = [1.0] * len(mine) + [0.0] * (per_rank - len(mine))
-        ids = mine + [0] * (per_rank - len(mine))
-        return [(ids[i:i + micro], weights[i:i + micro]) for i in range(0, per_rank, micro)]
-
-    def _validation_losses(self, forward) -> dict[str, float]:
-        """Mean loss of `forward(inputs, labels)` over the first eval_samples samples of each set."""
-        results: dict[str, float] = {}
-        for name, samples in self.val_sets.items():
-            total = torch.zeros(2, dtype=torch.float64)
-            for ids, weights in self.eval_batches(len(samples)):
-                tokens = torch.from_numpy(np.stack([samples.sample(i) for i in ids]).astype(np.int64))
-                tokens = tokens.to(self.dist.device)
-                out = forward(tokens[:, :-1], tokens[:, 1:])
-                weights = torch.tensor(weights, dtype=torch.float64)
-                total += torch.stack([(out.sample_loss.double().cpu() * weights).sum(), weights.sum()])
-            total = all_reduce_tensor(total)
-            results[name] = float(total[0] / total[1])
-        return results
-
-    def fp32_validation_losses(self) -> dict[str, float]:
-        """The same evaluation with a full fp32 copy of the weights (DALL-E Mega: bf16 and fp32
-        evaluations drifted apart late in training). Collective under ZeRO-3."""
-        from pretrain.model.llama import Llama
-
-        weights = self.engine.full_fp32_params()
-        model = Llama(self.cfg.model).to(self.dist.device)
-        missing = model.load_state_dict(weights, strict=False).missing_keys  # a tied lm_head is the embedding
-        if set(missing) - {"lm_head.weight"}:
-            raise RuntimeError(f"fp32 precision check: weights missing for {sorted(missing)}")
-        model.eval()
-        return self._validation_losses(lambda inputs, labels: model(inputs, labels))
-
-    @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """Mean loss over the first eval_samples samples of each validation set (+ the fp32 check)."""
-        self.engine.eval()
-        with self.watchdog.phase(self.state.step, "evaluation"):
-            results = self._validation_losses(self.engine.forward)
-        self.engine.train()
-        self.evaluations += 1
-        if results:
-            metrics = {f"val/{name}/loss": value for name, value in results.items()}
-            metrics["val/loss"] = sum(results.values()) / len(results)
-            metrics["tokens"] = self.state.tokens
-            every = self.cfg.stability.precision_check_every
-            if every > 0 and self.cfg.deepspeed.precision != "fp32" and self.evaluations % every == 0:
-                for name, value in self.fp32_validation_losses().items():
-                    metrics[f"val/{name}/loss_fp32"] = value
-                    metrics[f"val/{name}/fp32_gap"] = results[name] - value
-            self.logger.log(self.state.step, metrics, console=False)
-            self.logger.info("eval @ step {}: {}".format(
-                self.state.step, ", ".join(f"{name} {value:.4f}" for name, value in results.items())))
-        barrier()
-        return results
+                              f"skipped {num_batches} batch(es): global samples [{start:,}, {stop:,}) will never be "
+                              "trained on", skip_start=start, skip_stop=stop, batches=num_batches)
 
 
 def _tp(tensor_parallel: int) -> str:

@@ -91,7 +91,7 @@ def run_training(overrides: list[str], nproc: int = 2, launcher: str = "torchrun
     """
     import subprocess
 
-    from pretrain.launch import launcher_command
+    from pretrain.tools.launch import launcher_command
 
     cmd = launcher_command(launcher, nproc, overrides, master_port=free_port())
     if entry is not None:

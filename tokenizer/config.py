@@ -12,9 +12,7 @@ from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 
-
-class TokenizerConfigError(ValueError):
-    """A tokenizer config value is invalid; the message names the key, the value and the fix."""
+from tokenizer.errors import TokenizerConfigError
 
 
 @dataclass
@@ -245,15 +243,16 @@ def check_specials(specials: SpecialTokensConfig) -> None:
         seen[piece] = name
 
 
-def check_tokenizer_config(cfg: TokenizerConfig) -> None:
-    """Cross-checks of a composed TokenizerConfig; raises TokenizerConfigError naming the key and the fix."""
+def check_tokenizer_config(cfg: TokenizerConfig, inputs_required: bool = True) -> None:
+    """Cross-checks of a composed TokenizerConfig; raises TokenizerConfigError naming the key and the fix.
+    `inputs_required=False` (for `--cfg job`) checks every value but lets a domain's inputs be unset yet."""
     if cfg.model_type not in MODEL_TYPES:
         raise TokenizerConfigError(f"tokenizer.model_type={cfg.model_type!r}: use one of {', '.join(MODEL_TYPES)}.")
     check_specials(cfg.specials)
     if not cfg.domains:
         raise TokenizerConfigError("tokenizer.domains is empty. Fix: pick a preset (tokenizer=tiny) or add domains.")
     for domain, dcfg in cfg.domains.items():
-        check_domain(cfg, domain, dcfg)
+        check_domain(cfg, domain, dcfg, inputs_required)
     removed = sorted(d for d in set(cfg.inputs) - set(cfg.domains) if not domain_patterns(cfg, d))
     if removed:
         raise TokenizerConfigError(
@@ -323,11 +322,11 @@ def enabled_domains(cfg: TokenizerConfig) -> TokenizerConfig:
     return replace(cfg, domains=domains, inputs=inputs)
 
 
-def check_domain(cfg: TokenizerConfig, domain: str, dcfg: DomainConfig) -> None:
+def check_domain(cfg: TokenizerConfig, domain: str, dcfg: DomainConfig, inputs_required: bool = True) -> None:
     if not re.fullmatch(r"[A-Za-z0-9_\-]+", domain):
         raise TokenizerConfigError(f"tokenizer.domains.{domain}: use letters, digits, '_' or '-' in domain names.")
     patterns = domain_patterns(cfg, domain)
-    if not patterns:
+    if not patterns and inputs_required:
         raise TokenizerConfigError(
             f"domain {domain!r} has no inputs. Fix: set tokenizer.inputs.{domain}=/path/to/{domain}/*.jsonl "
             f"or build without it: tokenizer.domains.{domain}.enabled=false."

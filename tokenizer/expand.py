@@ -28,7 +28,8 @@ from pathlib import Path
 
 from common.files import replace_dir
 from tokenizer.info import META_FILE, MODEL_FILE, TokenizerNotFoundError, tokenizer_sha256
-from tokenizer.merge import load_proto, pb
+from tokenizer.merge import load_proto
+from tokenizer.proto import pb
 
 UNIGRAM, BPE = 1, 2  # sentencepiece TrainerSpec.ModelType
 

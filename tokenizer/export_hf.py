@@ -32,7 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from tokenizer.config import TokenizerConfig
-from tokenizer.merge import load_proto, pb
+from tokenizer.merge import load_proto
+from tokenizer.proto import pb
 
 NEVER_SCORE = -1.0e6  # control/byte pieces: never chosen over real text in HF's lattice
 FLT_MIN = float(np.finfo(np.float32).tiny)

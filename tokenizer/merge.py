@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from tokenizer.proto import pb
 from tokenizer.config import NUM_BYTE_PIECES, TokenizerConfig, special_pieces
 
 
@@ -44,12 +45,6 @@ class DomainPieces:
     """The domain's share of the mixed training sample (for the interpolated scores)."""
     vocab_size: int
     """The domain model's configured size (its relative-rank denominator)."""
-
-
-def pb():
-    from sentencepiece import sentencepiece_model_pb2
-
-    return sentencepiece_model_pb2
 
 
 def load_proto(path: str | Path):

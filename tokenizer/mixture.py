@@ -38,7 +38,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from tokenizer.merge import pb
+from tokenizer.proto import pb
 
 Log = Callable[[str], None]
 

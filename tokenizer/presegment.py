@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from tokenizer.config import PRESEGMENT_CHOICES, TokenizerConfigError
+from tokenizer.errors import TokenizerConfigError
 
 Analyzer = Callable[[str], list[str]]
 """A line → its words' surfaces in order (whitespace may be left out)."""
@@ -48,7 +48,7 @@ def load_analyzer(name: str, field: str = "presegment") -> Analyzer:
     """The analyzer called `name` (fugashi or sudachi), loaded once; PresegmentUnavailable says how to install it."""
     loaders = {"fugashi": _fugashi, "sudachi": _sudachi}
     if name not in loaders:
-        raise TokenizerConfigError(f"{field}={name!r}: use one of {', '.join(PRESEGMENT_CHOICES)}.")
+        raise TokenizerConfigError(f"{field}={name!r}: use one of {', '.join(('none', *loaders))}.")
     try:
         return loaders[name]()
     except (ImportError, RuntimeError) as err:

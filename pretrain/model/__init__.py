@@ -1,1 +1,5 @@
-"""ayumi's own Llama: layers, the model, presets, parameter and FLOP counts."""
+"""ayumi's own Llama: layers, the model, presets, parameter and FLOP counts, the HF import, vocabulary growth,
+and the tensor-parallel layout (which weights are cut, and how shards merge back).
+
+May import: `pretrain.ranges`, `tokenizer` (vocabulary growth reads SentencePiece models); never DeepSpeed.
+"""

@@ -59,3 +59,20 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     attention scores and the weighted sum of values (no discount for the causal mask).
     Activation-checkpointing recompute is not counted: this is model FLOPs, not hardware FLOPs."""
     return 6.0 * matmul_parameters(cfg) + 12.0 * cfg.num_layers * cfg.hidden_size * seq_len
+
+
+# Dense bf16 peak FLOP/s per GPU, for MFU (vendor datasheets; no sparsity).
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12, "V100": 125e12}
+
+
+def peak_flops(device) -> float | None:
+    """Dense bf16 peak FLOP/s of the CUDA `device` (a torch.device), for MFU; None on a CPU or an unknown GPU."""
+    if device.type != "cuda":
+        return None
+    import torch
+
+    name = torch.cuda.get_device_name(device)
+    for key, flops in PEAK_BF16_FLOPS.items():
+        if key in name:
+            return flops
+    return None

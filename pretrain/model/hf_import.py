@@ -1,7 +1,7 @@
 """Start from a Hugging Face Llama folder (`model.init_from=PATH`): its shape from config.json, its weights at step 0.
 
 Continued pretraining (Swallow, ELYZA, Youri, the GENIAC teams) starts from an open Llama-family
-model. ayumi's parameter names are Hugging Face's (pretrain/export.py), so importing is: read
+model. ayumi's parameter names are Hugging Face's (pretrain/tools/export.py), so importing is: read
 config.json into ModelConfig's fields, refusing by name anything ayumi's Llama does not compute
 the same way, then copy each tensor from the folder's safetensors (one file or an index of
 shards) into the model as it is built. Nothing is downloaded: PATH is a local folder.

@@ -105,7 +105,7 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         b, t, _ = x.shape
         # Head counts come from the projections' widths, not the config: a tensor-parallel rank's
-        # projections hold a whole-head slice of them (pretrain/tensor_parallel.py), and the same code runs.
+        # projections hold a whole-head slice of them (pretrain/model/tensor_parallel.py), and the same code runs.
         q = self.q_proj(x).view(b, t, -1, self.head_dim)
         k = self.k_proj(x).view(b, t, -1, self.head_dim)
         v = self.v_proj(x).view(b, t, -1, self.head_dim)

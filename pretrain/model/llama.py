@@ -1,7 +1,7 @@
 """ayumi's Llama: the model, its loss, init, and the helpers the optimizer and telemetry need.
 
 Parameter names equal Hugging Face `LlamaForCausalLM`'s, so `model.state_dict()` loads into
-transformers directly (see `pretrain/export.py`). No parallelism code lives here: DeepSpeed wraps
+transformers directly (see `pretrain/tools/export.py`). No parallelism code lives here: DeepSpeed wraps
 the module as it is. Counting (parameters, FLOPs) is in `pretrain/model/flops.py`.
 """
 from __future__ import annotations
@@ -56,7 +56,7 @@ class Llama(nn.Module):
     def __init__(self, cfg: ModelConfig, init_weights: bool = True):
         """`init_weights=False` leaves the init to the caller: under ZeRO-3's partitioned
         construction the parameters are gone from this process by the time __init__ ends, and
-        pretrain.engine.build_model gathers each one to apply `init_parameter`."""
+        pretrain.engine.train_engine.build_model gathers each one to apply `init_parameter`."""
         super().__init__()
         validate_config(cfg)
         self.cfg = cfg

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from curriculum.config import CurriculumConfig, CurriculumError, Stage
-from curriculum.mixer import PERIOD, Mixer, MixtureSchedule, SkipLedger, interleave, period_counts
+from curriculum.mixer import Mixer, SkipLedger
+from curriculum.mixture import PERIOD, MixtureSchedule, interleave, period_counts
 from pretrain.loader import BatchLoader
 from tests.curriculum.helpers import packed, three_stage, write_domains
 from tests.curriculum.test_config import load_group

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import pretrain.plan as plan_cli
+import pretrain.tools.plan as plan_cli
 from curriculum.config import CurriculumConfig, Stage
 from data.packed import PackedSamples
 from curriculum.plan import (
@@ -247,7 +247,7 @@ def test_plan_cli_refuses_over_repetition_without_a_curriculum(tmp_path):
     args = [*tiny_overrides(root, tmp_path / "runs"), "curriculum=none", "train.tokens=131072"]  # 2,048 samples
 
     def plan(*extra):
-        return subprocess.run([sys.executable, "-m", "pretrain.cli", "plan", *args, *extra], cwd=REPO,
+        return subprocess.run([sys.executable, "-m", "pretrain.tools.cli", "plan", *args, *extra], cwd=REPO,
                               capture_output=True, text=True, timeout=120)
 
     refused = plan()

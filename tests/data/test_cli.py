@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 from data.manifest import MANIFEST_NAME
-from pretrain.cli import main as ayumi
+from pretrain.tools.cli import main as ayumi
 from tests.data.helpers import JA_PARAGRAPHS, write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,7 +50,7 @@ def test_cfg_job_and_worker_processes_through_the_real_command(tmp_path, tokeniz
     """The console command in a fresh process, with 2 worker processes, as a user runs it."""
     write_jsonl(tmp_path / "en" / "a.jsonl", en_texts[:80])
     write_jsonl(tmp_path / "ja" / "a.jsonl", JA_PARAGRAPHS)
-    args = [sys.executable, "-m", "pretrain.cli", "data", "prepare", f"tokenizer_dir={tokenizer_dir}",
+    args = [sys.executable, "-m", "pretrain.tools.cli", "data", "prepare", f"tokenizer_dir={tokenizer_dir}",
             f"data.root={tmp_path}/root", "workers=2", f"data.domains.en.inputs=['{tmp_path}/en/*.jsonl']",
             f"data.domains.ja.inputs=['{tmp_path}/ja/*.jsonl']", "data.domains.ja.text_unit=line"]
     shown = subprocess.run(args + ["--cfg", "job"], cwd=REPO, capture_output=True, text=True, timeout=60)
@@ -67,10 +67,10 @@ def test_a_bad_override_says_why_and_a_site_conf_dir_is_honoured(tmp_path):
     # and AYUMI_CONF_DIR is read by `ayumi data` as by training.
     import os
 
-    bad = subprocess.run([sys.executable, "-m", "pretrain.cli", "data", "prepare", "workers=abc", "tokenizer_dir=x"],
+    bad = subprocess.run([sys.executable, "-m", "pretrain.tools.cli", "data", "prepare", "workers=abc", "tokenizer_dir=x"],
                          cwd=REPO, capture_output=True, text=True)
     assert bad.returncode == 1 and "workers" in bad.stderr and "could not be converted to Integer" in bad.stderr
-    missing = subprocess.run([sys.executable, "-m", "pretrain.cli", "data", "prepare", "tokenizer_dir=x"], cwd=REPO,
+    missing = subprocess.run([sys.executable, "-m", "pretrain.tools.cli", "data", "prepare", "tokenizer_dir=x"], cwd=REPO,
                              capture_output=True, text=True, env={**os.environ, "AYUMI_CONF_DIR": str(tmp_path / "none")})
     assert missing.returncode == 1 and str(tmp_path / "none") in missing.stderr
 
@@ -88,7 +88,7 @@ def test_ctrl_c_with_worker_processes_stops_cleanly(tmp_path, tokenizer_dir, en_
     texts = [f"{i} {text}" for i in range(400) for text in en_texts]
     write_jsonl(tmp_path / "en" / "a.jsonl", texts)
     root = tmp_path / "root"
-    args = [sys.executable, "-m", "pretrain.cli", "data", "prepare", f"tokenizer_dir={tokenizer_dir}", f"data.root={root}",
+    args = [sys.executable, "-m", "pretrain.tools.cli", "data", "prepare", f"tokenizer_dir={tokenizer_dir}", f"data.root={root}",
             "workers=2", "progress=false", "chunk_mb=0.25", f"data.domains.en.inputs=['{tmp_path}/en/*.jsonl']",
             "~data.domains.ja"]
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -150,7 +150,7 @@ def test_ayumi_train_refuses_a_declared_prefix_that_is_gone_with_one_line(tmp_pa
     prefix = web["megatron"].split()[1]
     os.unlink(prefix + ".idx")
     proc = subprocess.run(
-        [sys.executable, "-m", "pretrain.cli", "train", *tiny_overrides(tmp_path / "root", tmp_path / "runs"),
+        [sys.executable, "-m", "pretrain.tools.cli", "train", *tiny_overrides(tmp_path / "root", tmp_path / "runs"),
          f"data.tokenizer_dir={tokenizer_dir}", "model.vocab_size=640", f"+curriculum.domains.web.megatron={prefix}"],
         cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr

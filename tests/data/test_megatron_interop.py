@@ -114,7 +114,7 @@ def test_train_20_steps_on_megatron_core_shards(tmp_path, tokenizer_dir, en_text
     root = tmp_path / "root"
     meg = tmp_path / "meg"
     prepared = subprocess.run(
-        [sys.executable, "-m", "pretrain.cli", "data", "prepare", "data=megatron", f"tokenizer_dir={tokenizer_dir}",
+        [sys.executable, "-m", "pretrain.tools.cli", "data", "prepare", "data=megatron", f"tokenizer_dir={tokenizer_dir}",
          f"data.root={root}", f"data.domains.web.megatron='0.7 {meg / 'a_text_document'} 0.3 {meg / 'b_text_document'}'",
          f"data.domains.web.megatron_val={meg / 'val_text_document'}"],
         cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
@@ -169,7 +169,7 @@ stages:
 """)
     env = cpu_env(AYUMI_CONF_DIR=str(conf))
     common = ["curriculum=mine", f"data.tokenizer_dir={tokenizer_dir}", "model.vocab_size=640"]
-    planned = subprocess.run([sys.executable, "-m", "pretrain.cli", "plan",
+    planned = subprocess.run([sys.executable, "-m", "pretrain.tools.cli", "plan",
                               *tiny_overrides(tmp_path / "planned", tmp_path / "runs", *common)],
                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
     assert planned.returncode == 0, planned.stdout

@@ -55,8 +55,8 @@ def test_local_gpus_use_the_deepspeed_launcher_without_local_rank():
 
 @pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
 def test_local_matches_ayumi_train(launcher):
-    """launch/local.sh and `ayumi train` (pretrain/launch.py) start the same command."""
-    from pretrain.launch import launcher_command
+    """launch/local.sh and `ayumi train` (pretrain/tools/launch.py) start the same command."""
+    from pretrain.tools.launch import launcher_command
 
     shell = printed_command(run_script("local.sh", "--dry-run", "--launcher", launcher, "--nproc", "3",
                                        "--master-port", "29511", "train.tokens=1000", env={"AYUMI_GPUS": "0"}))

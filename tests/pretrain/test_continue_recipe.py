@@ -10,7 +10,6 @@ import re
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -118,7 +117,7 @@ def test_a_curriculum_naming_other_domains_is_refused():
 
 def plan(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("AYUMI_BASE_MODEL", "AYUMI_TOKENIZER_DIR")}
-    return subprocess.run([sys.executable, "-m", "pretrain.cli", "plan", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "pretrain.tools.cli", "plan", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
 
 

@@ -24,7 +24,7 @@ def corpus(tmp_path) -> Path:
 
 
 def ayumi(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pretrain.cli", *args], cwd=REPO, env=cpu_env(),
+    return subprocess.run([sys.executable, "-m", "pretrain.tools.cli", *args], cwd=REPO, env=cpu_env(),
                           capture_output=True, text=True, timeout=300)
 
 

@@ -137,7 +137,8 @@ def test_hf_ids_identical_on_very_long_documents(built, corpus):
 
 
 def test_quantized_scores_are_on_the_grid():
-    from tokenizer.merge import pb, quantize_scores
+    from tokenizer.merge import quantize_scores
+    from tokenizer.proto import pb
 
     proto = pb().ModelProto()
     normal = pb().ModelProto.SentencePiece.NORMAL

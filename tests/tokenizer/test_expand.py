@@ -66,14 +66,14 @@ def test_the_cli_writes_an_ayumi_tokenizer_folder(tmp_path, texts, source):
     from tokenizer import load_tokenizer_info
 
     base = train(tmp_path / "base.model", texts["en"], 600, "bpe")
-    proc = subprocess.run([sys.executable, "-m", "pretrain.cli", "tokenizer", "expand", str(base), str(source),
+    proc = subprocess.run([sys.executable, "-m", "pretrain.tools.cli", "tokenizer", "expand", str(base), str(source),
                            "--vocab", "700", "--out", str(tmp_path / "out")], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "600 base pieces (ids unchanged) + 100 new = 700" in proc.stdout
     info = load_tokenizer_info(tmp_path / "out")
     assert info.vocab_size == 700 and info.eos_id == 2
-    bad = subprocess.run([sys.executable, "-m", "pretrain.cli", "tokenizer", "expand", str(base), str(source),
+    bad = subprocess.run([sys.executable, "-m", "pretrain.tools.cli", "tokenizer", "expand", str(base), str(source),
                           "--vocab", "500", "--out", str(tmp_path / "bad")], cwd=REPO, capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 1 and "not larger than the base's 600 pieces" in bad.stderr

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def ayumi(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "pretrain.cli", "tokenizer", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "pretrain.tools.cli", "tokenizer", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
 
 

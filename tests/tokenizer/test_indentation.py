@@ -23,7 +23,8 @@ def test_indentation_costs_groups_runs_by_kind_and_depth():
 
 
 def test_promote_runs_lifts_a_run_above_its_best_split():
-    from tokenizer.merge import pb, promote_runs
+    from tokenizer.merge import promote_runs
+    from tokenizer.proto import pb
 
     proto = pb().ModelProto()
     normal = pb().ModelProto.SentencePiece.NORMAL

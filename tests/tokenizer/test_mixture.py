@@ -10,7 +10,7 @@ from tokenizer.mixture import best_split_score, domain_weights, prune_pass
 
 def _proto(pieces: list[tuple[str, float]]):
     """A unigram ModelProto holding only NORMAL pieces (what prune_pass looks at)."""
-    from tokenizer.merge import pb
+    from tokenizer.proto import pb
 
     proto = pb().ModelProto()
     for piece, score in pieces:

@@ -109,7 +109,7 @@ def test_an_export_that_would_turn_special_text_into_specials_is_refused(tmp_pat
     corpus.write_text(("the quick brown fox jumps over the lazy dog " * 50 + "\n") * 20)
     spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "plain"), vocab_size=30,
                                    model_type="unigram", byte_fallback=False, character_coverage=1.0)
-    done = subprocess.run([sys.executable, "-m", "pretrain.cli", "tokenizer", "export", str(tmp_path / "plain.model"),
+    done = subprocess.run([sys.executable, "-m", "pretrain.tools.cli", "tokenizer", "export", str(tmp_path / "plain.model"),
                            str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stderr[-2000:]  # the tokenizer commands' status for bad input
     assert done.stderr.startswith(f"ayumi tokenizer export: {tmp_path / 'plain.model'}: the Hugging Face export would "

@@ -1,0 +1,10 @@
+"""Checkpoints: what is saved, where, when it is complete, and how the run comes back from one.
+
+- `checkpointer.py`: `Checkpointer` (save, load, keep_last, the `latest` pointer, a universal conversion when
+  the job's size changed), tags and their folders, `resolve_checkpoint`, reading a checkpoint for export;
+- `async_writer.py`: the background writer that lets training go on while a checkpoint is written;
+- `ring.py`: the rollback ring, the frequent short-lived checkpoints that make a rollback always possible.
+
+May import: `pretrain.config`, `pretrain.model`, `pretrain.engine` (DeepSpeed's own save/load and formats),
+`common`, `curriculum`. It never imports the trainer.
+"""

@@ -1,0 +1,106 @@
+"""DeepSpeed's checkpoint formats, read and converted without a running engine.
+
+- `convert_to_universal`: a ZeRO 1-3 checkpoint to DeepSpeed's universal form, which any number of ranks
+  (and another tensor-parallel size) can load;
+- `consolidated_state_dict` / `tensor_parallel_slices`: the full fp32 weights of a checkpoint of any ZeRO
+  stage and tensor-parallel size, on the CPU, for export.
+
+The checkpointer (pretrain/checkpoint/) decides when these run; they live here because they call DeepSpeed.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from pretrain.model.tensor_parallel import merge_shards
+
+
+def convert_to_universal(tag_dir: Path, out_dir: Path) -> None:
+    """Write DeepSpeed's universal form of a ZeRO 1-3 checkpoint folder to `out_dir` (atomically).
+
+    A ZeRO checkpoint's optimizer state is cut for the data-parallel size that saved it; the
+    universal form holds every parameter's fp32 weights and Adam moments whole, so any number of
+    ranks can load it (docs/deepspeed-on-cpu.md). DeepSpeed's converter runs in a child process:
+    it starts worker pools of its own, which a process holding threads and a process group
+    should not fork.
+    """
+    import subprocess
+    import sys
+
+    partial = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # Each extract worker holds one rank's optimizer shard in memory: a few, not one per core.
+    extract_workers = max(1, min(4, (os.cpu_count() or 1) // 4))
+    command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag_dir),
+               "--output_folder", str(partial), "--inject_missing_state", "--num_extract_workers", str(extract_workers),
+               "--num_merge_workers", "1"]
+    # The converter works on the CPU; keep it off the GPUs this job's ranks already fill.
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    if done.returncode != 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise RuntimeError(f"converting {tag_dir} to a universal checkpoint failed (exit {done.returncode}):\n"
+                           f"{done.stdout[-3000:]}")
+    partial.rename(out_dir)
+
+
+# -- consolidation for export -------------------------------------------------------------------
+def consolidated_state_dict(root: Path, tag: str) -> dict[str, torch.Tensor]:
+    """Full fp32 weights from a checkpoint of any ZeRO stage and tensor-parallel size, on CPU, without a
+    process group: each tensor-parallel rank's slices merged (pretrain.model.tensor_parallel.merge_shards)."""
+    return merge_shards(tensor_parallel_slices(root, tag))
+
+
+def tensor_parallel_slices(root: Path, tag: str) -> list[dict[str, torch.Tensor]]:
+    """Each tensor-parallel rank's fp32 weights of checkpoint root/tag, in rank order (one whole state without
+    tensor parallelism)."""
+    import tempfile
+
+    tag_dir = Path(root) / tag
+    tp = checkpoint_tensor_parallel(tag_dir)
+    if tp == 1:
+        return [_fp32_weights(tag_dir)]
+    with tempfile.TemporaryDirectory(prefix="ayumi-tp-ranks-") as scratch:
+        return [_fp32_weights(_tp_rank_view(tag_dir, rank, Path(scratch))) for rank in range(tp)]
+
+
+_MP_RANK = re.compile(r"mp_rank_(\d+)")
+
+
+def checkpoint_tensor_parallel(tag_dir: Path) -> int:
+    """The tensor-parallel size a DeepSpeed checkpoint folder was saved with: DeepSpeed names every file with
+    its `mp_rank_NN` (the tensor-parallel rank under AutoTP)."""
+    ranks = {int(m.group(1)) for path in Path(tag_dir).glob("*_states.pt") if (m := _MP_RANK.search(path.name))}
+    if not ranks:
+        raise FileNotFoundError(f"{tag_dir} holds no DeepSpeed model states (mp_rank_00_model_states.pt)")
+    return max(ranks) + 1
+
+
+def _tp_rank_view(tag_dir: Path, tp_rank: int, scratch: Path) -> Path:
+    """A folder in which tensor-parallel rank `tp_rank`'s files of `tag_dir` look like a checkpoint without
+    tensor parallelism (named mp_rank_00, linked, not copied): DeepSpeed's zero_to_fp32 reads mp_rank_00 only."""
+    view = scratch / f"tp{tp_rank}" / tag_dir.name
+    view.mkdir(parents=True)
+    rank_name = f"mp_rank_{tp_rank:02d}"
+    for path in tag_dir.glob(f"*{rank_name}*_states.pt"):
+        (view / path.name.replace(rank_name, "mp_rank_00")).symlink_to(path.resolve())
+    return view
+
+
+def _fp32_weights(tag_dir: Path) -> dict[str, torch.Tensor]:
+    """The fp32 weights of a checkpoint folder without tensor parallelism, of any ZeRO stage."""
+    if any(tag_dir.glob("*optim_states.pt")) and any(tag_dir.glob("zero_pp_rank_*")):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+    else:
+        model_file = tag_dir / "mp_rank_00_model_states.pt"
+        if not model_file.exists():
+            raise FileNotFoundError(f"{tag_dir} holds no DeepSpeed model states (mp_rank_00_model_states.pt)")
+        state = torch.load(model_file, map_location="cpu", weights_only=False)["module"]
+    return {name: tensor.detach().float() for name, tensor in state.items()}

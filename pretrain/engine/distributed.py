@@ -1,0 +1,190 @@
+"""Where a process sits in the job, and how ranks agree.
+
+`init_distributed` joins (or creates) the process group: NCCL on GPUs, gloo on the CPU, DeepSpeed's
+tensor- and data-parallel groups when `parallel.tensor` > 1. The small collectives below (`all_reduce_tensor`,
+`any_rank`, `barrier`, `broadcast_object`) are how the trainer, the checkpointer and the stability machinery
+make decisions that change control flow together: every rank takes the same branch.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+import deepspeed
+import torch.distributed as dist
+
+from pretrain.config import (
+    ConfigError, ParallelConfig, data_parallel_size,
+)
+from pretrain.engine.host_memory import keep_freed_memory_for_reuse
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    tensor_parallel: int = 1
+    """Ranks per tensor-parallel group (parallel.tensor); consecutive ranks form a group."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index: the ranks of one tensor-parallel group share it (and their samples)."""
+        return self.rank // self.tensor_parallel
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel size: how many different micro-batches one forward pass of the job sees."""
+        return self.world_size // self.tensor_parallel
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tensor_parallel
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _ensure_rank_env() -> None:
+    """A plain `python -m pretrain.train` is a 1-rank job (DeepSpeed would otherwise try MPI)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+
+def pick_device(preference: str) -> torch.device:
+    if preference == "cpu":
+        return torch.device("cpu")
+    if preference == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=auto or cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def init_distributed(device_preference: str = "auto", timeout_s: float | None = None,
+                     tensor_parallel: int = 1) -> DistInfo:
+    """Join (or create) the process group: NCCL on GPUs, gloo on CPU. `timeout_s` bounds every collective
+    (pretrain.job.hang_watchdog.process_group_timeout_s: longer than the watchdog's, which speaks first).
+    With `tensor_parallel` > 1 DeepSpeed's tensor- and data-parallel groups are made here too (init_tensor_parallel)."""
+    _ensure_rank_env()
+    device = pick_device(device_preference)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        # The shared-memory comm op costs a ~25 s JIT build and, with it, processes sometimes
+        # abort at exit; plain gloo is fast enough for CPU runs (docs/deepspeed-on-cpu.md).
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        backend = "gloo"
+        # 2 ranks on 2 cores: one intra-op thread each avoids oversubscription.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+        keep_freed_memory_for_reuse()  # no page faults on the step's big tensors (pretrain/engine/host_memory.py)
+    if not dist.is_initialized():
+        extra = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+        deepspeed.init_distributed(dist_backend=backend, verbose=False, **extra)
+    info = DistInfo(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        local_world_size=local_world,
+        device=device,
+        tensor_parallel=tensor_parallel,
+    )
+    if tensor_parallel > 1:
+        init_tensor_parallel(info)
+    return info
+
+
+def init_tensor_parallel(info: DistInfo) -> None:
+    """DeepSpeed's tensor- and data-parallel process groups for AutoTP, made once, before the engine.
+
+    The engine would make the same groups itself (DeepSpeedEngine._configure_tensor_parallel_states), but
+    only after DeepSpeed's config has checked the batch against *all* ranks: made here and handed to
+    deepspeed.initialize as its `mpu`, the config counts data-parallel ranks (train_batch_size = micro x
+    grad accum x data-parallel size, as ayumi renders it). The mesh is (data, tensor): a tensor-parallel
+    group is `tensor_parallel` consecutive ranks, which DistInfo.dp_rank assumes; checked here.
+    """
+    from deepspeed.utils import groups
+
+    data_parallel_size(ParallelConfig(tensor=info.tensor_parallel), info.world_size)  # ConfigError unless they divide
+    groups._init_tp_mesh_device(tensor_model_parallel_size=info.tensor_parallel)
+    layout = (groups.get_data_parallel_rank(), groups.get_tensor_model_parallel_rank(),
+              groups.get_data_parallel_world_size())
+    if layout != (info.dp_rank, info.tp_rank, info.dp_size):
+        raise RuntimeError(f"DeepSpeed placed rank {info.rank} at (data {layout[0]}, tensor {layout[1]}) of "
+                           f"{layout[2]} data-parallel ranks; ayumi expects ({info.dp_rank}, {info.tp_rank}) of "
+                           f"{info.dp_size}: the loader would feed a tensor-parallel group different samples")
+
+
+def deepspeed_mpu(tensor_parallel: int):
+    """DeepSpeed's groups module as the `mpu` of its config and engine under tensor parallelism (init_tensor_parallel)."""
+    if tensor_parallel == 1:
+        return None
+    from deepspeed.utils import groups
+
+    return groups
+
+
+def tensor_parallel_group():
+    from deepspeed.utils import groups
+
+    return groups.get_tensor_model_parallel_group()
+
+
+def finalize_distributed() -> None:
+    """barrier + destroy: with the shm op off this avoids the flaky abort at exit (docs/deepspeed-on-cpu.md)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+# -- distributed agreement ----------------------------------------------------------------------
+def all_reduce_tensor(values: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """All-reduce a small tensor across ranks and return it on the CPU (one host transfer).
+
+    Build it where it was computed: NCCL reduces on the GPU, gloo on the CPU; `.to` is a no-op
+    when the tensor already sits on the backend's device.
+    """
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        on_gpu = dist.get_backend() == "nccl"
+        values = values.to(torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu"))
+        dist.all_reduce(values, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
+    return values.cpu()
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when `flag` is true on any rank (decisions that change control flow)."""
+    return bool(all_reduce_tensor(torch.tensor([1.0 if flag else 0.0]), op="max").item() > 0)
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=src)
+    return holder[0]

@@ -1,0 +1,78 @@
+"""The run's whole plan: the curriculum's budgets, repetition and checkpoint disk, plus per-GPU memory.
+
+The last stop of the data flow, so it may combine everything: the curriculum's plan (`curriculum.plan`, which
+imports nothing of `pretrain`) with the memory model (`pretrain/plan/memory.py`). `run_plan` is the one place
+that combines them; `ayumi plan`, `ayumi train` (before any rank starts), the trainer (at start, with the
+job's real size and GPU) and `ayumi doctor` all call it, so they refuse the same runs with the same messages.
+The GPUs come from `pretrain/plan/hardware.py`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from curriculum.plan import Plan, PlanProblem, format_plan, plan_from_config
+from curriculum.plan import human_count as format_count
+from pretrain.plan.hardware import Hardware
+from pretrain.plan.memory import MemoryEstimate, estimate_memory, format_memory, memory_problem, memory_shape
+
+
+@dataclass
+class RunPlan:
+    """The curriculum's plan plus the memory estimate; `problems` refuse the run."""
+
+    plan: Plan
+    memory: MemoryEstimate
+    hardware: Hardware
+    num_parameters: int = 0
+
+    @property
+    def problems(self) -> list[PlanProblem]:
+        return self.plan.problems
+
+
+def run_plan(cfg: Any, num_parameters: int, hardware: Hardware, tokens_per_s: float | None = None,
+             free_bytes: int | None = None, domains: Mapping[str, Any] | None = None,
+             gqa_kernel: bool = True) -> RunPlan:
+    """The curriculum plan of `cfg` plus its memory estimate on `hardware`; a run that cannot fit is a `memory` problem."""
+    plan = plan_from_config(cfg, num_parameters, tokens_per_s=tokens_per_s, free_bytes=free_bytes, domains=domains)
+    if problem := batch_problem(cfg, hardware):
+        plan.problems.append(PlanProblem("batch", problem))
+    memory = estimate_memory(memory_shape(cfg, hardware.data_parallel, gqa_kernel=gqa_kernel))
+    if hardware.gpu_bytes:
+        problem = memory_problem(memory, hardware.gpu_bytes, cfg.train.global_batch_size, hardware.where)
+        if problem:
+            plan.problems.append(PlanProblem("memory", problem))
+    return RunPlan(plan, memory, hardware, num_parameters)
+
+
+def batch_problem(cfg: Any, hardware: Hardware) -> str | None:
+    """Why the global batch cannot be split over the planned data-parallel ranks (None when it can): the same
+    rule the ranks apply at start (pretrain.config.data_parallel_grad_accum), here against the GPUs planned."""
+    from pretrain.config import ConfigError, data_parallel_grad_accum
+
+    try:
+        data_parallel_grad_accum(cfg.train, hardware.data_parallel)
+    except ConfigError as err:
+        return f"{err} (planned: {hardware.data_parallel} data-parallel rank(s), {hardware.where})"
+    return None
+
+
+def batch_line(run: RunPlan) -> str:
+    """How the global batch splits over the GPUs: micro batch x grad accum x data-parallel ranks, each rank a
+    tensor-parallel group of parallel.tensor GPUs (which all see the same samples)."""
+    shape = run.memory.shape
+    dp, tp = shape.data_parallel, shape.tensor_parallel
+    groups = f" (tensor-parallel {tp} x data-parallel {dp})" if tp > 1 else ""
+    return (f"batch: global {run.plan.run.global_batch} = micro {shape.micro_batch} x grad accum {shape.grad_accum} "
+            f"x {dp} data-parallel rank(s), on {dp * tp} {run.hardware.device}(s){groups}")
+
+
+def format_run_plan(run: RunPlan) -> str:
+    model = f"model: {run.num_parameters:,} parameters ({format_count(run.num_parameters)})"
+    memory = model + "\n" + batch_line(run) + "\n" + format_memory(run.memory, run.hardware.gpu_bytes, run.hardware.where)
+    if not run.hardware.gpu_bytes and run.hardware.device == "GPU":
+        memory += (f"\n  not checked: {run.hardware.where} (e.g. train.gpu_memory_gib=80 train.num_gpus=8 "
+                   "to plan for 8 H100 80GB)")
+    return format_plan(run.plan, sections=[memory])
+

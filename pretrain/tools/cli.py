@@ -1,0 +1,55 @@
+"""The `ayumi` command: one entry, subcommands routed to the package that owns them.
+
+Every subcommand takes Hydra overrides (`key=value`) over `conf/`; `--cfg job` prints the
+resolved config instead of running.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module, function, one-line help). Modules load lazily so `ayumi --help` is instant
+# and a command never pays for another's imports (DeepSpeed takes seconds to import).
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "train": ("pretrain.tools.launch", "main", "train locally with the right launcher (deepspeed/torchrun) for this machine"),
+    "demo": ("pretrain.demo", "main", "the whole pipeline on the embedded default (Quickstart command 1)"),
+    "export": ("pretrain.tools.export", "main", "export hf CHECKPOINT_DIR OUT_DIR: a transformers LlamaForCausalLM folder"),
+    "tokenizer": ("tokenizer.cli", "main", "build | eval | sweep | export: the merged SentencePiece tokenizer"),
+    "data": ("data.cli", "main", "prepare | inspect | verify: corpus to Megatron .bin/.idx token shards"),
+    "plan": ("pretrain.tools.plan", "main", "stage table, repetition, steps, disk and per-GPU memory for an experiment"),
+    "report": ("pretrain.tools.report.build", "main", "plots and a summary of a run dir"),
+    "doctor": ("pretrain.tools.doctor", "main", "versions, devices, DeepSpeed ops, disk and W&B mode"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: ayumi COMMAND [ARGS] [key=value ...]", "", "commands:"]
+    lines += [f"  {name:<10} {help_}" for name, (_, _, help_) in COMMANDS.items()]
+    lines += ["", "`ayumi COMMAND --help` (or -h) for a command's options and the config it reads; `--cfg job` prints",
+              "the resolved config of a command that composes one."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"ayumi: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module_name, func_name, _ = COMMANDS[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name == module_name:
+            print(f"ayumi {name}: not available in this version yet", file=sys.stderr)
+            return 2
+        raise
+    result = getattr(module, func_name)(rest)
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""The per-GPU memory plan: model states exactly as DeepSpeed's own estimators, activations as measured on
+the CPU, and the refusal (with the knobs that fit) of a run that cannot fit, through `ayumi plan`."""
+import json
+import subprocess
+import sys
+from dataclasses import asdict, replace
+
+import pytest
+
+import pretrain.tools.plan as plan_cli
+from pretrain.config import compose_config, to_object
+from pretrain.plan.memory import (
+    GIB, MemoryShape, activation_bytes, estimate_memory, largest_layer_parameters, memory_shape,
+)
+from pretrain.model.config import ModelConfig
+from pretrain.model.flops import count_parameters
+from pretrain.plan.hardware import Hardware
+from pretrain.plan.run_plan import format_run_plan, run_plan
+from pretrain.plan.hardware import planned_hardware
+from tests.helpers import REPO
+
+PROBE = REPO / "tests" / "pretrain" / "plan" / "memory_probe.py"
+
+
+def one_b(**train):
+    cfg = to_object(compose_config(["experiment=llama_1b_example"]))
+    for key, value in train.items():
+        setattr(cfg.train, key, value)
+    return cfg
+
+
+@pytest.mark.parametrize("gpus", [1, 8, 64])
+def test_model_states_equal_deepspeeds_own_estimators(gpus):
+    """ZeRO-2 and ZeRO-3 (with and without offload), bf16: parameters + gradients + fp32 master + moments
+    are DeepSpeed's estimate_zero2/zero3_model_states_mem_needs to the byte."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    cfg = one_b()
+    params, largest = count_parameters(cfg.model), largest_layer_parameters(cfg.model)
+    assert largest == cfg.model.vocab_size * cfg.model.hidden_size  # the embedding (and the untied head)
+    base = replace(memory_shape(cfg, gpus), precision="bf16", grad_accum_dtype="bf16")
+    for offload in (False, True):
+        zero2 = estimate_memory(replace(base, zero_stage=2, offload_optimizer=offload)).model_states
+        assert zero2 == estimate_zero2_model_states_mem_needs(params, gpus, 1, cpu_offload=offload)[1]
+        zero3 = estimate_memory(replace(base, zero_stage=3, offload_optimizer=offload)).model_states
+        assert zero3 == estimate_zero3_model_states_mem_needs(params, largest, gpus, 1, cpu_offload=offload,
+                                                              cpu_offload_params=False)[1]
+    both = estimate_memory(replace(base, zero_stage=3, offload_optimizer=True, offload_param=True)).model_states
+    assert both == estimate_zero3_model_states_mem_needs(params, largest, gpus, 1, cpu_offload=True, cpu_offload_params=True)[1]
+
+
+def test_fp32_gradient_accumulation_shows_its_cost():
+    """bf16 ZeRO 0-1 accumulating in fp32 keep ayumi's fp32 sums (pretrain/engine/grad_accum.py): 4 bytes a parameter,
+    only with more than one micro batch per step."""
+    shape = memory_shape(one_b(), 8)
+    params = count_parameters(shape.model)
+    fp32 = estimate_memory(replace(shape, zero_stage=1, grad_accum_dtype="fp32"))
+    bf16 = estimate_memory(replace(shape, zero_stage=1, grad_accum_dtype="bf16"))
+    assert fp32.term("gradient accumulation") == 4 * params and bf16.term("gradient accumulation") == 0
+    assert fp32.required > bf16.required
+    assert estimate_memory(replace(shape, zero_stage=0)).term("gradient accumulation") == 4 * params
+    assert estimate_memory(replace(shape, zero_stage=1, grad_accum=1)).term("gradient accumulation") == 0
+    # ZeRO-2 accumulates into the fp32 partition the step needs anyway: no extra buffer.
+    assert estimate_memory(replace(shape, zero_stage=2)).term("gradient accumulation") == 0
+
+
+CASES = [  # (precision, loss chunk, checkpointing, model changes)
+    ("fp32", 0, "none", {}), ("bf16", 256, "none", {}), ("fp32", 256, "full", {}), ("bf16", 0, "attention", {}),
+    ("fp32", 256, "mlp", {}), ("bf16", 256, "every_2", {}), ("fp32", 256, "none", {"qk_norm": True}),
+    ("bf16", 256, "none", {"num_kv_heads": 8, "tie_embeddings": True}),
+]
+
+
+def test_activations_match_measured_cpu_memory():
+    """What a forward keeps for backward, measured by glibc's accounting in a fresh process, against the
+    activation term: within 3% for every precision, loss head and checkpointing policy (the whole-vocab fp32
+    log-probabilities included: vocab 8k is most of the plain head's figure)."""
+    cases, shapes = [], []
+    for precision, chunk, policy, changes in CASES:
+        model = ModelConfig(**{**dict(vocab_size=8192, hidden_size=256, intermediate_size=704, num_layers=4, num_heads=8,
+                                      num_kv_heads=2, max_seq_len=512, loss_chunk_tokens=chunk), **changes})
+        cases.append({"model": asdict(model), "precision": precision, "policy": policy, "micro_batch": 4, "seq_len": 512})
+        # On the CPU the attention kernels need K/V repeated per query head (pretrain/model/layers.py).
+        shapes.append(MemoryShape(model, 4, 512, precision, 0, 1, checkpointing=policy, gqa_kernel=False))
+    done = subprocess.run([sys.executable, str(PROBE), json.dumps(cases)], capture_output=True, text=True, cwd=REPO,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    measured = [json.loads(line)["kept"] for line in done.stdout.splitlines()]
+    ratios = {f"{c[0]}/{c[1]}/{c[2]}/{c[3]}": activation_bytes(s) / m for c, s, m in zip(CASES, shapes, measured)}
+    assert all(0.97 <= r <= 1.03 for r in ratios.values()), ratios
+    # The policies order as they should: full keeps least, none most.
+    assert measured[2] < measured[4] < measured[0]
+
+
+def test_plan_refuses_a_1b_micro_batch_that_cannot_fit_and_names_the_knobs():
+    """llama_1b_example on 8 x 80 GB (its train.num_gpus/gpu_memory_gib): the shipped micro batch 8 fits; 16
+    without checkpointing does not, and the message names a change of each knob that would fit."""
+    shipped = one_b()
+    hardware = planned_hardware(shipped)
+    assert (hardware.data_parallel, hardware.gpu_bytes) == (8, 80 * GIB)
+    ok = run_plan(shipped, count_parameters(shipped.model), hardware, free_bytes=2**50)
+    assert "memory" not in [p.kind for p in ok.problems]
+    assert 35 * GIB < ok.memory.required < 65 * GIB
+
+    big = one_b(micro_batch_size=16)
+    refused = run_plan(big, count_parameters(big.model), hardware, free_bytes=2**50)
+    [problem] = [p.message for p in refused.problems if p.kind == "memory"]
+    assert problem.startswith("the run needs about ") and "per GPU but each GPU (train.gpu_memory_gib=80) has 80.0 GiB" in problem
+    for knob in ("deepspeed.activation_checkpointing=mlp (", "train.micro_batch_size=8 (", "deepspeed.zero_stage=2 ("):
+        assert knob in problem, problem
+    # ZeRO-1 offload still keeps the fp32 accumulation sums on the GPU: not enough here, so not offered.
+    assert "offload" not in problem
+    text = format_run_plan(refused)
+    assert "DOES NOT FIT" in text and "activations" in text and "[memory]" in text
+
+
+def test_ayumi_plan_command_exits_1_on_memory(tmp_path, capsys):
+    args = ["experiment=llama_1b_example", f"data.root={tmp_path}", "--free-bytes", str(2**50)]
+    assert plan_cli.main(args + ["train.micro_batch_size=16"]) == 1
+    out = capsys.readouterr().out
+    assert "[memory] the run needs about" in out and "[disk]" not in out
+    # Checkpointing every block makes the same micro batch fit.
+    plan_cli.main(args + ["train.micro_batch_size=16", "deepspeed.activation_checkpointing=full"])
+    assert "[memory]" not in capsys.readouterr().out
+
+
+def test_without_a_gpu_memory_is_estimated_not_checked():
+    cfg = to_object(compose_config(["experiment=cpu_tiny"]))
+    hardware = Hardware(2, None, "no GPU visible and train.gpu_memory_gib unset")
+    run = run_plan(cfg, count_parameters(cfg.model), hardware, free_bytes=2**40)
+    assert "memory" not in [p.kind for p in run.problems]
+    assert "not checked: no GPU visible" in format_run_plan(run)
+
+
+def test_doctor_reports_the_memory_check():
+    from pretrain.tools.doctor import check_memory
+
+    big = one_b(micro_batch_size=16)
+    check = check_memory(big)
+    assert check.status == "FAIL" and "train.micro_batch_size=8" in check.fix
+    assert check_memory(one_b()).status == "ok"
+
+
+def test_a_global_batch_that_does_not_split_over_the_planned_gpus_is_refused(tmp_path, capsys):
+    """1000 = micro 8 x 8 ranks x 15.6: refused naming both fields and the GPUs planned (not this machine's),
+    where it printed `global 1000 = micro 8 x grad accum 15 x 8` (960) and accepted the run."""
+    args = ["experiment=llama_1b_example", f"data.root={tmp_path}", "--free-bytes", str(2**50)]
+    assert plan_cli.main(args + ["train.global_batch_size=1000"]) == 1
+    out = capsys.readouterr().out
+    batch = [line for line in out.splitlines() if line.strip().startswith("[batch]")]
+    assert len(batch) == 1, out
+    assert "train.global_batch_size=1000" in batch[0] and "train.micro_batch_size=8" in batch[0]
+    assert "8 data-parallel ranks = 64" in batch[0] and "e.g. 960" in batch[0]
+    plan_cli.main(args + ["train.global_batch_size=960"])  # still refused for its empty data root, not the batch
+    assert "[batch]" not in capsys.readouterr().out
+
+
+def test_the_plan_names_the_parameters_and_on_a_cpu_the_ranks_ayumi_train_starts(tmp_path, capsys, monkeypatch):
+    import pretrain.plan.hardware as hardware
+
+    monkeypatch.setattr(hardware, "gpu_count", lambda: 0)  # this machine as a CPU-only one, whatever it has
+    plan_cli.main(["experiment=cpu_tiny", f"data.root={tmp_path}"])
+    out = capsys.readouterr().out
+    cfg = to_object(compose_config(["experiment=cpu_tiny"]))
+    assert f"model: {count_parameters(cfg.model):,} parameters" in out
+    assert f"x {hardware.CPU_RANKS} data-parallel rank(s), on {hardware.CPU_RANKS} CPU rank(s)" in out
+    assert "GPU(s)" not in out and "train.gpu_memory_gib=80 train.num_gpus=8" not in out

@@ -1,0 +1,97 @@
+"""Loss / grad-norm curves for the detector tests: real recordings and documented synthetic shapes.
+
+Real (tests/pretrain/stability/data/tiny_llama_curves.json, made by data/record_curves.py): ayumi's debug
+Llama on Markov-chain text, 800 steps, loss 6.24 -> ~1.45 with ~3% step noise; `spike` has LR x50
+at steps 500-502; `switch` adds an unseen domain at step 500.
+
+Synthetic (seeded, so every run sees the same arrays), shaped after a mid-sized LM run:
+- loss(t) = 1.9 + 8.9 * (1 + t/40)^-0.55, times (1 + 0.8% noise with lag-1 correlation 0.3):
+  10.8 (= ln 50k) at step 0, ~3.9 at step 300, ~2.6 at step 2000. The first ~200 steps fall fast.
+- grad norm(t) = (0.25 + 1.5 * exp(-t/80) + 0.05 * t/steps) * exp(0.12 * noise): a large early
+  hump, then a slow rise; log-normal noise.
+- stage switch at step s: loss x (1 + 0.08 * exp(-(t-s)/5)) and grad norm x (1 + 0.8 * exp(-(t-s)/5)):
+  +8% and +80% that fade within ~15 steps (the GENIAC curriculum's "jumped, then returned").
+- PaLM-like spike at step s: the loss climbs +15%, +35%, +60%, +80% over four steps and decays
+  back over ~300; the grad norm jumps x8 at once and decays over ~30 (BLOOM: the sharper signal).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+DATA = Path(__file__).with_name("data") / "tiny_llama_curves.json"
+
+
+@dataclass(frozen=True)
+class Curve:
+    loss: np.ndarray
+    grad_norm: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.loss)
+
+
+@lru_cache(maxsize=None)
+def _recorded() -> dict:
+    return json.loads(DATA.read_text())
+
+
+def recorded(name: str) -> Curve:
+    """'normal', 'spike' or 'switch' from the real recording (variants = normal before the event)."""
+    data = _recorded()
+    normal = data["normal"]
+    if name == "normal":
+        return Curve(np.array(normal["loss"]), np.array(normal["grad_norm"]))
+    event, tail = data["event_step"], data[f"{name}_tail"]
+    return Curve(np.array(normal["loss"][:event] + tail["loss"]),
+                 np.array(normal["grad_norm"][:event] + tail["grad_norm"]))
+
+
+RECORDED_EVENT = 500
+
+
+def _ar1(rng: np.random.Generator, n: int, rho: float) -> np.ndarray:
+    """Unit-variance noise with lag-1 correlation rho (consecutive LM batches are nearly independent)."""
+    white = rng.standard_normal(n)
+    out = np.empty(n)
+    out[0] = white[0]
+    for i in range(1, n):
+        out[i] = rho * out[i - 1] + np.sqrt(1 - rho ** 2) * white[i]
+    return out
+
+
+def normal_curve(steps: int = 2000, seed: int = 0) -> Curve:
+    rng = np.random.default_rng(seed)
+    t = np.arange(steps, dtype=np.float64)
+    loss = (1.9 + 8.9 * (1 + t / 40) ** -0.55) * (1 + 0.008 * _ar1(rng, steps, 0.3))
+    grad = (0.25 + 1.5 * np.exp(-t / 80) + 0.05 * t / steps) * np.exp(0.12 * rng.standard_normal(steps))
+    return Curve(loss, grad)
+
+
+def with_stage_switch(curve: Curve, at: int, loss_jump: float = 0.08, grad_jump: float = 0.8,
+                      fade: float = 5.0) -> Curve:
+    t = np.arange(len(curve), dtype=np.float64)
+    bump = np.where(t >= at, np.exp(-(t - at) / fade), 0.0)
+    return Curve(curve.loss * (1 + loss_jump * bump), curve.grad_norm * (1 + grad_jump * bump))
+
+
+def with_palm_spike(curve: Curve, at: int) -> Curve:
+    loss, grad = curve.loss.copy(), curve.grad_norm.copy()
+    rise = np.array([0.15, 0.35, 0.60, 0.80])
+    decay = 0.80 * np.exp(-np.arange(len(curve) - at - len(rise)) / 100)
+    loss[at:] *= 1 + np.concatenate([rise, decay])[:len(curve) - at]
+    jump = 1 + 7 * np.exp(-np.arange(len(curve) - at) / 10)
+    grad[at:] *= jump
+    return Curve(loss, grad)
+
+
+def with_single_bad_batch(curve: Curve, at: int, loss_factor: float = 3.0, grad_factor: float = 5.0) -> Curve:
+    """One batch of garbage (e.g. random tokens): a one-step jump, the weights untouched."""
+    loss, grad = curve.loss.copy(), curve.grad_norm.copy()
+    loss[at] *= loss_factor
+    grad[at] *= grad_factor
+    return Curve(loss, grad)

@@ -1,0 +1,121 @@
+"""Every `ayumi` command and verb answers -h/--help: its usage and the config it reads, exit 0, nothing started.
+
+All commands run in one child process (through pretrain.tools.cli.main, the `ayumi` entry point), so
+the test can also see that no command imported DeepSpeed or wrote anything; two more go through
+the real executables (`ayumi tokenizer build --help`, where Hydra used to fail on `--help`, and
+`python -m pretrain.train --help`, which answers before importing torch and DeepSpeed).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from pretrain.tools.cli import COMMANDS
+from tests.helpers import REPO
+
+NO_CONF = "config: reads no config from conf/"
+# (argv, what the help must say about the config it reads)
+CASES: list[tuple[list[str], str]] = [
+    (["train"], "config: reads conf/config.yaml + experiment=NAME from conf/experiment/"),
+    (["demo"], "config: reads conf/experiment/demo.yaml (training), conf/tokenizer/demo_8k.yaml"),
+    (["demo", "corpus"], NO_CONF),
+    (["export"], NO_CONF + ": the checkpoint's ayumi.json"),
+    (["export", "hf"], NO_CONF + ": the checkpoint's ayumi.json"),
+    (["tokenizer"], "conf/tokenizer_build.yaml"),
+    (["tokenizer", "build"], "config: reads conf/tokenizer_build.yaml + tokenizer=NAME from conf/tokenizer/"),
+    (["tokenizer", "sweep"], "config: reads conf/tokenizer_build.yaml + tokenizer=NAME from conf/tokenizer/"),
+    (["tokenizer", "eval"], NO_CONF),
+    (["tokenizer", "export"], NO_CONF),
+    (["data"], "config: prepare reads conf/data_prepare.yaml + data=NAME from conf/data/"),
+    (["data", "prepare"], "config: reads conf/data_prepare.yaml + data=NAME from conf/data/"),
+    (["data", "inspect"], NO_CONF + ": DATA_ROOT's manifest.json"),
+    (["plan"], "config: reads conf/config.yaml + experiment=NAME from conf/experiment/"),
+    (["report"], NO_CONF + ": RUN_DIR's metrics.jsonl"),
+    (["doctor"], "config: reads conf/config.yaml + experiment=NAME from conf/experiment/"),
+]
+# Overrides given before the flag must not be composed (Hydra would read `--help` as an override).
+WITH_OVERRIDES = [["train", "experiment=cpu_tiny", "optim.lr=-1"], ["tokenizer", "build", "tokenizer=tiny"],
+                  ["data", "prepare", "data=tiny"], ["plan", "experiment=cpu_tiny"], ["doctor", "experiment=cpu_tiny"]]
+
+CHILD = textwrap.dedent("""
+    import contextlib, io, json, sys
+    from pretrain.tools.cli import main
+    results = []
+    for argv in json.loads(sys.argv[1]):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            try:
+                code = main(argv)
+            except SystemExit as stop:  # argparse's --help
+                code = stop.code
+        results.append({"argv": argv, "code": code, "out": out.getvalue()})
+    print(json.dumps({"results": results, "deepspeed": "deepspeed" in sys.modules}))
+""")
+
+
+def child_env(tmp_path: Path) -> dict[str, str]:
+    return {**os.environ, "AYUMI_RUN_ROOT": str(tmp_path / "runs"), "AYUMI_DATA_ROOT": str(tmp_path / "data")}
+
+
+@pytest.fixture(scope="module")
+def helped(tmp_path_factory):
+    """{(argv..., flag): (exit code, output)} for every case, from one child process; checks nothing was started."""
+    tmp_path = tmp_path_factory.mktemp("help")
+    argvs = [[*argv, flag] for argv, _ in CASES for flag in ("-h", "--help")]
+    argvs += [[*argv, "--help"] for argv in WITH_OVERRIDES]
+    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(argvs)], cwd=tmp_path, env=child_env(tmp_path),
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.splitlines()[-1])
+    assert not report["deepspeed"], "a command imported DeepSpeed to answer --help"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], "a command wrote files (run dir, data, cache)"
+    return {tuple(r["argv"]): (r["code"], r["out"]) for r in report["results"]}
+
+
+def test_every_command_is_covered():
+    assert {argv[0] for argv, _ in CASES} == set(COMMANDS)
+
+
+@pytest.mark.parametrize("flag", ["-h", "--help"])
+@pytest.mark.parametrize("argv,config", CASES, ids=[" ".join(argv) for argv, _ in CASES])
+def test_help_names_the_command_and_its_config(helped, argv, config, flag):
+    code, out = helped[(*argv, flag)]
+    assert code == 0, out
+    assert f"usage: ayumi {' '.join(argv)}" in out, out
+    assert config in " ".join(out.split()), out  # argparse re-wraps the epilog: compare with single spaces
+
+
+@pytest.mark.parametrize("argv", WITH_OVERRIDES, ids=[" ".join(argv) for argv in WITH_OVERRIDES])
+def test_help_after_overrides_composes_nothing(helped, argv):
+    code, out = helped[(*argv, "--help")]
+    assert code == 0 and "usage: ayumi " + argv[0] in out and "config: reads" in out, out
+    assert "LexerNoViableAlt" not in out and "must be > 0" not in out
+
+
+def test_real_ayumi_executable_answers_help_for_a_hydra_verb(tmp_path):
+    ayumi = Path(sys.executable).with_name("ayumi")
+    cmd = [str(ayumi)] if ayumi.exists() else [sys.executable, "-m", "pretrain.tools.cli"]
+    proc = subprocess.run([*cmd, "tokenizer", "build", "--help"], cwd=tmp_path, env=child_env(tmp_path),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: ayumi tokenizer build") and "conf/tokenizer_build.yaml" in proc.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("flag", ["-h", "--help"])
+def test_training_module_answers_help_before_importing_deepspeed(tmp_path, flag):
+    """`python -m pretrain.train --help`, as under torchrun/deepspeed: usage and config, no torch or DeepSpeed."""
+    child = ("import runpy, sys\nsys.argv = ['pretrain.train', %r]\ntry:\n    runpy.run_module('pretrain.train', "
+             "run_name='__main__', alter_sys=True)\nexcept SystemExit as stop:\n    code = stop.code\n"
+             "print('CODE', code, 'deepspeed' in sys.modules, 'torch' in sys.modules)" % flag)
+    proc = subprocess.run([sys.executable, "-c", child], cwd=REPO, env=child_env(tmp_path), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: python -m pretrain.train") and "conf/config.yaml" in proc.stdout
+    assert proc.stdout.splitlines()[-1] == "CODE 0 False False"

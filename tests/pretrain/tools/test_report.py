@@ -1,0 +1,198 @@
+"""`ayumi report`: plots and summaries from a hand-written run dir shaped like the trainer's.
+
+The run dir written here has what a real one has: per-domain train losses, evals without a
+`tokens` key, a curriculum stage switch, fp16 loss scale, a NaN step, and a spike whose rollback
+makes the steps (and tokens) go back, so metrics.jsonl repeats steps 41..55.
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pretrain.tools.report import build as report
+from pretrain.tools.report.plots import short_count
+from pretrain.tools.report.timeline import Timeline, build_timeline, read_jsonl
+from tests.helpers import REPO
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+PLOTS = ("loss.png", "optim.png", "throughput.png")
+TOKENS_PER_STEP = 512
+DOMAINS = ("en", "ja")
+
+
+def train_row(step: int, loss: float, *, fp16: bool = True, stage: int = 1, lr: float = 1e-3) -> dict:
+    row = {"step": step, "train/loss": loss, "opt/lr": lr, "opt/grad_norm": 1.0 + 0.5 * math.sin(step),
+           "opt/clip_threshold": 1.0, "opt/skipped_steps": 0, "perf/tokens_per_s": 20000.0 + 100 * (step % 7),
+           "perf/step_time": 0.025, "tokens": step * TOKENS_PER_STEP, "curriculum/stage": stage}
+    if fp16:
+        row["opt/loss_scale"] = 65536.0 if step < 30 else 32768.0
+    for offset, domain in enumerate(DOMAINS):
+        row[f"train/loss/{domain}"] = loss + 0.2 * offset - 0.1
+    return row
+
+
+def event(step: int, kind: str, message: str, **fields) -> dict:
+    return {"step": step, "tokens": step * TOKENS_PER_STEP, "event": kind, "message": message, **fields,
+            "time": "2026-01-01T00:00:00"}
+
+
+def write_run(run_dir: Path, *, fp16: bool = True, with_val: bool = True, with_events: bool = True,
+              partial_tail: bool = False) -> Path:
+    """A 80-step run: stage 2 from step 30, NaN at step 35, spike at 55 -> rollback to 40, then on to 80."""
+    run_dir.mkdir(parents=True)
+    rows = []
+
+    def train(step: int, loss: float) -> None:
+        rows.append(train_row(step, loss, fp16=fp16, stage=1 if step < 30 else 2))
+        if with_val and step % 20 == 0:  # evals are logged right after their step, with no tokens key
+            rows.append({"step": step, **{f"val/{d}/loss": loss + 0.1 + 0.2 * i for i, d in enumerate(DOMAINS)},
+                         "val/loss": loss + 0.2})
+
+    for step in range(1, 56):
+        train(step, float("nan") if step == 35 else 6.0 * math.exp(-step / 30) + 1.0 + (5.0 if step >= 52 else 0))
+    for step in range(41, 81):  # the replay after the rollback: steps and tokens repeat
+        train(step, 6.0 * math.exp(-step / 30) + 0.95)
+    lines = [json.dumps(row) for row in rows]  # json writes NaN as the trainer does
+    text = "\n".join(lines) + "\n"
+    if partial_tail:
+        text += '{"step": 81, "train/loss": 1.2, "tok'  # a run still writing its next line
+    (run_dir / "metrics.jsonl").write_text(text)
+    if with_events:
+        events = [
+            event(1, "stage_switch", "stage 1/2 'ja_heavy' begins at sample 0", stage=1, stage_name="ja_heavy"),
+            event(30, "stage_switch", "stage 2/2 'en_heavy' begins at sample 240", stage=2, stage_name="en_heavy"),
+            event(35, "skip_update", "non-finite loss (nan)"),
+            event(52, "skip_update", "loss 7.9 is 300% above its baseline"),
+            event(55, "spike", "spike (3 outliers in the last 10 steps)", spike_start=52),
+            event(55, "rollback", "roll back to step 40; skip 10 batches"),
+            event(40, "batches_skipped", "skipped 10 batch(es)", batches=10),
+            event(40, "recovered", "rolled back to step 40 (recovery)", to_step=40),
+        ]
+        (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (run_dir / "config.yaml").write_text("name: unit_run\ntrain:\n  tokens: 40960\n")
+    return run_dir
+
+
+def assert_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC, f"{path} is not a PNG"
+    assert len(data) > 20_000, f"{path} is suspiciously small ({len(data)} bytes)"
+
+
+def test_full_report_from_a_run_with_a_rollback(tmp_path):
+    run_dir = write_run(tmp_path / "run")
+    assert report.main([str(run_dir)]) == 0
+    out = run_dir / "report"
+    for name in PLOTS:
+        assert_png(out / name)
+    summary = (out / "summary.md").read_text()
+    # Events: every kind, with its step.
+    for step, kind in [(35, "skip_update"), (55, "spike"), (55, "rollback"), (40, "recovered"),
+                       (30, "stage_switch"), (40, "batches_skipped")]:
+        assert any(line.startswith("|") and f"| {step} |" in line and f"| {kind} |" in line
+                   for line in summary.splitlines()), (kind, step)
+    # Final losses come from the continued timeline (step 80), not from the abandoned spike.
+    final = 6.0 * math.exp(-80 / 30) + 0.95
+    assert f"| `train/loss` | {final:.4f} |" in summary
+    assert f"| `train/loss/ja` | {final + 0.1:.4f} |" in summary
+    assert f"| `val/en/loss` | {final + 0.1:.4f} |" in summary
+    assert f"| `val/ja/loss` | {final + 0.3:.4f} |" in summary
+    assert "| status | finished" in summary and "| rollbacks | 1 (" in summary
+    assert "en_heavy" in summary and "wandb sync" in summary
+    html = (out / "summary.html").read_text()
+    assert all(f"<img src='{name}'" in html for name in PLOTS)
+    assert "rolled back to step 40 (recovery)" in html
+    assert not list(run_dir.glob(".report*")), "temp dirs left behind"
+
+
+def test_rollback_marks_the_replaced_stretch_abandoned(tmp_path):
+    records = build_timeline(read_jsonl(write_run(tmp_path / "run") / "metrics.jsonl").rows)
+    abandoned = sorted({r.step for r in records if r.abandoned})
+    assert abandoned == list(range(41, 56))  # step 40 (the checkpoint rolled back to) stays
+    timeline = Timeline(records)
+    loss = timeline.series("train/loss")
+    assert list(loss.steps) == list(range(1, 81))  # one value per step on the continued timeline
+    (piece_x, piece_y), = loss.abandoned
+    assert piece_x[0] == 40 * TOKENS_PER_STEP  # drawn as a fork off the last kept point
+    val = timeline.series("val/en/loss")
+    assert list(val.steps) == [20, 40, 60, 80]
+    assert val.x[1] == 40 * TOKENS_PER_STEP  # evals take the tokens of the step they follow
+
+
+def test_running_run_with_a_cut_last_line_and_nothing_optional(tmp_path):
+    """bf16 (no loss scale), no val, no events file, a half-written last line: still a report."""
+    run_dir = write_run(tmp_path / "run", fp16=False, with_val=False, with_events=False, partial_tail=True)
+    (run_dir / "config.yaml").write_text("name: unit_run\ntrain:\n  tokens: 1000000\n")
+    out = tmp_path / "elsewhere" / "rep"  # --out: the run dir may be read-only
+    assert report.main([str(run_dir), "--out", str(out), "--smooth", "0"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted([*PLOTS, "summary.md", "summary.html"])
+    assert not (run_dir / "report").exists()
+    for name in PLOTS:
+        assert_png(out / name)
+    summary = (out / "summary.md").read_text()
+    assert "running or stopped early" in summary
+    assert "last line of metrics.jsonl is incomplete" in summary
+    assert "No events recorded" in summary and "val/" not in summary
+
+
+def test_corrupt_middle_line_is_counted_not_hidden(tmp_path):
+    run_dir = write_run(tmp_path / "run")
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    lines[3] = lines[3][:20]
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    parsed = read_jsonl(run_dir / "metrics.jsonl")
+    assert parsed.corrupt_lines == [4] and not parsed.partial_last_line
+
+
+def test_report_dir_is_replaced_as_a_whole(tmp_path):
+    """A rerun swaps the whole dir; a write that fails leaves the previous report untouched."""
+    out = tmp_path / "run" / "report"
+
+    def write(version: str, fail: bool = False):
+        def writer(tmp: Path) -> None:
+            (tmp / "summary.md").write_text(version)
+            if fail:
+                raise RuntimeError("disk full")
+        return writer
+
+    report.write_atomically(out, write("v1"))
+    (out / "stale.txt").write_text("from an older report")
+    report.write_atomically(out, write("v2"))
+    assert (out / "summary.md").read_text() == "v2" and not (out / "stale.txt").exists()
+    with pytest.raises(RuntimeError):
+        report.write_atomically(out, write("v3", fail=True))
+    assert (out / "summary.md").read_text() == "v2"
+    assert [p.name for p in out.parent.iterdir()] == ["report"]  # no temp or old dirs left
+
+
+def test_missing_metrics_is_a_clear_exit_2(tmp_path, capsys):
+    assert report.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path / "metrics.jsonl") in err
+    assert not (tmp_path / "report").exists()
+
+
+def test_metrics_without_a_train_step_yet_is_exit_2(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "val/en/loss": 6.2}\n')
+    assert report.main([str(tmp_path)]) == 2
+    assert "no training records yet" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value, text", [(0, "0"), (512, "512"), (20_000, "20k"), (1_500_000, "1.5M"),
+                                         (2.25e9, "2.25B")])
+def test_token_tick_labels(value, text):
+    assert short_count(value) == text
+
+
+def test_through_the_ayumi_cli(tmp_path):
+    run_dir = write_run(tmp_path / "run", fp16=False)
+    proc = subprocess.run([sys.executable, "-m", "pretrain.tools.cli", "report", str(run_dir)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "summary.html" in proc.stdout
+    assert (run_dir / "report" / "summary.md").exists()
