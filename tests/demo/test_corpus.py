@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from data import demo_corpus as dc
+from demo import corpus as dc
 
 # --------------------------------------------------------------------------------------------
 # A tiny R XDR serializer, written from R Internals §1.8, to make test streams

@@ -60,7 +60,7 @@ def check(status: int, what: str) -> None:
 
 
 def build_corpus(corpus_dir: Path) -> dict[str, Path]:
-    from data.demo_corpus import build_demo_corpus
+    from demo.corpus import build_demo_corpus
 
     manifest = build_demo_corpus(corpus_dir)
     missing = manifest.get("missing") or {}
@@ -175,7 +175,7 @@ def main_demo(argv: list[str]) -> int:
 
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "corpus":
-        from data.demo_corpus import main_corpus
+        from demo.corpus import main_corpus
 
         return main_corpus(argv[1:])
     return main_demo(argv)

@@ -1,0 +1,1 @@
+"""The demo: corpus sources, the corpus build and `ayumi demo`."""
