@@ -19,7 +19,7 @@ over rounds of (ayumi's median / bare's median) of each round's two adjacent blo
 steadier on a shared machine than the ratio of the overall medians (also printed, with the means).
 
 GPU (`--gpu`): one process per GPU, presets 125m and 1b in bf16 at seq 2048 (one launch per preset):
-tokens/s and MFU (`pretrain.model.flops.flops_per_token`, peak from `pretrain.trainer`) of both sides.
+tokens/s and MFU (`pretrain.model.flops.flops_per_token`, peak from `pretrain.model.flops.peak_flops`) of both sides.
 There a sample is a block of K steps timed with one synchronize at its end, divided by K (per-step
 synchronising would hide the host-device syncs ayumi's step may add).
 

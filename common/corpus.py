@@ -29,7 +29,7 @@ SKIP_REASONS = (
     "not_a_string",
     "empty_text",
 )
-MAX_EXAMPLES = 5  # locations kept per skip reason: enough to find the problem, bounded in memory
+MAX_EXAMPLES = 5  # locations kept per skip or drop reason: enough to find the problem, bounded in memory
 # What reading a broken file raises: gzip/zstd/arrow corruption, permissions, a file gone mid-read.
 READ_ERRORS = (OSError, EOFError, ValueError)
 JSONL_BLOCK_BYTES = 1 << 20  # jsonl is read in blocks of whole lines this large (streaming, few system calls)
@@ -54,6 +54,18 @@ class Document:
     """Where it came from: "path:line" (jsonl/text, 1-based), "path:row" (parquet, 0-based), "dir:index" (datasets)."""
 
 
+def count_reason(counts: dict[str, int], examples: dict[str, list[str]], reason: str, locations: list[str],
+                 count: int = 1) -> None:
+    """Add `count` to counts[reason] and keep the first MAX_EXAMPLES of `locations` in examples[reason].
+
+    The one tally behind `ReadStats` (records skipped while reading) and `data.clean.DropCounts`
+    (documents dropped by cleaning).
+    """
+    counts[reason] = counts.get(reason, 0) + count
+    seen = examples.setdefault(reason, [])
+    seen.extend(locations[:max(0, MAX_EXAMPLES - len(seen))])
+
+
 @dataclass
 class ReadStats:
     """What reading saw: files and documents read, and what was skipped, by reason."""
@@ -69,10 +81,7 @@ class ReadStats:
 
     def skip(self, reason: str, location: str) -> None:
         """Count one skipped record (or file) at `location`."""
-        self.skipped[reason] = self.skipped.get(reason, 0) + 1
-        seen = self.examples.setdefault(reason, [])
-        if len(seen) < MAX_EXAMPLES:
-            seen.append(location)
+        count_reason(self.skipped, self.examples, reason, [location])
 
     @property
     def total_skipped(self) -> int:
@@ -83,11 +92,7 @@ class ReadStats:
         self.files_read += other.files_read
         self.docs_read += other.docs_read
         for reason, count in other.skipped.items():
-            self.skipped[reason] = self.skipped.get(reason, 0) + count
-            seen = self.examples.setdefault(reason, [])
-            for location in other.examples.get(reason, []):
-                if len(seen) < MAX_EXAMPLES:
-                    seen.append(location)
+            count_reason(self.skipped, self.examples, reason, other.examples.get(reason, []), count)
 
     def to_dict(self) -> dict:
         return {

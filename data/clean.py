@@ -6,7 +6,8 @@ state across documents and lives in the parent process (data/prepare.py); it use
 `Cleaner.key` (`content_key` in the domain's `clean.dedup` mode), the 16-byte identity of a
 cleaned document, which also decides the validation split and drives the train/val overlap check.
 
-`DropCounts` tallies drops by reason and keeps the first few locations of each.
+`DropCounts` tallies drops by reason and keeps the first few locations of each (the tally
+`common.corpus.ReadStats` keeps of reader skips: `count_reason`).
 """
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ import re
 import unicodedata
 from dataclasses import dataclass, field
 
+from common.corpus import count_reason
 from data.config import CleanConfig
 
 # Reasons a cleaning filter drops a document (reader skips use common.corpus.SKIP_REASONS).
 CLEAN_REASONS = ("empty_after_clean", "too_short", "too_long", "low_script_share", "too_many_symbols", "duplicate")
-MAX_EXAMPLES = 5  # locations kept per reason: enough to find the cause, bounded in memory
 
 # Letters of each script, as regex character classes. "ja" counts kana and kanji (and the
 # prolonged sound mark) but not Latin, so romaji-only pages score low.
@@ -160,10 +161,7 @@ class DropCounts:
     examples: dict[str, list[str]] = field(default_factory=dict)
 
     def add(self, reason: str, location: str) -> None:
-        self.counts[reason] = self.counts.get(reason, 0) + 1
-        seen = self.examples.setdefault(reason, [])
-        if len(seen) < MAX_EXAMPLES:
-            seen.append(location)
+        count_reason(self.counts, self.examples, reason, [location])
 
     @property
     def total(self) -> int:

@@ -5,6 +5,6 @@
 - `plan.py`: `ayumi plan`; `doctor.py`: `ayumi doctor`; `export.py`: `ayumi export hf`;
 - `report/`: `ayumi report` (timeline, plots, rendering).
 
-May import anything in `pretrain` and below. Only `doctor.py` imports DeepSpeed outside `pretrain/engine/`: it
+May import: anything in `pretrain` and below. Only `doctor.py` imports DeepSpeed outside `pretrain/engine/`: it
 reports DeepSpeed's versions and ops.
 """

@@ -12,7 +12,7 @@ import sys
 # and a command never pays for another's imports (DeepSpeed takes seconds to import).
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("pretrain.tools.launch", "main", "train locally with the right launcher (deepspeed/torchrun) for this machine"),
-    "demo": ("pretrain.demo", "main", "the whole pipeline on the embedded default (Quickstart command 1)"),
+    "demo": ("demo.run", "main", "the whole pipeline on the embedded default (Quickstart command 1)"),
     "export": ("pretrain.tools.export", "main", "export hf CHECKPOINT_DIR OUT_DIR: a transformers LlamaForCausalLM folder"),
     "tokenizer": ("tokenizer.cli", "main", "build | eval | sweep | export: the merged SentencePiece tokenizer"),
     "data": ("data.cli", "main", "prepare | inspect | verify: corpus to Megatron .bin/.idx token shards"),

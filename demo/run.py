@@ -60,7 +60,7 @@ def check(status: int, what: str) -> None:
 
 
 def build_corpus(corpus_dir: Path) -> dict[str, Path]:
-    from data.demo_corpus import build_demo_corpus
+    from demo.corpus import build_demo_corpus
 
     manifest = build_demo_corpus(corpus_dir)
     missing = manifest.get("missing") or {}
@@ -102,13 +102,13 @@ def training_overrides(shards: Path, tokenizer_dir: Path, runs: Path) -> list[st
 
 
 def show_plan(overrides: list[str]) -> None:
-    from pretrain.plan import main as plan_main
+    from pretrain.tools.plan import main as plan_main
 
     check(plan_main(overrides), "ayumi plan")
 
 
 def train(overrides: list[str], run_dir: Path) -> None:
-    from pretrain.launch import main as launch_main
+    from pretrain.tools.launch import main as launch_main
 
     if run_dir.exists():
         print(f"replacing the previous demo run in {run_dir}")
@@ -117,7 +117,7 @@ def train(overrides: list[str], run_dir: Path) -> None:
 
 
 def report(run_dir: Path) -> None:
-    from pretrain.report import main as report_main
+    from pretrain.tools.report.build import main as report_main
 
     check(report_main([str(run_dir)]), "ayumi report")
 
@@ -175,7 +175,7 @@ def main_demo(argv: list[str]) -> int:
 
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "corpus":
-        from data.demo_corpus import main_corpus
+        from demo.corpus import main_corpus
 
         return main_corpus(argv[1:])
     return main_demo(argv)
