@@ -18,7 +18,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import ClassVar, TextIO
+from typing import Any, ClassVar, TextIO
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -664,3 +664,11 @@ def default_run_notice(prog: str, overrides: list[str] | tuple[str, ...], cfg: A
 def config_as_yaml(cfg: DictConfig | AyumiConfig) -> str:
     node = cfg if isinstance(cfg, DictConfig) else OmegaConf.structured(cfg)
     return OmegaConf.to_yaml(node, resolve=True)
+
+
+def advisable_settings(cfg: AyumiConfig) -> dict[str, Any]:
+    """Current values of the settings a stability stop message may advise changing (it quotes them)."""
+    return {"optim.lr": cfg.optim.lr, "optim.warmup_steps": cfg.optim.warmup_steps,
+            "stability.clip.enabled": cfg.stability.clip.enabled, "optim.eps": cfg.optim.eps,
+            "model.embedding_grad_alpha": cfg.model.embedding_grad_alpha, "model.z_loss": cfg.model.z_loss,
+            "model.qk_norm": cfg.model.qk_norm}

@@ -24,7 +24,7 @@ from curriculum.mixer import Mixer
 from data.packed import PackedSamples
 from pretrain.checkpoint.checkpointer import Checkpointer, start_checkpoint
 from pretrain.checkpoint.ring import RunCheckpoints
-from pretrain.config import AyumiConfig, tokens_per_step
+from pretrain.config import AyumiConfig, advisable_settings, tokens_per_step
 from pretrain.engine.distributed import DistInfo, all_reduce_tensor, barrier, broadcast_object
 from pretrain.engine.optimizer import lr_at
 from pretrain.engine.train_engine import TrainEngine
@@ -109,8 +109,9 @@ class Trainer:
         stab = cfg.stability
         if cfg.deepspeed.precision != "fp16":  # there is no loss scale to reset (or to mention)
             stab = replace(stab, recovery=replace(stab.recovery, reset_loss_scale=False))
-        self.stability = StabilityMonitor(stab, cfg.optim.grad_clip, cfg.deepspeed.min_loss_scale, knobs=_knobs(cfg))
-        self.checkpoints = RunCheckpoints(checkpointer, dist.is_main, barrier, broadcast_object)
+        self.stability = StabilityMonitor(stab, cfg.optim.grad_clip, cfg.deepspeed.min_loss_scale, knobs=advisable_settings(cfg))
+        ring_interval = stab.recovery.ring_interval if stab.enabled and stab.action == "recover" else 0
+        self.checkpoints = RunCheckpoints(checkpointer, dist.is_main, barrier, broadcast_object, ring_interval)
         self.evaluator = Evaluator(cfg, dist, engine, val_sets, logger, self.watchdog, total_steps)
         self.drills = FaultDrills(cfg, dist, self.stability.injector, logger, self.tokens_per_step)
         stragglers = StragglerMonitor(cfg.hang, self._gather_per_rank)
@@ -211,12 +212,6 @@ class Trainer:
     def checkpoint_steps(self) -> list[int]:
         return self.checkpoints.steps
 
-    def ring_due(self, step: int) -> bool:
-        stab = self.cfg.stability
-        interval = stab.recovery.ring_interval
-        return stab.enabled and stab.action == "recover" and interval > 0 and step % interval == 0 \
-            and step < self.total_steps
-
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> TrainResult:
         self.announce()
@@ -279,7 +274,7 @@ class Trainer:
             return outcome
         if self.cfg.checkpoint.interval and step % self.cfg.checkpoint.interval == 0 and step < self.total_steps:
             self.save("interval")
-        elif self.ring_due(step):
+        elif self.checkpoints.ring_due(step, self.total_steps):
             self.save_recovery_checkpoint()
         return outcome
 
@@ -495,11 +490,3 @@ class Trainer:
 def _tp(tensor_parallel: int) -> str:
     """` (tensor-parallel T)` after a rank count in resume messages; empty without tensor parallelism."""
     return f" (tensor-parallel {tensor_parallel})" if tensor_parallel > 1 else ""
-
-
-def _knobs(cfg: AyumiConfig) -> dict[str, Any]:
-    """Current values of the settings a stability stop message may advise changing."""
-    return {"optim.lr": cfg.optim.lr, "optim.warmup_steps": cfg.optim.warmup_steps,
-            "stability.clip.enabled": cfg.stability.clip.enabled, "optim.eps": cfg.optim.eps,
-            "model.embedding_grad_alpha": cfg.model.embedding_grad_alpha, "model.z_loss": cfg.model.z_loss,
-            "model.qk_norm": cfg.model.qk_norm}

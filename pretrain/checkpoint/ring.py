@@ -22,8 +22,10 @@ class RunCheckpoints:
     """Long-term checkpoints and the rollback ring; `steps` lists every complete one (identical on all ranks)."""
 
     def __init__(self, long_term: Checkpointer, is_main: bool, barrier: Callable[[], None],
-                 broadcast: Callable[[Any], Any]):
+                 broadcast: Callable[[Any], Any], ring_interval: int = 0):
         self.long_term = long_term
+        self.ring_interval = ring_interval
+        """Steps between ring checkpoints; 0 = no ring (recovery off)."""
         self.ring = long_term.sibling(long_term.root / RING_DIR, keep_last=0)
         self._is_main = is_main
         self._barrier = barrier
@@ -55,6 +57,10 @@ class RunCheckpoints:
                 shutil.rmtree(self.ring.root / tag_for(old), ignore_errors=True)
         self._barrier()
         self.refresh()
+
+    def ring_due(self, step: int, total_steps: int) -> bool:
+        """Whether to save a ring checkpoint after `step` steps (never at the end: the final save covers it)."""
+        return self.ring_interval > 0 and step % self.ring_interval == 0 and step < total_steps
 
     def writing(self) -> bool:
         return self.long_term.pending_step is not None or self.ring.pending_step is not None

@@ -272,3 +272,23 @@ def test_zero3_checkpoint_exports_to_transformers(corpus, tmp_path):
             logits = model(tokens[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
         assert float(loss) == pytest.approx(logged[f"val/{domain}/loss"], abs=1e-4)
+
+
+HOOK_ENTRY = str(REPO / "tests" / "pretrain" / "hook_train.py")
+
+
+def test_a_step_hook_is_called_every_step_on_every_rank_and_its_metrics_are_logged(corpus, tmp_path):
+    """The seam a new per-step concern plugs into (pretrain/hooks.py): a hook appended to the trainer
+    `build_trainer` returns sees before_update then after_step for each of the 12 steps, on both ranks, with the
+    step numbers and tokens the metrics use, and what it adds to report.metrics reaches metrics.jsonl."""
+    runs = tmp_path / "runs"
+    check_ok(run_training(tiny_overrides(corpus, runs, "train.tokens=6144", "deepspeed.precision=fp32"),
+                          entry=HOOK_ENTRY))
+    run_dir = runs / "cpu_tiny"
+    expected = []
+    for index in range(12):
+        expected += [["before_update", index], ["after_step", index, index + 1, (index + 1) * 8 * 64, True]]
+    for rank in (0, 1):
+        assert json.loads((run_dir / f"hook_calls_rank{rank}.json").read_text()) == expected
+    logged = {r["step"]: r["test/hook_calls"] for r in metrics(run_dir)}
+    assert logged == {step: 2 * step for step in range(1, 13)}
