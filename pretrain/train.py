@@ -241,15 +241,13 @@ def hf_initial_weights(cfg: AyumiConfig, data_vocab: int | None = None):
     that made the data; read from the data root's manifest when not given) are new pieces, the rows above
     it padding.
     """
-    model_cfg = cfg.model
-    if not model_cfg.init_from:
-        return None
-    from pretrain.model.flops import parameter_shapes
-    from pretrain.model.hf_import import HFWeights, read_hf_config
+    from pretrain.model.hf_import import check_init_from, read_hf_config
 
-    weights = HFWeights(model_cfg.init_from)
+    model_cfg = cfg.model
+    weights = check_init_from(model_cfg)
+    if weights is None:
+        return None
     base_vocab = int(read_hf_config(model_cfg.init_from)["vocab_size"])
-    weights.check(parameter_shapes(model_cfg), model_cfg.tie_embeddings, grown_vocab=model_cfg.vocab_size > base_vocab)
     if model_cfg.vocab_size == base_vocab:
         return weights.tensor
     data_vocab = data_vocab_size(cfg) if data_vocab is None else data_vocab  # only a grown model needs it
