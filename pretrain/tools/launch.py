@@ -12,6 +12,10 @@ without importing torch or DeepSpeed: a mistake exits with status 2 and one line
 any process starts, and `--dry-run` prints the command only for a valid config (it skips the data,
 the plan and init_from's tensors: they may live on the cluster). Multi-node and SLURM launches are
 the scripts under launch/.
+
+What the ranks refuse once running (a shard damaged after this check, a disk that fills) they say
+in one line and leave for this process (pretrain/job/exit_status.py): `ayumi train` returns their
+status (2, 3), not the launcher's 1, and repeats their line last, below the launcher's report.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -223,8 +228,39 @@ def main(argv: list[str]) -> int:
     print("+ " + " ".join(shlex.quote(part) for part in cmd), flush=True)
     if args.dry_run:
         return 0
+    return run_job(cmd, env, cfg.run_dir)
+
+
+def run_job(cmd: list[str], env: dict[str, str], run_dir: str) -> int:
+    """Run the launcher; the job's status is the ranks' own when they left one (pretrain/job/exit_status.py),
+    EXIT_HANG when the watchdog ended it, else the launcher's."""
+    from pretrain.job.exit_status import STATUS_DIR_ENV
+
     started = time.time()
-    return hang_status(cfg.run_dir, started, run_launcher(cmd, env))
+    with tempfile.TemporaryDirectory(prefix="ayumi-exit-") as exits:
+        status = run_launcher(cmd, {**env, STATUS_DIR_ENV: exits})
+        chosen = ranks_status(exits, status)
+    return chosen if chosen is not None else hang_status(run_dir, started, status)
+
+
+def ranks_status(folder: str, status: int) -> int | None:
+    """The status the ranks left in `folder` when the launcher failed (torchrun reports their 2 or 3 as 1), their
+    message repeated last so the launcher's report above does not bury it; None when they left none (a crash, a hang)."""
+    from pretrain.job.exit_status import agreed_exit, read_exits
+
+    agreed = agreed_exit(read_exits(folder)) if status != 0 else None
+    if agreed is None:
+        return None
+    chosen, messages = agreed
+    if chosen == status:  # a plain process (--nproc 1): its own line is already the last one
+        return chosen
+    for message in messages:
+        for line in message.splitlines():
+            print(f"{PROG}: {line}", file=sys.stderr, flush=True)
+    if not messages:
+        print(f"{PROG}: the training processes exited with status {chosen} (the launcher reported {status})",
+              file=sys.stderr, flush=True)
+    return chosen
 
 
 def hang_status(run_dir: str, started: float, status: int) -> int:

@@ -1,9 +1,14 @@
-"""`ayumi train` refuses what it can before any rank starts, through the real entry (`python -m pretrain.tools.cli train`):
-a `model.init_from` folder whose tensors disagree with its config.json, from the safetensors headers (no rank, no torch).
+"""`ayumi train` exits with what the ranks decided, through the real entry (`python -m pretrain.tools.cli train`).
+
+A `model.init_from` folder whose tensors disagree with its config.json is refused by the launching process from
+the safetensors headers (no rank, no torch); a refusal only the ranks can make (a shard whose bytes changed, a token
+id outside the vocabulary read mid-run) ends the job with status 2, not torchrun's 1, and the ranks' one line is
+repeated last, below torchrun's report of its failed children.
 """
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -59,3 +64,51 @@ def test_a_folder_that_fits_passes_the_check_and_trains(tmp_path):
 def ayumi(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pretrain.tools.cli", *args], cwd=REPO, env=cpu_env(),
                           capture_output=True, text=True, timeout=300)
+
+
+def overwrite_tokens(bin_path: Path, value: int, indices) -> None:
+    raw = bytearray(bin_path.read_bytes())
+    for index in indices:
+        raw[2 * index:2 * index + 2] = value.to_bytes(2, "little")  # vocabulary 512: uint16 ids
+    bin_path.write_bytes(bytes(raw))
+
+
+def ranks_said(stderr: str) -> list[str]:
+    return [line.removeprefix("pretrain.train: ") for line in stderr.splitlines() if line.startswith("pretrain.train: ")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage, extra, said", [
+    # A valid id in place of another: only the checksum every rank computes at start can tell (all ranks refuse).
+    ((511, [100]), [], "is not the recorded"),
+    # Ids outside the vocabulary with checksums off: the rank that reads one stops alone, mid-run.
+    ((4000, range(0, 2000, 50)), ["data.verify=sizes"], "outside the vocabulary [0, 512)"),
+])
+def test_a_refusal_inside_the_ranks_ends_ayumi_train_with_status_2_and_its_line_last(tmp_path, damage, extra, said):
+    corpus = write_tiny_corpus(tmp_path / "corpus")
+    bin_path = corpus / "en" / "train" / "part_00000.bin"
+    overwrite_tokens(bin_path, *damage)  # after `ayumi data prepare`: its sizes and records still agree
+    proc = ayumi("train", *tiny_overrides(corpus, tmp_path / "runs", *SHORT, *extra))
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.stdout.startswith("+ ") and "torchrun" in proc.stdout.splitlines()[0]  # the ranks did start
+    [line] = ranks_said(proc.stderr)
+    assert str(bin_path) in line and said in line, proc.stderr[-3000:]
+    assert proc.stderr.rstrip("\n").splitlines()[-1] == f"ayumi train: {line}"  # below torchrun's report
+
+
+def test_without_ayumi_train_the_ranks_leave_no_status_file(tmp_path, monkeypatch):
+    """A raw torchrun or a scheduler's script sets no status folder: record_exit writes nothing anywhere."""
+    from pretrain.job.exit_status import STATUS_DIR_ENV, agreed_exit, read_exits, record_exit
+
+    monkeypatch.delenv(STATUS_DIR_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    record_exit(2, "a message")
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setenv(STATUS_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("RANK", "1")
+    record_exit(0)  # a clean exit says nothing
+    record_exit(2, "the disk at /x is full")
+    monkeypatch.setenv("RANK", "0")
+    record_exit(2)  # a rank that followed: the status, no message
+    assert sorted(os.listdir(tmp_path)) == ["rank_00000.json", "rank_00001.json"]
+    assert agreed_exit(read_exits(tmp_path)) == (2, ["the disk at /x is full"])
