@@ -84,8 +84,9 @@ class DeepSpeedConfig:
     zero_stage: int = 0
     """ZeRO stage 0 (plain data parallel), 1 (optimizer states), 2 (+gradients) or 3 (+parameters)."""
     precision: str = "auto"
-    """auto | bf16 | fp16 (dynamic loss scaling) | fp32. auto: bf16 on GPUs that have it (else fp16), and
-    on CPUs with a fast bf16 matmul (else fp32); see pretrain/engine/precision.py. A resumed auto run keeps its precision."""
+    """auto | bf16 | fp16 (dynamic loss scaling) | fp32. auto: bf16 on GPUs that have it (else fp16), and on CPUs
+    with native bf16, AVX512-BF16/AMX/Arm BF16 (else fp32); see pretrain/engine/precision.py. A resumed auto run keeps
+    its precision."""
     offload_optimizer: bool = False
     """ZeRO 1-3: keep optimizer states (and the step) on the CPU (ZeRO-Offload)."""
     offload_param: bool = False

@@ -63,6 +63,7 @@ from pretrain.engine.distributed import (
     all_reduce_tensor, any_rank, barrier, broadcast_object, finalize_distributed, init_distributed,
 )
 from pretrain.engine.ds_config import save_ds_config
+from pretrain.job.exit_status import record_exit
 from pretrain.job.hang_watchdog import HangWatchdog, process_group_timeout_s
 from pretrain.loader import BatchLoader
 from pretrain.plan.memory import format_memory
@@ -241,15 +242,13 @@ def hf_initial_weights(cfg: AyumiConfig, data_vocab: int | None = None):
     that made the data; read from the data root's manifest when not given) are new pieces, the rows above
     it padding.
     """
-    model_cfg = cfg.model
-    if not model_cfg.init_from:
-        return None
-    from pretrain.model.flops import parameter_shapes
-    from pretrain.model.hf_import import HFWeights, read_hf_config
+    from pretrain.model.hf_import import check_init_from, read_hf_config
 
-    weights = HFWeights(model_cfg.init_from)
+    model_cfg = cfg.model
+    weights = check_init_from(model_cfg)
+    if weights is None:
+        return None
     base_vocab = int(read_hf_config(model_cfg.init_from)["vocab_size"])
-    weights.check(parameter_shapes(model_cfg), model_cfg.tie_embeddings, grown_vocab=model_cfg.vocab_size > base_vocab)
     if model_cfg.vocab_size == base_vocab:
         return weights.tensor
     data_vocab = data_vocab_size(cfg) if data_vocab is None else data_vocab  # only a grown model needs it
@@ -357,8 +356,7 @@ def run(cfg: AyumiConfig, resolved: dict) -> TrainResult:
         # Only this rank read the damaged sample; the others wait for it in a collective, so the
         # barrier below would hang until the process-group timeout. Say why and leave at once: the
         # launcher sees the exit and stops the other ranks.
-        print_config_error(PROG, err)
-        exit_now(EXIT_CONFIG_ERROR)
+        exit_now(refuse(err, say=True))
         raise  # not reached
     finally:
         logger.close()
@@ -377,9 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_from_args(argv)  # before init_distributed: a mistake costs no rank start
     except ConfigError as err:
-        if first:
-            print_config_error(PROG, err)
-        return EXIT_CONFIG_ERROR
+        return refuse(err, say=first)
     if cfg is None:  # --cfg job printed it
         return 0
     notice = default_run_notice(PROG, argv, cfg)
@@ -395,14 +391,24 @@ def main(argv: list[str] | None = None) -> int:
         # Every rank reads the same data, tokenizer and checkpoint, so every rank fails alike: one
         # says why, without a traceback per rank (the message names the file and the fix). A damaged
         # sample is the exception: only the rank that read it knows, so that rank says it (run()).
-        if first:
-            print_config_error(PROG, err)
-        return EXIT_CONFIG_ERROR
+        return refuse(err, say=first)
     if os.environ.get("AYUMI_RESULT_FILE") and first:
         Path(os.environ["AYUMI_RESULT_FILE"]).write_text(json.dumps(asdict(result)))
     # A stability stop saved its state but needs a person: a distinct status keeps schedulers
     # with automatic requeue from restarting into the same spike.
-    return EXIT_STABILITY_STOP if result.stopped_by_stability else 0
+    if result.stopped_by_stability:
+        record_exit(EXIT_STABILITY_STOP)
+        return EXIT_STABILITY_STOP
+    return 0
+
+
+def refuse(err: Exception, say: bool) -> int:
+    """A mistake in what the run was given: printed by the rank that `say`s it (one line per problem, no traceback)
+    and left for `ayumi train`, which the launcher would otherwise tell only "1". Returns EXIT_CONFIG_ERROR."""
+    if say:
+        print_config_error(PROG, err)
+    record_exit(EXIT_CONFIG_ERROR, str(err) if say else "")
+    return EXIT_CONFIG_ERROR
 
 
 def exit_now(status: int) -> None:

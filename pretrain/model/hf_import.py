@@ -6,9 +6,10 @@ config.json into ModelConfig's fields, refusing by name anything ayumi's Llama d
 the same way, then copy each tensor from the folder's safetensors (one file or an index of
 shards) into the model as it is built. Nothing is downloaded: PATH is a local folder.
 
-Reading config.json needs no torch, so `ayumi train`/`ayumi plan` apply the shape before any
-rank starts; the tensors are read by the ranks (under ZeRO-3 by rank 0 only, one tensor at a
-time, so no rank holds the whole model).
+Reading config.json and the safetensors headers needs no torch, so `ayumi train`/`ayumi plan` apply
+the shape, and `ayumi train` checks every tensor's name and shape against it, before any rank starts;
+the tensors are read by the ranks (under ZeRO-3 by rank 0 only, one tensor at a time, so no rank
+holds the whole model).
 """
 from __future__ import annotations
 
@@ -156,24 +157,51 @@ def _differs(given: Any, wanted: Any) -> bool:
     return str(given) != str(wanted)
 
 
+SAFETENSORS_HEADER_LIMIT = 100_000_000
+"""Largest header the safetensors format allows (bytes): a bigger length field means the file is not one."""
+
+
+def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape from a .safetensors file's header (8 bytes of length, then JSON): no tensor is read and
+    no torch imported, so `ayumi train` can check a folder before any rank starts."""
+    try:
+        with open(path, "rb") as handle:
+            length = int.from_bytes(handle.read(8), "little")
+            if not 2 <= length <= SAFETENSORS_HEADER_LIMIT:
+                raise ValueError(f"header length {length}")
+            header = json.loads(handle.read(length))
+        return {name: tuple(int(size) for size in entry["shape"])
+                for name, entry in header.items() if name != "__metadata__"}
+    except FileNotFoundError:
+        raise HFImportError(f"{path} does not exist, but {SAFETENSORS_INDEX} lists it: the folder is incomplete. "
+                            "Fix: copy the missing file, or save the model again") from None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
+        raise HFImportError(f"{path} is not a readable safetensors file ({err}): the file is damaged or "
+                            "incomplete. Fix: copy it again, or save the model again") from None
+
+
 class HFWeights:
-    """The tensors of a folder's safetensors (`model.safetensors`, or shards listed in its index), read one at a time."""
+    """The tensors of a folder's safetensors (`model.safetensors`, or shards listed in its index), read one at a time.
+
+    Their names and shapes come from the files' headers alone (`check` needs no torch); `tensor` reads one."""
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        """Name -> shape of every tensor the files' headers list."""
         self.files = self._tensor_files()
 
     def _tensor_files(self) -> dict[str, Path]:
         index = self.folder / SAFETENSORS_INDEX
         if index.is_file():
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            for file in sorted(set(weight_map.values())):
+                self.shapes.update(safetensors_shapes(self.folder / file))
             return {name: self.folder / file for name, file in weight_map.items()}
         single = self.folder / SAFETENSORS_FILE
         if single.is_file():
-            from safetensors import safe_open
-
-            with safe_open(str(single), framework="pt") as handle:
-                return {name: single for name in handle.keys()}
+            self.shapes = safetensors_shapes(single)
+            return {name: single for name in self.shapes}
         other = sorted(p.name for p in self.folder.glob("*.bin")) + sorted(p.name for p in self.folder.glob("*.pt*"))
         hint = (f" (it has {', '.join(other[:3])}: save it with safe_serialization=True, e.g. "
                 "`LlamaForCausalLM.from_pretrained(PATH).save_pretrained(NEW)`)") if other else ""
@@ -182,16 +210,14 @@ class HFWeights:
     def check(self, shapes: dict[str, tuple[int, ...]], tied: bool, grown_vocab: bool = False) -> None:
         """Every parameter the model needs is there with its shape (a tied lm_head may be absent; with
         `grown_vocab`, the embedding and LM head may have fewer rows: they grow, pretrain/model/resize.py)."""
-        from safetensors import safe_open
-
         needed = {name: shape for name, shape in shapes.items() if not (tied and name == "lm_head.weight")}
-        missing = sorted(set(needed) - set(self.files))
+        missing = sorted(set(needed) - (set(self.files) & set(self.shapes)))  # listed by the index and in its file
         if missing:
             raise HFImportError(f"model.init_from={self.folder}: tensors missing from its safetensors: "
-                                f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+                                f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}. Fix: a folder whose "
+                                f"{CONFIG_FILE} describes its weights (the model's shape comes from {CONFIG_FILE})")
         for name, shape in needed.items():
-            with safe_open(str(self.files[name]), framework="pt") as handle:
-                found = tuple(handle.get_slice(name).get_shape())
+            found = self.shapes[name]
             grows = grown_vocab and name in ("model.embed_tokens.weight", "lm_head.weight") \
                 and found[1:] == tuple(shape)[1:] and found[0] <= shape[0]
             if found != tuple(shape) and not grows:
@@ -203,3 +229,17 @@ class HFWeights:
 
         with safe_open(str(self.files[name]), framework="pt") as handle:
             return handle.get_tensor(name)
+
+
+def check_init_from(model_cfg) -> HFWeights | None:
+    """model.init_from's tensors checked against the model's shapes (ModelConfig `model_cfg`, its shape taken from the
+    folder's config.json), or None without init_from. From the safetensors headers only: `ayumi train` runs it before
+    any rank starts, and each rank again before it reads a tensor."""
+    if not model_cfg.init_from:
+        return None
+    from pretrain.model.flops import parameter_shapes
+
+    weights = HFWeights(model_cfg.init_from)
+    base_vocab = int(read_hf_config(model_cfg.init_from)["vocab_size"])
+    weights.check(parameter_shapes(model_cfg), model_cfg.tie_embeddings, grown_vocab=model_cfg.vocab_size > base_vocab)
+    return weights

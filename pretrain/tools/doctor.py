@@ -1,12 +1,17 @@
 """`ayumi doctor`: is this machine ready to train? One table of facts, problems and fixes.
 
-    ayumi doctor [--json] [key=value ...]
+    ayumi doctor [--json] [--refresh-precision] [key=value ...]
 
 Checks, in order: Python; torch, its CUDA build, NCCL and the GPUs (name, memory); DeepSpeed's
 version, accelerator and op compatibility; CPU cores and RAM; the tokenizer/data libraries;
 free disk on the data root and the run root; W&B mode and readiness. Given Hydra overrides
 (`experiment=NAME ...`) it also composes that run's config and compares its checkpoints'
 estimated size (parameters x 14 bytes x checkpoint.keep_last) with the free disk.
+
+The precision row is what `deepspeed.precision` resolves to here and why. On the CPU that is
+decided by the CPU's bf16 capability, sanity-checked by a matmul measurement cached per machine
+(~/.cache/ayumi/cpu_precision.json); the row shows the measurement's date. `--refresh-precision`
+measures again and replaces the cached one: run it on an idle machine when a busy one vetoed bf16.
 
 DeepSpeed facts come from a subprocess (the same questions `ds_report` asks): only
 pretrain/engine/ imports deepspeed in the product, and nothing here may trigger an op build.
@@ -84,14 +89,15 @@ def check_torch() -> list[Check]:
     return checks
 
 
-def check_precision(requested: str) -> Check:
-    """What `deepspeed.precision` resolves to on this machine, and why (pretrain/engine/precision.py)."""
+def check_precision(requested: str, refresh: bool = False) -> Check:
+    """What `deepspeed.precision` resolves to on this machine, and why (pretrain/engine/precision.py); `refresh`
+    measures the CPU's bf16 matmul again first and replaces the cached measurement (CPU training only)."""
     import torch
 
-    from pretrain.engine.precision import resolve_precision
+    from pretrain.engine.precision import cpu_bf16, resolve_precision
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    choice = resolve_precision(requested, device)
+    choice = resolve_precision(requested, device, cpu_bf16(refresh=True) if refresh and device.type == "cpu" else None)
     if choice.warning:
         return Check("torch", "precision", WARN, f"{choice.precision} ({choice.reason})", choice.warning)
     return Check("torch", "precision", OK, f"{choice.precision} (deepspeed.precision={requested}: {choice.reason})")
@@ -324,7 +330,7 @@ def default_roots() -> tuple[Path, Path]:
     return Path(os.environ.get("AYUMI_DATA_ROOT", ".cache")), Path(os.environ.get("AYUMI_RUN_ROOT", "runs"))
 
 
-def run_checks(overrides: list[str]) -> list[Check]:
+def run_checks(overrides: list[str], refresh_precision: bool = False) -> list[Check]:
     checks = check_python() + check_host() + check_torch()
     data_root, run_root = default_roots()
     configured_mode, precision, plan_checks = None, "auto", []
@@ -335,7 +341,7 @@ def run_checks(overrides: list[str]) -> list[Check]:
             configured_mode = cfg.logging.wandb.mode if cfg.logging.wandb.enabled else "disabled"
             precision = cfg.deepspeed.precision
     if not any(check.name == "torch" and check.status == FAIL for check in checks):
-        checks.append(check_precision(precision))
+        checks.append(check_precision(precision, refresh_precision))
     checks += check_deepspeed(deepspeed_facts()) + check_libraries()
     return checks + check_roots(data_root, run_root) + plan_checks + check_wandb(configured_mode)
 
@@ -369,15 +375,20 @@ def format_table(checks: list[Check], steps: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     from pretrain.config import training_config_help
 
-    parser = argparse.ArgumentParser(prog="ayumi doctor", description=__doc__, usage="ayumi doctor [--json] [key=value ...]",
+    parser = argparse.ArgumentParser(prog="ayumi doctor", description=__doc__, usage="ayumi doctor [--json] [--refresh-precision] [key=value ...]",
                                      epilog=training_config_help(cfg_job=False),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print the checks as JSON")
+    parser.add_argument("--refresh-precision", action="store_true",
+                        help="measure this CPU's bf16 matmul against fp32 again and replace the cached measurement "
+                             "(~/.cache/ayumi/cpu_precision.json) that deepspeed.precision=auto's CPU decision is "
+                             "sanity-checked with; its date is in the precision row. Use it on an idle machine after a "
+                             "busy one vetoed bf16")
     args, overrides = parser.parse_known_args(argv)
     unknown = [arg for arg in overrides if arg.startswith("-")]
     if unknown:
         parser.error(f"unknown option(s) {unknown}; overrides are key=value")
-    checks = run_checks(overrides)
+    checks = run_checks(overrides, args.refresh_precision)
     steps = next_steps(checks, overrides)
     broken = any(check.status == FAIL for check in checks)
     if args.json:

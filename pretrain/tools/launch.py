@@ -6,10 +6,16 @@
   gives bitwise-equal losses (docs/deepspeed-on-cpu.md); `--launcher deepspeed` picks the latter.
 
 The whole config is composed and checked here first (types, ranges, names, the batch over the
-ranks about to start, the data as the ranks will open it, and the plan: stage budgets, repetition,
-checkpoint disk, GPU memory), without importing torch or DeepSpeed: a mistake exits with status 2
-and one line per problem before any process starts, and `--dry-run` prints the command only for a
-valid config (it skips the data and the plan: the data may live on the cluster). Multi-node and SLURM launches are the scripts under launch/.
+ranks about to start, the data as the ranks will open it, the plan: stage budgets, repetition,
+checkpoint disk, GPU memory, and `model.init_from`'s tensors from their safetensors headers),
+without importing torch or DeepSpeed: a mistake exits with status 2 and one line per problem before
+any process starts, and `--dry-run` prints the command only for a valid config (it skips the data,
+the plan and init_from's tensors: they may live on the cluster). Multi-node and SLURM launches are
+the scripts under launch/.
+
+What the ranks refuse once running (a shard damaged after this check, a disk that fills) they say
+in one line and leave for this process (pretrain/job/exit_status.py): `ayumi train` returns their
+status (2, 3), not the launcher's 1, and repeats their line last, below the launcher's report.
 """
 from __future__ import annotations
 
@@ -20,7 +26,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from pretrain.plan.hardware import gpu_count
 
@@ -50,6 +58,22 @@ def preflight_plan(cfg, nproc: int, gpus: int) -> None:
     hardware = planned_hardware(cfg, ranks=nproc) if gpus else \
         Hardware(nproc // cfg.parallel.tensor, None, "CPU", cfg.parallel.tensor)
     raise_if_refused(run_plan(cfg, count_parameters(cfg.model), hardware, domains=train).plan)
+
+
+def preflight_init_from(cfg) -> None:
+    """model.init_from's tensors against the model's shape, as each rank checks them before reading one
+    (pretrain.train.hf_initial_weights), from the safetensors headers: no torch, no tensor read.
+
+    Skipped when the ranks will resume from a checkpoint (they then never read the folder): `load_from`, or
+    `resume` with a complete checkpoint in the run's checkpoint dir (a step folder with its ayumi.json, as
+    pretrain.checkpoint.checkpointer.latest_tag finds it; that module imports torch).
+    """
+    from pretrain.model.hf_import import check_init_from
+
+    ckpt = cfg.checkpoint
+    resumes = bool(ckpt.load_from) or (ckpt.resume and any(Path(ckpt.dir).glob("step_*/ayumi.json")))
+    if not resumes:
+        check_init_from(cfg.model)
 
 
 def launcher_command(launcher: str, nproc: int, overrides: list[str], master_port: int | None = None) -> list[str]:
@@ -167,6 +191,7 @@ def main(argv: list[str]) -> int:
     from curriculum.config import CurriculumError
     from curriculum.plan import DATA_ERRORS, PlanRefused
     from pretrain.job.run_lock import check_unlocked
+    from pretrain.model.hf_import import HFImportError
     from pretrain.config import (
         CHECKED_BY_LAUNCHER_ENV, EXIT_CONFIG_ERROR, ConfigError, config_from_args, data_parallel_grad_accum,
         data_parallel_size, default_run_notice, print_config_error,
@@ -183,10 +208,12 @@ def main(argv: list[str]) -> int:
         data_parallel_grad_accum(cfg.train, data_parallel_size(cfg.parallel, nproc))
         if not args.dry_run:  # a dry run shows the command; its data may live elsewhere
             preflight_plan(cfg, nproc, gpus)
+            preflight_init_from(cfg)
             in_use = check_unlocked(cfg.run_dir)  # the ranks lock it; say it here once, before any starts
             if in_use:
                 raise ConfigError(in_use)
-    except (ConfigError, PlanRefused, CurriculumError, *DATA_ERRORS) as err:  # the ranks' INPUT_ERRORS, before they start
+    except (ConfigError, PlanRefused, CurriculumError, HFImportError, *DATA_ERRORS) as err:
+        # The ranks' INPUT_ERRORS, said once before any of them starts.
         print_config_error(PROG, err)
         return EXIT_CONFIG_ERROR
     notice = default_run_notice(PROG, overrides, cfg)
@@ -201,8 +228,39 @@ def main(argv: list[str]) -> int:
     print("+ " + " ".join(shlex.quote(part) for part in cmd), flush=True)
     if args.dry_run:
         return 0
+    return run_job(cmd, env, cfg.run_dir)
+
+
+def run_job(cmd: list[str], env: dict[str, str], run_dir: str) -> int:
+    """Run the launcher; the job's status is the ranks' own when they left one (pretrain/job/exit_status.py),
+    EXIT_HANG when the watchdog ended it, else the launcher's."""
+    from pretrain.job.exit_status import STATUS_DIR_ENV
+
     started = time.time()
-    return hang_status(cfg.run_dir, started, run_launcher(cmd, env))
+    with tempfile.TemporaryDirectory(prefix="ayumi-exit-") as exits:
+        status = run_launcher(cmd, {**env, STATUS_DIR_ENV: exits})
+        chosen = ranks_status(exits, status)
+    return chosen if chosen is not None else hang_status(run_dir, started, status)
+
+
+def ranks_status(folder: str, status: int) -> int | None:
+    """The status the ranks left in `folder` when the launcher failed (torchrun reports their 2 or 3 as 1), their
+    message repeated last so the launcher's report above does not bury it; None when they left none (a crash, a hang)."""
+    from pretrain.job.exit_status import agreed_exit, read_exits
+
+    agreed = agreed_exit(read_exits(folder)) if status != 0 else None
+    if agreed is None:
+        return None
+    chosen, messages = agreed
+    if chosen == status:  # a plain process (--nproc 1): its own line is already the last one
+        return chosen
+    for message in messages:
+        for line in message.splitlines():
+            print(f"{PROG}: {line}", file=sys.stderr, flush=True)
+    if not messages:
+        print(f"{PROG}: the training processes exited with status {chosen} (the launcher reported {status})",
+              file=sys.stderr, flush=True)
+    return chosen
 
 
 def hang_status(run_dir: str, started: float, status: int) -> int:

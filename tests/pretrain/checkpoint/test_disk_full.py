@@ -5,6 +5,7 @@ on the CI machines); skipped with the reason otherwise."""
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -37,10 +38,12 @@ def leftovers(root: Path) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("async_save", ["false", "true"])
-def test_a_disk_that_fills_during_the_run_stops_it_cleanly_and_it_resumes(small_disk, tmp_path, async_save):
+@pytest.mark.parametrize("async_save, through", [("false", "ayumi train"), ("true", "torchrun")])
+def test_a_disk_that_fills_during_the_run_stops_it_cleanly_and_it_resumes(small_disk, tmp_path, async_save, through):
     """Both save modes check for room before anything is staged or written, so both refuse alike here; a write
-    that fails in the background is the in-process test below."""
+    that fails in the background is the in-process test below. One runs under `ayumi train` (what a user types:
+    it exits 2, not torchrun's 1, and repeats the ranks' line last), the other under a raw torchrun (what a
+    scheduler's script runs)."""
     corpus = write_tiny_corpus(tmp_path / "corpus")
     runs, ckpt = tmp_path / "runs", small_disk / "ckpt"
     # fp32 pinned: the message names the checkpoint's size, which `auto` would make depend on the CPU's bf16.
@@ -48,16 +51,17 @@ def test_a_disk_that_fills_during_the_run_stops_it_cleanly_and_it_resumes(small_
                                f"checkpoint.async_save={async_save}", "deepspeed.precision=fp32")
     from pretrain.tools.launch import launcher_command
 
+    cmd = ([sys.executable, "-m", "pretrain.tools.cli", "train", *overrides] if through == "ayumi train"
+           else launcher_command("torchrun", 2, overrides))
     log = open(tmp_path / "log", "w")
-    job = subprocess.Popen(launcher_command("torchrun", 2, overrides), cwd=REPO, env=cpu_env(), stdout=log,
-                           stderr=subprocess.STDOUT)
+    job = subprocess.Popen(cmd, cwd=REPO, env=cpu_env(), stdout=log, stderr=subprocess.STDOUT)
     metrics = runs / "cpu_tiny" / "metrics.jsonl"
     deadline = time.time() + 180
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 25):
         assert time.time() < deadline and job.poll() is None, (tmp_path / "log").read_text()[-3000:]
         time.sleep(0.2)
     fill(small_disk)  # after the step-20 save: the step-40 save finds the disk full
-    assert job.wait(timeout=180) != 0
+    status = job.wait(timeout=180)
     log.close()
     output = (tmp_path / "log").read_text()
     lines = [line for line in output.splitlines() if line.startswith("pretrain.train:")]
@@ -65,6 +69,10 @@ def test_a_disk_that_fills_during_the_run_stops_it_cleanly_and_it_resumes(small_
                      f"1.8 MiB; nothing of step 40 was kept and {ckpt / 'step_0000020'} is the last good checkpoint. "
                      "Fix: free space there (old runs, other files) or point checkpoint.dir at a larger disk, then "
                      "start the job again: it resumes from step_0000020"], output[-3000:]
+    if through == "ayumi train":
+        assert status == 2 and output.rstrip("\n").splitlines()[-1] == "ayumi train: " + lines[0].split(": ", 1)[1]
+    else:
+        assert status == 1  # torchrun's own report of any failed child
     assert "Traceback (most recent call last):\n  File \"" + str(REPO / "pretrain") not in output
     assert (ckpt / "latest").read_text().strip() == "step_0000020"
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_0000020"] and leftovers(ckpt) == []

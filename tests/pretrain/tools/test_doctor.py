@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -103,3 +104,38 @@ def test_bad_overrides_and_a_missing_deepspeed_are_reported(roots, monkeypatch, 
     out = capsys.readouterr().out
     assert "FAIL  deepspeed" in out and "No module named 'deepspeed'" in out and "pip install deepspeed" in out
     assert "FAIL  config" in out and "no_such_key" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("simulated", [False, True], ids=["host", "avx2"])
+def test_refresh_precision_replaces_an_old_measurement(roots, simulated):
+    """The real `python -m pretrain.tools.cli doctor`, the cache under tmp_path: an entry measured on a busy day
+    (bf16 20x slower in every pair) is shown with its date, and `--refresh-precision` measures again: a new
+    date and new ratios in the file, and in the precision row."""
+    from pretrain.engine.precision import MEASURE_PAIRS, MEASUREMENT_METHOD
+    from tests.pretrain.engine.test_precision import AVX2_ONLY, WHEN, child_env, host_has_bf16, write_cache_entry
+
+    env = AVX2_ONLY if simulated else {}
+    old = {"method": MEASUREMENT_METHOD, "ratios": [20.0] * MEASURE_PAIRS, "slowdown": 20.0, "measured_at": WHEN}
+    path = write_cache_entry(roots, old, **env)
+
+    def precision_row(*flags: str) -> dict:
+        proc = subprocess.run([sys.executable, "-m", "pretrain.tools.cli", "doctor", "--json", *flags], cwd=REPO,
+                              env=child_env(roots, **env), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return {check["name"]: check for check in json.loads(proc.stdout)["checks"]}["precision"]
+
+    cached = precision_row()
+    assert cached["detail"].startswith("fp32 ") and f"measured {WHEN})" in cached["detail"], cached
+    if host_has_bf16() and not simulated:  # native bf16 vetoed by that measurement: a warning says what to do
+        assert cached["status"] == "warn" and "--refresh-precision" in cached["fix"]
+    assert list(json.loads(path.read_text()).values()) == [old]  # read, not replaced
+
+    started = time.strftime("%Y-%m-%dT%H:%M:%S")
+    refreshed = precision_row("--refresh-precision")
+    [entry] = json.loads(path.read_text()).values()
+    assert entry["method"] == MEASUREMENT_METHOD and entry["measured_at"] >= started
+    assert len(entry["ratios"]) == MEASURE_PAIRS and entry["ratios"] != old["ratios"]
+    assert f"measured {entry['measured_at']})" in refreshed["detail"] and WHEN not in refreshed["detail"]
+    expected = "bf16" if host_has_bf16() and not simulated else "fp32"
+    assert refreshed["detail"].startswith(f"{expected} (deepspeed.precision=auto: ") and refreshed["status"] == "ok"
