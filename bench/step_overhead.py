@@ -340,7 +340,7 @@ def worker(args: argparse.Namespace) -> int:
     from pretrain.model.flops import count_parameters, flops_per_token
     from pretrain.model.llama import Llama
     from pretrain.engine.optimizer import param_groups
-    from pretrain.train import build_data, build_trainer
+    from pretrain.train import build_data, build_trainer, job_hardware
     from pretrain.model.flops import peak_flops
 
     work = Path(args.work)
@@ -396,7 +396,7 @@ def worker(args: argparse.Namespace) -> int:
     engine.train()
     total_bare_steps = args.warmup + args.rounds * args.block
     # The same micro-batches ayumi's loader yields, built once, held in memory (no loader in the loop).
-    source, _ = build_data(cfg, {})
+    source, _ = build_data(cfg, {}, job_hardware(dinfo))
     pregen = BatchLoader(source, cfg.train.micro_batch_size, trainer.engine.grad_accum, rank, world, dinfo.device,
                          prefetch=0)
     bare_steps = [[(b.input_ids, b.labels) for b in pregen.next_step()] for _ in range(total_bare_steps)]

@@ -115,17 +115,18 @@ def load_tokenizer_identity(tokenizer_dir: str | None) -> dict:
 def job_hardware(dist: DistInfo) -> Hardware:
     """The job's own size and GPU for the memory plan (on the CPU, memory is not checked)."""
     if dist.device.type != "cuda":
-        return Hardware(dist.dp_size, None, "CPU training: GPU memory not checked", dist.tensor_parallel)
+        return Hardware(dist.dp_size, None, "CPU training: GPU memory not checked", dist.tensor_parallel, "CPU rank")
     name, total_memory = gpu_properties(dist.device.index or 0)
     return Hardware(dist.dp_size, total_memory, f"this {name}", dist.tensor_parallel)
 
 
 def build_data(cfg: AyumiConfig, tokenizer: dict,
-               hardware: Hardware | None = None) -> tuple[ShuffledDomains | Mixer, dict[str, PackedSamples]]:
+               hardware: Hardware) -> tuple[ShuffledDomains | Mixer, dict[str, PackedSamples]]:
     """The training stream (the curriculum's mixer, or all domains shuffled) and per-domain validation sets.
 
     Every shard comes from what the data root's manifest lists, checked against it (data/integrity.py);
-    the tokenizer and vocabulary checks below run before any shard is opened.
+    the tokenizer and vocabulary checks below run before any shard is opened. `hardware` is the job's own
+    (`job_hardware`): the plan checks the batch against its data-parallel size and memory against its GPU.
     """
     root = Path(cfg.data.root)
     manifest = load_manifest(root)
@@ -133,7 +134,6 @@ def build_data(cfg: AyumiConfig, tokenizer: dict,
     _, train, val = open_run_data(root, cfg.data.domains or None, cfg.train.seq_len, cfg.model.vocab_size,
                                   cfg.data.verify, cfg.data.validation)
     # The same checks as `ayumi plan`: budgets vs run length, repetition, disk, GPU memory. Refuse before step 1.
-    hardware = hardware or Hardware(1, None, "not checked")
     plan = run_plan(cfg, count_parameters(cfg.model), hardware, domains=train)
     raise_if_refused(plan.plan)
     if hardware.gpu_bytes and int(os.environ.get("RANK", 0)) == 0:

@@ -109,7 +109,8 @@ class Trainer:
         stab = cfg.stability
         if cfg.deepspeed.precision != "fp16":  # there is no loss scale to reset (or to mention)
             stab = replace(stab, recovery=replace(stab.recovery, reset_loss_scale=False))
-        self.stability = StabilityMonitor(stab, cfg.optim.grad_clip, cfg.deepspeed.min_loss_scale, knobs=advisable_settings(cfg))
+        self.stability = StabilityMonitor(stab, cfg.optim.grad_clip, cfg.deepspeed.min_loss_scale,
+                                          knobs=advisable_settings(cfg))
         ring_interval = stab.recovery.ring_interval if stab.enabled and stab.action == "recover" else 0
         self.checkpoints = RunCheckpoints(checkpointer, dist.is_main, barrier, broadcast_object, ring_interval)
         self.evaluator = Evaluator(cfg, dist, engine, val_sets, logger, self.watchdog, total_steps)

@@ -47,16 +47,15 @@ def preflight_plan(cfg, nproc: int, gpus: int) -> None:
     from curriculum.plan import raise_if_refused
     from data.domains import open_run_data
     from pretrain.model.flops import count_parameters
-    from pretrain.plan.hardware import Hardware
+    from pretrain.plan.hardware import Hardware, planned_hardware
     from pretrain.plan.run_plan import run_plan
-    from pretrain.plan.hardware import planned_hardware
 
     register_curriculum_domains(cfg)
     _, train, _ = open_run_data(cfg.data.root, cfg.data.domains or None, cfg.train.seq_len, verify="sizes",
                                 validation=cfg.data.validation)
     # On the CPU the ranks train in host memory: no GPU figure to check against.
     hardware = planned_hardware(cfg, ranks=nproc) if gpus else \
-        Hardware(nproc // cfg.parallel.tensor, None, "CPU", cfg.parallel.tensor)
+        Hardware(nproc // cfg.parallel.tensor, None, "CPU", cfg.parallel.tensor, "CPU rank")
     raise_if_refused(run_plan(cfg, count_parameters(cfg.model), hardware, domains=train).plan)
 
 
