@@ -31,6 +31,7 @@ from pretrain.job.hang_watchdog import HangConfig
 from pretrain.ranges import Range, Rule, above, at_least, between, one_of, range_problems
 from pretrain.model.tensor_parallel import tensor_parallel_problems
 from pretrain.stability.config import StabilityConfig, StabilityConfigError, check_stability_config
+from common.status import BAD_INPUT
 from common.conf import (
     CONF_DIR, ConfigCompositionError, compose, composed_from, conf_label, config_help, group_options, unset_environment,
 )
@@ -466,8 +467,9 @@ def total_steps(train: TrainConfig) -> int:
     return math.ceil(train.tokens / tokens_per_step(train))
 
 
-EXIT_CONFIG_ERROR = 2
-"""Exit status of `ayumi train` and pretrain.train for a configuration error (nothing was started)."""
+EXIT_CONFIG_ERROR = BAD_INPUT
+"""Exit status of `ayumi train` and pretrain.train for a configuration error (nothing was started); the
+statuses of every ayumi command are in common/status.py."""
 
 CHECKED_BY_LAUNCHER_ENV = "AYUMI_CONFIG_CHECKED"
 """Set by `ayumi train` for the ranks it starts: it has checked the config and said what runs."""

@@ -1,12 +1,15 @@
 """The `ayumi` command: one entry, subcommands routed to the package that owns them.
 
-Every subcommand takes Hydra overrides (`key=value`) over `conf/`; `--cfg job` prints the
-resolved config instead of running.
+The commands that compose a config from `conf/` (train, plan, doctor, tokenizer build|sweep, data prepare)
+take Hydra overrides (`key=value`); all but doctor print the resolved config with `--cfg job`. Every
+command exits with the statuses of common/status.py (`ayumi --help` lists them).
 """
 from __future__ import annotations
 
 import importlib
 import sys
+
+from common.status import BAD_INPUT, exit_status_help
 
 # subcommand -> (module, function, one-line help). Modules load lazily so `ayumi --help` is instant
 # and a command never pays for another's imports (DeepSpeed takes seconds to import).
@@ -26,7 +29,7 @@ def usage() -> str:
     lines = ["usage: ayumi COMMAND [ARGS] [key=value ...]", "", "commands:"]
     lines += [f"  {name:<10} {help_}" for name, (_, _, help_) in COMMANDS.items()]
     lines += ["", "`ayumi COMMAND --help` (or -h) for a command's options and the config it reads; `--cfg job` prints",
-              "the resolved config of a command that composes one."]
+              "the resolved config of a command that composes one.", "", exit_status_help()]
     return "\n".join(lines)
 
 
@@ -38,14 +41,14 @@ def main(argv: list[str] | None = None) -> int:
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         print(f"ayumi: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
-        return 2
+        return BAD_INPUT
     module_name, func_name, _ = COMMANDS[name]
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
         if err.name == module_name:
             print(f"ayumi {name}: not available in this version yet", file=sys.stderr)
-            return 2
+            return BAD_INPUT
         raise
     result = getattr(module, func_name)(rest)
     return int(result or 0)

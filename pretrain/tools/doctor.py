@@ -13,8 +13,8 @@ pretrain/engine/ imports deepspeed in the product, and nothing here may trigger 
 wandb is not imported either (only pretrain/metrics.py does); its presence and the API key are
 checked from the package metadata and the environment.
 
-Exit status 0 unless something is broken (a FAIL line); each WARN/FAIL line says what to do,
-and the fixes are repeated as next steps at the end.
+Exit status (common/status.py) 0 unless something is broken: 1 for a FAIL line (each WARN/FAIL line says
+what to do, and the fixes are repeated as next steps at the end), 2 when the overrides given do not compose.
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from common.status import BAD_INPUT, DONE, REFUSED
 from curriculum.plan import checkpoint_shape, checkpoints_at_peak, existing_parent
 
 OK, INFO, WARN, FAIL = "ok", "info", "warn", "FAIL"
@@ -384,7 +385,15 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"ok": not broken, "checks": [asdict(check) for check in checks], "next_steps": steps}, indent=2))
     else:
         print(format_table(checks, steps))
-    return 1 if broken else 0
+    return exit_status(checks)
+
+
+def exit_status(checks: list[Check]) -> int:
+    """BAD_INPUT when the overrides given do not compose (fix them and rerun: the run was not checked), else
+    REFUSED when any check is broken (the machine is not ready), else DONE (common/status.py)."""
+    if any(check.section == "plan" and check.name == "config" and check.status == FAIL for check in checks):
+        return BAD_INPUT
+    return REFUSED if any(check.status == FAIL for check in checks) else DONE
 
 
 if __name__ == "__main__":

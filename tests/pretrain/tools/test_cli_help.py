@@ -16,7 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.tools.cli import COMMANDS
+from common.status import BAD_INPUT, DONE, EXIT_STATUSES, HANG, INTERRUPTED, REFUSED, STABILITY_STOP
+from pretrain.config import EXIT_CONFIG_ERROR
+from pretrain.job.hang_watchdog import EXIT_HANG
+from pretrain.tools.cli import COMMANDS, main, usage
 from tests.helpers import REPO
 
 NO_CONF = "config: reads no config from conf/"
@@ -119,3 +122,31 @@ def test_training_module_answers_help_before_importing_deepspeed(tmp_path, flag)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("usage: python -m pretrain.train") and "conf/config.yaml" in proc.stdout
     assert proc.stdout.splitlines()[-1] == "CODE 0 False False"
+
+
+def flat(text: str) -> str:
+    """Text with every run of whitespace as one space: help is wrapped, the tests compare words."""
+    return " ".join(text.split())
+
+
+def test_top_level_help_lists_the_exit_statuses():
+    text = flat(usage())
+    for code, meaning in EXIT_STATUSES:
+        assert flat(f"{code} {meaning}") in text, (code, meaning)
+
+
+def test_one_exit_status_convention_in_code_help_and_readme():
+    """The convention's numbers, the older names that alias them, and the README table that documents them."""
+    assert (DONE, REFUSED, BAD_INPUT, STABILITY_STOP, HANG, INTERRUPTED) == (0, 1, 2, 3, 4, 130)
+    assert [code for code, _ in EXIT_STATUSES] == [0, 1, 2, 3, 4, 130]
+    assert EXIT_CONFIG_ERROR == BAD_INPUT and EXIT_HANG == HANG
+    readme = (REPO / "README.md").read_text()
+    for code, meaning in EXIT_STATUSES:
+        assert f"| {code} | {meaning} |" in readme, (code, meaning)
+
+
+def test_an_unknown_command_or_verb_is_bad_input(capsys):
+    assert main(["trian"]) == BAD_INPUT
+    assert main(["tokenizer", "bulid"]) == BAD_INPUT
+    assert main(["data", "prepair"]) == BAD_INPUT
+    assert "unknown command 'prepair'" in capsys.readouterr().err

@@ -99,7 +99,7 @@ def test_online_wandb_without_a_key_is_broken(roots, fake_deepspeed, monkeypatch
 
 def test_bad_overrides_and_a_missing_deepspeed_are_reported(roots, monkeypatch, capsys):
     monkeypatch.setattr(doctor, "deepspeed_facts", lambda: {"error": "No module named 'deepspeed'"})
-    assert doctor.main(["train.no_such_key=1"]) == 1
+    assert doctor.main(["train.no_such_key=1"]) == 2  # bad input: the overrides do not compose
     out = capsys.readouterr().out
     assert "FAIL  deepspeed" in out and "No module named 'deepspeed'" in out and "pip install deepspeed" in out
     assert "FAIL  config" in out and "no_such_key" in out
