@@ -18,7 +18,7 @@ import sys
 
 from omegaconf import OmegaConf
 
-from common.conf import asks_for_help, command_help, composed_from, config_help
+from common.conf import asks_for_help, command_help, composed_from, config_help, fields_help
 from common.status import BAD_INPUT, DONE, INTERRUPTED, REFUSED
 
 USAGE = __doc__.split("\n\n")[1]
@@ -27,11 +27,17 @@ VERIFY_READS = "no config from conf/: DATA_ROOT's manifest.json, domain records 
 
 
 def prepare_help() -> str:
-    return command_help(
+    """Usage, what prepare does, the config it reads and its fields (a domain's under data.domains.NAME)."""
+    from data.config import DataPrepareConfig, DomainConfig
+
+    about = command_help(
         "ayumi data prepare data=NAME tokenizer_dir=DIR [key=value ...] [--cfg job]",
         "Clean, tokenize and pack each domain's corpus files into .bin/.idx shards with a validation split and\n"
         "manifest.json (fields: data/config.py: DataPrepareConfig, DomainConfig, CleanConfig).",
         composed_from("data_prepare", "data"))
+    # data.domains is dict[str, Any] in the schema (a domain is merged with DomainConfig when read): name it here.
+    fields = fields_help(DataPrepareConfig, "data/config.py", entries={"data.domains": DomainConfig})
+    return f"{about}\n\n{fields}"
 
 
 def compose(overrides: list[str]):

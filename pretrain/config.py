@@ -33,7 +33,8 @@ from pretrain.model.tensor_parallel import tensor_parallel_problems
 from pretrain.stability.config import StabilityConfig, StabilityConfigError, check_stability_config
 from common.status import BAD_INPUT
 from common.conf import (
-    CONF_DIR, ConfigCompositionError, compose, composed_from, conf_label, config_help, group_options, unset_environment,
+    CONF_DIR, ConfigCompositionError, compose, composed_from, conf_label, config_help, fields_help, group_options,
+    unset_environment,
 )
 
 
@@ -643,10 +644,12 @@ TRAINING_GROUPS = ("model", "optim", "deepspeed", "logging", "stability", "curri
 
 
 def training_config_help(cfg_job: bool = True) -> str:
-    """The `config:` paragraph of every command that reads the training config (train, plan, doctor)."""
+    """The end of the help of every command that reads the training config (train, plan, doctor): the `config:`
+    paragraph, then every field of AyumiConfig with its default and docstring."""
     groups = ", ".join(f"{group}=" for group in TRAINING_GROUPS)
-    return config_help(f"{composed_from('config', 'experiment', CONF_DIR)}, with the groups {groups} "
-                       f"(each a folder of {conf_label(CONF_DIR)})", cfg_job=cfg_job)
+    reads = config_help(f"{composed_from('config', 'experiment', CONF_DIR)}, with the groups {groups} "
+                        f"(each a folder of {conf_label(CONF_DIR)})", cfg_job=cfg_job)
+    return f"{reads}\n\n{fields_help(AyumiConfig, 'pretrain/config.py and the sections it imports')}"
 
 
 def experiment_given(overrides: list[str] | tuple[str, ...]) -> bool:

@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from common.conf import asks_for_help, command_help, composed_from, config_help
+from common.conf import asks_for_help, command_help, composed_from, config_help, fields_help
 from common.status import BAD_INPUT, DONE
 
 USAGE = "usage: ayumi tokenizer build | eval | sweep | export | expand [ARGS]\n\n" + __doc__.split("\n", 2)[2]
@@ -41,8 +41,12 @@ class UsageError(ValueError):
 
 
 def verb_help(verb: str) -> str:
+    """The help of a verb that composes conf/tokenizer_build.yaml: usage, what it does, the config and its fields."""
+    from tokenizer.config import TokenizerBuildConfig
+
     usage, about = VERB_HELP[verb]
-    return command_help(usage, about, composed_from("tokenizer_build", "tokenizer"))
+    return (command_help(usage, about, composed_from("tokenizer_build", "tokenizer")) + "\n\n"
+            + fields_help(TokenizerBuildConfig, "tokenizer/config.py"))
 
 
 def compose(overrides: list[str]):

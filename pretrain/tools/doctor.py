@@ -368,10 +368,13 @@ def format_table(checks: list[Check], steps: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from common.conf import asks_for_help
     from pretrain.config import training_config_help
 
+    argv = sys.argv[1:] if argv is None else argv
+    # The field list is read from the config's source: only worth it when help is asked.
     parser = argparse.ArgumentParser(prog="ayumi doctor", description=__doc__, usage="ayumi doctor [--json] [key=value ...]",
-                                     epilog=training_config_help(cfg_job=False),
+                                     epilog=training_config_help(cfg_job=False) if asks_for_help(argv) else None,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print the checks as JSON")
     args, overrides = parser.parse_known_args(argv)
