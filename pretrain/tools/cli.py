@@ -1,13 +1,14 @@
 """The `ayumi` command: one entry, subcommands routed to the package that owns them.
 
-The commands that compose a config from `conf/` (train, plan, doctor, tokenizer build|sweep, data prepare)
-take Hydra overrides (`key=value`); all but doctor print the resolved config with `--cfg job`. Every
-command exits with the statuses of common/status.py (`ayumi --help` lists them).
+The commands that compose a config from `conf/` (OVERRIDE_COMMANDS) take Hydra overrides (`key=value`);
+all but doctor print the resolved config with `--cfg job`. Every command exits with the statuses of
+common/status.py (`ayumi --help` lists them).
 """
 from __future__ import annotations
 
 import importlib
 import sys
+import textwrap
 
 from common.status import BAD_INPUT, exit_status_help
 
@@ -25,11 +26,18 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
+OVERRIDE_COMMANDS = ("train", "plan", "doctor", "tokenizer build", "tokenizer sweep", "data prepare")
+"""The commands that compose a config from conf/ and so take Hydra overrides (key=value); the others take only
+the arguments their --help lists. All but doctor also print the resolved config with `--cfg job`."""
+
+
 def usage() -> str:
     lines = ["usage: ayumi COMMAND [ARGS] [key=value ...]", "", "commands:"]
     lines += [f"  {name:<10} {help_}" for name, (_, _, help_) in COMMANDS.items()]
-    lines += ["", "`ayumi COMMAND --help` (or -h) for a command's options and the config it reads; `--cfg job` prints",
-              "the resolved config of a command that composes one.", "", exit_status_help()]
+    overrides = (f"key=value overrides over conf/: {', '.join(OVERRIDE_COMMANDS)} (all but doctor print the resolved "
+                 "config with `--cfg job`); the other commands take only their arguments. `ayumi COMMAND --help` (or -h) "
+                 "for a command's options, the config it reads and that config's fields.")
+    lines += ["", *textwrap.wrap(overrides, width=100, break_on_hyphens=False), "", exit_status_help()]
     return "\n".join(lines)
 
 

@@ -273,7 +273,15 @@ def test_tiny_experiments_raise_the_limit_without_clobbering_a_curriculum(tmp_pa
     assert to_object(compose_config(["experiment=llama_1b_example"])).curriculum.default_max_repetition == 4.0
 
 
-def test_four_stage_experiment_composes_and_plans(tmp_path, capsys):
+def test_four_stage_experiment_composes_and_plans(tmp_path, capsys, monkeypatch):
+    """Refused for the missing data, but the memory of the 8-GPU node it is sized for is checked, not skipped."""
+    import pretrain.plan.hardware as hardware
+
+    monkeypatch.setattr(hardware, "visible_gpus", lambda: (0, None, ""))  # the login node: no GPU here
     assert plan_cli.main(["experiment=ja_en_4stage", f"data.root={tmp_path / 'none'}"]) == 1
     out = capsys.readouterr().out
     assert "47,684 steps" in out and "noisy_ja" in out and "[data]" in out
+    assert "not checked" not in out and "[memory]" not in out
+    assert "x 8 data-parallel rank(s), on 8 GPU(s)" in out
+    required = next(line for line in out.splitlines() if line.lstrip().startswith("required"))
+    assert required.endswith("of 80.0 GiB on each GPU (train.gpu_memory_gib=80): fits"), required

@@ -41,6 +41,18 @@ def test_every_group_option_composes(group):
         assert isinstance(cfg, AyumiConfig)
 
 
+def test_the_demo_experiment_states_its_parameter_count():
+    """conf/experiment/demo.yaml's header says how big the demo model is: the count the plan prints."""
+    import re
+
+    from pretrain.model.flops import count_parameters
+
+    stated = re.search(r"a small Llama \(([\d,]+) parameters", (CONF_DIR / "experiment" / "demo.yaml").read_text())
+    assert stated, "demo.yaml's header no longer states the parameter count"
+    model = to_object(compose_config(["experiment=demo"])).model
+    assert int(stated.group(1).replace(",", "")) == count_parameters(model)
+
+
 def test_presets_have_the_promised_shapes():
     seven = to_object(compose_config(["model=7b"])).model
     assert (seven.hidden_size, seven.num_layers, seven.num_heads, seven.intermediate_size, seven.vocab_size) == \

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -22,7 +23,7 @@ from common.status import BAD_INPUT, DONE, EXIT_STATUSES, HANG, INTERRUPTED, REF
 from data.config import DataPrepareConfig, DomainConfig
 from pretrain.config import EXIT_CONFIG_ERROR, AyumiConfig
 from pretrain.job.hang_watchdog import EXIT_HANG
-from pretrain.tools.cli import COMMANDS, main, usage
+from pretrain.tools.cli import COMMANDS, OVERRIDE_COMMANDS, main, usage
 from tests.helpers import REPO
 from tokenizer.config import TokenizerBuildConfig
 
@@ -231,3 +232,20 @@ def test_config_fields_reads_the_docstring_under_each_field():
         ("loose.NAME.weight", "0.5", "An entry's weight."),
         ("tags", '["a", "b"]', "Tags."),
     ]
+
+
+@pytest.mark.parametrize("argv", [argv for argv, _ in CASES if argv not in (["tokenizer"], ["data"])],
+                         ids=[" ".join(argv) for argv, _ in CASES if argv not in (["tokenizer"], ["data"])])
+def test_only_the_commands_that_compose_a_config_take_overrides(helped, argv):
+    text = flat(helped[(*argv, "--help")][1])
+    takes = " ".join(argv) in OVERRIDE_COMMANDS
+    assert ("overrides key=value" in text) == takes and ("takes no key=value overrides" in text) == (not takes), text
+
+
+def test_readme_names_the_commands_that_take_overrides():
+    readme = flat((REPO / "README.md").read_text())
+    start = readme.index("The commands that compose a config from `conf/` take Hydra overrides")
+    sentence = readme[start:readme.index("The others", start)]
+    named = re.findall(r"`ayumi ([a-z ]+)`", sentence)
+    assert sorted(named) == sorted(OVERRIDE_COMMANDS)
+    assert all(command in flat(usage()) for command in OVERRIDE_COMMANDS)
