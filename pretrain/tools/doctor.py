@@ -4,7 +4,8 @@
 
 Checks, in order: Python; torch, its CUDA build, NCCL and the GPUs (name, memory); DeepSpeed's
 version, accelerator and op compatibility; CPU cores and RAM; the tokenizer/data libraries;
-free disk on the data root and the run root; W&B mode and readiness. Given Hydra overrides
+free disk on the data root and the run root (and, for a run, that its data root holds prepared data);
+W&B mode and readiness. Given Hydra overrides
 (`experiment=NAME ...`) it also composes that run's config and compares its checkpoints'
 estimated size (parameters x 14 bytes x checkpoint.keep_last) with the free disk.
 
@@ -219,18 +220,37 @@ def disk_free(path: Path) -> int:
     return shutil.disk_usage(existing_parent(path)).free
 
 
-def check_roots(data_root: Path, run_root: Path) -> list[Check]:
-    checks = []
-    for name, root in (("data root", data_root), ("run root", run_root)):
-        free = disk_free(root)
-        low = free < LOW_DISK_GIB * GIB
-        writable = _writable(root)
-        status = FAIL if not writable else WARN if low else OK
-        fix = (f"{root} is not writable: set {'AYUMI_DATA_ROOT' if name == 'data root' else 'AYUMI_RUN_ROOT'} "
-               "to a folder you can write" if not writable else
-               f"under {LOW_DISK_GIB} GiB free: point it at a larger disk" if low else "")
-        checks.append(Check("disk", name, status, f"{root.absolute()}: {free / GIB:.1f} GiB free", fix))
-    return checks
+def check_roots(data_root: Path, run_root: Path, data_read: bool = False) -> list[Check]:
+    """Free disk and writability of both roots; with `data_read` (a run's data.root, which training reads)
+    also whether it holds prepared data."""
+    missing = missing_data(data_root) if data_read else None
+    return [root_check("data root", data_root, "AYUMI_DATA_ROOT", missing), root_check("run root", run_root, "AYUMI_RUN_ROOT")]
+
+
+def root_check(name: str, root: Path, variable: str, missing: tuple[str, str] | None = None) -> Check:
+    """One root's row: FAIL when it cannot be written or a run's data is missing (`missing`: what, fix), WARN when
+    its disk is nearly full."""
+    free = disk_free(root)
+    detail = f"{root.absolute()}: {free / GIB:.1f} GiB free"
+    if not _writable(root):
+        return Check("disk", name, FAIL, detail, f"{root} is not writable: set {variable} to a folder you can write")
+    if missing:
+        what, fix = missing
+        return Check("disk", name, FAIL, f"{root.absolute()} {what} ({free / GIB:.1f} GiB free on its disk)", fix)
+    if free < LOW_DISK_GIB * GIB:
+        return Check("disk", name, WARN, detail, f"under {LOW_DISK_GIB} GiB free: point it at a larger disk")
+    return Check("disk", name, OK, detail)
+
+
+def missing_data(root: Path) -> tuple[str, str] | None:
+    """(what is missing, the fix) when a run's data root holds no prepared data: training would refuse to start."""
+    from data.manifest import MANIFEST_NAME
+
+    if root.is_dir() and (root / MANIFEST_NAME).is_file():
+        return None
+    what = "does not exist" if not root.is_dir() else f"holds no {MANIFEST_NAME} (no data prepared there)"
+    return what, (f"write the shards there with `ayumi data prepare data=NAME data.root={root} tokenizer_dir=DIR`, "
+                  "or set data.root=DIR (or AYUMI_DATA_ROOT) to where they are")
 
 
 def _writable(path: Path) -> bool:
@@ -328,17 +348,19 @@ def default_roots() -> tuple[Path, Path]:
 def run_checks(overrides: list[str]) -> list[Check]:
     checks = check_python() + check_host() + check_torch()
     data_root, run_root = default_roots()
-    configured_mode, precision, plan_checks = None, "auto", []
+    configured_mode, precision, plan_checks, data_read = None, "auto", [], False
     if overrides:
         plan_checks, cfg = check_plan(overrides)
         if cfg is not None:
             data_root, run_root = Path(cfg.data.root), Path(cfg.run_root)
             configured_mode = cfg.logging.wandb.mode if cfg.logging.wandb.enabled else "disabled"
             precision = cfg.deepspeed.precision
+            # A curriculum that declares its own (Megatron) domains writes data.root's manifest at start.
+            data_read = not cfg.curriculum.domains
     if not any(check.name == "torch" and check.status == FAIL for check in checks):
         checks.append(check_precision(precision))
     checks += check_deepspeed(deepspeed_facts()) + check_libraries()
-    return checks + check_roots(data_root, run_root) + plan_checks + check_wandb(configured_mode)
+    return checks + check_roots(data_root, run_root, data_read) + plan_checks + check_wandb(configured_mode)
 
 
 def next_steps(checks: list[Check], overrides: list[str]) -> list[str]:

@@ -11,7 +11,7 @@ import pytest
 from pretrain.tools import doctor
 from pretrain.config import compose_config, to_object
 from pretrain.model.flops import count_parameters
-from tests.helpers import REPO
+from tests.helpers import REPO, write_tiny_corpus
 
 FAKE_DEEPSPEED = {"version": "0.0-test", "accelerator": "cpu",
                   "ops": {"cpu_adam": {"compatible": True, "prebuilt": False},
@@ -22,6 +22,12 @@ FAKE_DEEPSPEED = {"version": "0.0-test", "accelerator": "cpu",
 def fake_deepspeed(monkeypatch):
     """Skip the deepspeed subprocess (~5 s) where a test is not about it."""
     monkeypatch.setattr(doctor, "deepspeed_facts", lambda: FAKE_DEEPSPEED)
+
+
+@pytest.fixture
+def prepared(tmp_path):
+    """A data root that holds prepared shards (manifest.json and all), for runs whose data must be there."""
+    return write_tiny_corpus(tmp_path / "prepared")
 
 
 @pytest.fixture
@@ -65,9 +71,9 @@ def test_json_output_parses(roots, fake_deepspeed, capsys):
     assert report["next_steps"]
 
 
-def test_plan_checkpoint_estimate(roots, fake_deepspeed, monkeypatch, capsys):
+def test_plan_checkpoint_estimate(roots, prepared, fake_deepspeed, monkeypatch, capsys):
     monkeypatch.setattr(doctor, "disk_free", lambda path: 1024**4)  # 1 TiB: room for a 1B run's checkpoints
-    overrides = ["experiment=llama_1b_example", "checkpoint.keep_last=2"]
+    overrides = ["experiment=llama_1b_example", "checkpoint.keep_last=2", f"data.root={prepared}"]
     parameters = count_parameters(to_object(compose_config(overrides)).model)
     assert doctor.main(["--json", *overrides]) == 0
     check = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}["checkpoints"]
@@ -79,9 +85,9 @@ def test_plan_checkpoint_estimate(roots, fake_deepspeed, monkeypatch, capsys):
     assert 0.9e9 < parameters < 1.5e9
 
 
-def test_plan_larger_than_the_disk_is_broken(roots, fake_deepspeed, monkeypatch, capsys):
+def test_plan_larger_than_the_disk_is_broken(roots, prepared, fake_deepspeed, monkeypatch, capsys):
     monkeypatch.setattr(doctor, "disk_free", lambda path: 5 * 1024**3)  # 5 GiB left everywhere
-    assert doctor.main(["experiment=llama_1b_example"]) == 1
+    assert doctor.main(["experiment=llama_1b_example", f"data.root={prepared}"]) == 1
     out = capsys.readouterr().out
     assert "FAIL  checkpoints" in out and "lower checkpoint.keep_last" in out
     assert "warn  data root" in out  # under 20 GiB is flagged even without a plan
@@ -103,3 +109,31 @@ def test_bad_overrides_and_a_missing_deepspeed_are_reported(roots, monkeypatch, 
     out = capsys.readouterr().out
     assert "FAIL  deepspeed" in out and "No module named 'deepspeed'" in out and "pip install deepspeed" in out
     assert "FAIL  config" in out and "no_such_key" in out
+
+
+@pytest.mark.parametrize("make", ["nothing", "an empty folder"])
+def test_a_run_whose_data_root_holds_no_data_is_broken(roots, prepared, fake_deepspeed, monkeypatch, capsys, make):
+    """`ayumi doctor experiment=NAME` on a data root without prepared data: FAIL naming the folder and both fixes
+    (training would refuse to start), not `ok` with its free disk."""
+    monkeypatch.setattr(doctor, "disk_free", lambda path: 1024**4)
+    root = roots / "shards" / "ja_en"
+    if make == "an empty folder":
+        root.mkdir(parents=True)
+    assert doctor.main(["--json", "experiment=llama_1b_example", f"data.root={root}"]) == 1
+    check = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}["data root"]
+    what = "does not exist" if make == "nothing" else "holds no manifest.json (no data prepared there)"
+    assert (check["status"], check["detail"]) == ("FAIL", f"{root} {what} (1024.0 GiB free on its disk)")
+    assert check["fix"] == (f"write the shards there with `ayumi data prepare data=NAME data.root={root} "
+                            "tokenizer_dir=DIR`, or set data.root=DIR (or AYUMI_DATA_ROOT) to where they are")
+    assert doctor.main(["--json", "experiment=llama_1b_example", f"data.root={prepared}"]) == 0
+    check = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}["data root"]
+    assert (check["status"], check["detail"]) == ("ok", f"{prepared}: 1024.0 GiB free")
+
+
+def test_without_a_run_a_missing_data_root_is_where_data_will_go(roots, fake_deepspeed, monkeypatch, capsys):
+    """No experiment: the data root is AYUMI_DATA_ROOT, which `ayumi data prepare` creates; nothing is missing yet."""
+    monkeypatch.setattr(doctor, "disk_free", lambda path: 1024**4)
+    assert not (roots / "data").exists()
+    assert doctor.main(["--json"]) == 0
+    check = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}["data root"]
+    assert (check["status"], check["detail"]) == ("ok", f"{roots / 'data'}: 1024.0 GiB free")
