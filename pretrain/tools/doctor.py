@@ -5,17 +5,18 @@
 Checks, in order: Python; torch, its CUDA build, NCCL and the GPUs (name, memory); DeepSpeed's
 version, accelerator and op compatibility; CPU cores and RAM; the tokenizer/data libraries;
 free disk on the data root and the run root (and, for a run, that its data root holds prepared data);
-W&B mode and readiness. Given Hydra overrides
-(`experiment=NAME ...`) it also composes that run's config and compares its checkpoints'
-estimated size (parameters x 14 bytes x checkpoint.keep_last) with the free disk.
+W&B mode and readiness. Given Hydra overrides (`experiment=NAME ...`) it also composes that run's
+config and compares the disk its checkpoints need at their peak with the free disk, by the same rule
+and with the same figures as `ayumi plan` (the rule is printed below), and checks its per-GPU memory.
 
 DeepSpeed facts come from a subprocess (the same questions `ds_report` asks): only
 pretrain/engine/ imports deepspeed in the product, and nothing here may trigger an op build.
 wandb is not imported either (only pretrain/metrics.py does); its presence and the API key are
 checked from the package metadata and the environment.
 
-Exit status (common/status.py) 0 unless something is broken: 1 for a FAIL line (each WARN/FAIL line says
-what to do, and the fixes are repeated as next steps at the end), 2 when the overrides given do not compose.
+Exit status (common/status.py) 0 unless something is broken: 1 for a FAIL line (each WARN/FAIL line
+says what to do, and the fixes are repeated as next steps at the end), 2 when the overrides given do
+not compose.
 """
 from __future__ import annotations
 
@@ -28,11 +29,12 @@ import platform
 import shutil
 import subprocess
 import sys
+import textwrap
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from common.status import BAD_INPUT, DONE, REFUSED
-from curriculum.plan import checkpoint_shape, checkpoints_at_peak, existing_parent
+from curriculum.plan import DISK_RULE, checkpoint_disk, checkpoint_shape, disk_problem, disk_summary, existing_parent
 
 OK, INFO, WARN, FAIL = "ok", "info", "warn", "FAIL"
 GIB = 1024**3
@@ -269,23 +271,13 @@ def check_plan(overrides: list[str]) -> tuple[list[Check], object | None]:
         message = " / ".join(line.strip() for line in str(err).splitlines() if line.strip())
         return [Check("plan", "config", FAIL, message[:400], "fix the overrides (`ayumi train --cfg job ...` "
                       "prints the resolved config)")], None
-    # The same arithmetic as `ayumi plan` (curriculum/plan.py): bytes per parameter by ZeRO stage and
-    # precision, keep_last <= 0 keeping every checkpoint, the stability machinery's recovery ring.
-    shape = checkpoint_shape(cfg, parameters)
-    one = shape.size
-    regular, ring = checkpoints_at_peak(total_steps(cfg.train), shape)
-    peak = one * (regular + ring)  # while a new checkpoint is written, the oldest kept one still exists
-    ckpt_dir = Path(cfg.checkpoint.dir)
-    free = disk_free(ckpt_dir)
-    status, fix = OK, ""
-    if peak > free:
-        status, fix = FAIL, (f"the checkpoints need {peak / GIB:.1f} GiB at their peak but {ckpt_dir} has "
-                             f"{free / GIB:.1f} GiB free: lower checkpoint.keep_last (or stability.recovery.ring_keep) "
-                             "or set AYUMI_RUN_ROOT / run_root= to a larger disk")
-    ring_note = f" + {ring} in the recovery ring" if ring else ""
-    detail = (f"{cfg.name}: {parameters / 1e6:,.1f} M parameters, {one / GIB:.2f} GiB per checkpoint x "
-              f"{regular}{ring_note} at peak = {peak / GIB:.2f} GiB in {ckpt_dir} ({free / GIB:.1f} GiB free)")
-    return [Check("plan", "checkpoints", status, detail, fix), check_memory(cfg)], cfg
+    # The figures and the verdict of `ayumi plan` (curriculum/plan.py checkpoint_disk, DISK_RULE).
+    disk = checkpoint_disk(total_steps(cfg.train), checkpoint_shape(cfg, parameters),
+                           free_bytes=disk_free(Path(cfg.checkpoint.dir)))
+    problem = disk_problem(disk)
+    detail = f"{cfg.name}: {parameters:,} parameters; {disk_summary(disk)}"
+    checks = [Check("plan", "checkpoints", FAIL if problem else OK, detail, problem or ""), check_memory(cfg)]
+    return checks, cfg
 
 
 def check_memory(cfg) -> Check:
@@ -395,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     # The field list is read from the config's source: only worth it when help is asked.
-    parser = argparse.ArgumentParser(prog="ayumi doctor", description=__doc__, usage="ayumi doctor [--json] [key=value ...]",
+    about = f"{__doc__}\n" + textwrap.fill(f"Checkpoint disk: {DISK_RULE}.", width=100, break_on_hyphens=False)
+    parser = argparse.ArgumentParser(prog="ayumi doctor", description=about, usage="ayumi doctor [--json] [key=value ...]",
                                      epilog=training_config_help(cfg_job=False) if asks_for_help(argv) else None,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print the checks as JSON")

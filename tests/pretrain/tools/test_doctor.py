@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from curriculum.plan import human_bytes
 from pretrain.tools import doctor
 from pretrain.config import compose_config, to_object
 from pretrain.model.flops import count_parameters
@@ -74,15 +75,47 @@ def test_json_output_parses(roots, fake_deepspeed, capsys):
 def test_plan_checkpoint_estimate(roots, prepared, fake_deepspeed, monkeypatch, capsys):
     monkeypatch.setattr(doctor, "disk_free", lambda path: 1024**4)  # 1 TiB: room for a 1B run's checkpoints
     overrides = ["experiment=llama_1b_example", "checkpoint.keep_last=2", f"data.root={prepared}"]
-    parameters = count_parameters(to_object(compose_config(overrides)).model)
+    cfg = to_object(compose_config(overrides))
+    parameters = count_parameters(cfg.model)
     assert doctor.main(["--json", *overrides]) == 0
     check = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}["checkpoints"]
-    # ZeRO-1 with precision auto counts the larger of bf16 (14 B) and fp32 (16 B: module + fp32 partition
-    # + Adam moments); at the peak keep_last + 1 checkpoints and a recovery ring of ring_keep (3) + 2.
-    gib = parameters * 16 * (3 + 5) / 1024**3
-    assert check["status"] == "ok" and f"= {gib:.2f} GiB" in check["detail"], check["detail"]
-    assert "x 3 + 5 in the recovery ring at peak" in check["detail"]
-    assert 0.9e9 < parameters < 1.5e9
+    # ZeRO-1, precision auto planned as bf16: 14 bytes a parameter (module + fp32 partition + Adam moments); at the
+    # peak keep_last + 1 = 3 checkpoints and a recovery ring of ring_keep (3) + 2; 24,415 steps save 24 times.
+    assert (cfg.deepspeed.zero_stage, cfg.deepspeed.precision) == (1, "auto") and parameters == 1_174_497_280
+    each, needed = human_bytes(parameters * 14), human_bytes(parameters * 14 * (3 + 5))
+    assert check["status"] == "ok" and check["fix"] == ""
+    assert check["detail"] == (f"llama_1b_example: 1,174,497,280 parameters; 24 saves (+ up to 5 in the recovery "
+                               f"ring) x {each} each; {needed} more needed at peak, 1.0 TiB free at {cfg.checkpoint.dir}")
+
+
+def test_doctor_and_plan_count_the_same_checkpoint_disk_and_precision(roots, fake_deepspeed, monkeypatch, capsys):
+    """`ayumi doctor` and `ayumi plan` on the same run print the same checkpoint line, from one rule, and the disk
+    plan counts `auto` in the precision the memory plan does (bf16: the plan is for the GPUs)."""
+    from curriculum.plan import BYTES_PER_PARAM, checkpoint_shape, planned_precision
+    from pretrain.plan.memory import memory_shape
+    from pretrain.tools import plan as plan_cli
+
+    free = 3 * 1024**4
+    monkeypatch.setattr(doctor, "disk_free", lambda path: free)
+    overrides = ["experiment=llama_1b_example"]
+    assert doctor.main(["--json", *overrides]) == 1  # its data root is missing here: a FAIL of its own
+    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
+    assert plan_cli.main([*overrides, f"--free-bytes={free}"]) == 1  # refused for the data alone
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("checkpoints: "))
+    assert checks["checkpoints"]["detail"] == "llama_1b_example: 1,174,497,280 parameters; " + line[len("checkpoints: "):]
+    cfg = to_object(compose_config(overrides))
+    assert cfg.deepspeed.precision == "auto" and memory_shape(cfg, 8).precision == planned_precision("auto") == "bf16"
+    assert checkpoint_shape(cfg, 1000).size == 1000 * BYTES_PER_PARAM[(1, "bf16")] == 14_000
+
+
+def test_the_help_and_the_docs_quote_the_checkpoint_disk_rule(capsys):
+    from curriculum.plan import DISK_RULE
+
+    with pytest.raises(SystemExit):
+        doctor.main(["--help"])
+    flat = lambda text: " ".join(text.split())  # noqa: E731
+    assert flat(DISK_RULE) in flat(capsys.readouterr().out)
+    assert flat(DISK_RULE) in flat((REPO / "docs" / "multinode.md").read_text())
 
 
 def test_plan_larger_than_the_disk_is_broken(roots, prepared, fake_deepspeed, monkeypatch, capsys):
