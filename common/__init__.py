@@ -3,7 +3,8 @@
 - `common.corpus`: streaming corpus readers (jsonl/text/parquet/`datasets` folders) used by the
   tokenizer builder and data preparation alike;
 - `common.files`: atomic run files and folders (temporary name, fsync, rename);
-- `common.conf`: Hydra composition and the -h/--help text of every command.
+- `common.conf`: Hydra composition and the -h/--help text of every command;
+- `common.status`: the exit statuses every command shares.
 
 May import: nothing of ayumi (every other package imports this one).
 """

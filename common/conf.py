@@ -7,11 +7,17 @@ The help helpers below make every command answer -h/--help alike: its usage and 
 """
 from __future__ import annotations
 
+import ast
+import dataclasses
+import functools
+import inspect
+import json
 import os
 import re
 import textwrap
+import typing
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 """The checkout ayumi runs from (installed editable, so conf/ sits beside the packages)."""
@@ -146,3 +152,117 @@ def config_help(reads: str, overrides: bool = True, cfg_job: bool = True) -> str
 def command_help(usage: str, about: str, reads: str, overrides: bool = True) -> str:
     """The whole help of a command without an argparse parser: usage line, what it does, config."""
     return f"usage: {usage}\n\n{about.strip()}\n\n{config_help(reads, overrides)}"
+
+
+# -- the documented fields of a dataclass config, for --help (as litgpt lists its arguments) -----------
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """{field name: its docstring} of a dataclass: the string literal right below each field in the class source.
+
+    Python keeps no such docstring at run time, so the source is read with `ast` (once per class, and each
+    module parsed once: inspect.getsource would parse the whole module again for every class).
+    """
+    node = _class_nodes(inspect.getsourcefile(cls))[cls.__qualname__]
+    docs = {}
+    for field_node, after in zip(node.body, node.body[1:]):
+        if isinstance(field_node, ast.AnnAssign) and isinstance(field_node.target, ast.Name) and _is_string(after):
+            docs[field_node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+@functools.cache
+def _class_nodes(path: str) -> dict[str, ast.ClassDef]:
+    """Every class definition of a source file by qualified name (Outer.Inner for a nested one)."""
+    found: dict[str, ast.ClassDef] = {}
+
+    def visit(body: list[ast.stmt], prefix: str) -> None:
+        for node in body:
+            if isinstance(node, ast.ClassDef):
+                found[prefix + node.name] = node
+                visit(node.body, f"{prefix}{node.name}.")
+
+    visit(ast.parse(Path(path).read_text(encoding="utf-8")).body, "")
+    return found
+
+
+def _is_string(node: ast.stmt) -> bool:
+    return isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+
+
+def _section_type(hint: Any) -> type | None:
+    """The dataclass a field holds (a nested section), else None."""
+    return hint if dataclasses.is_dataclass(hint) and isinstance(hint, type) else None
+
+
+def _entry_section(hint: Any) -> tuple[str, type] | None:
+    """(how an entry is named, its dataclass) of a `dict[str, Section]` field (`.NAME`, e.g. tokenizer.domains)
+    or a `list[Section]` field (`[N]`, e.g. curriculum.stages); None for any other field."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is dict and len(args) == 2 and _section_type(args[1]):
+        return ".NAME", args[1]
+    if origin is list and len(args) == 1 and _section_type(args[0]):
+        return "[N]", args[0]
+    return None
+
+
+def default_text(f: dataclasses.Field) -> str:
+    """A field's default as an override would spell it (true, null, [a, b]); ??? when it has none."""
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+    else:
+        return "???"
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    if isinstance(value, (list, dict)):
+        return json.dumps(value, ensure_ascii=False, default=_plain)
+    return str(value) if value != "" else "''"
+
+
+def _plain(value: Any) -> Any:
+    """A dataclass inside a list or dict default as the mapping an override would give."""
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else str(value)
+
+
+def config_fields(cls: type, prefix: str = "",
+                  entries: Mapping[str, type] | None = None) -> list[tuple[str, str | None, str]]:
+    """(dotted name, default or None for a section, docstring) of every field of a dataclass config, depth first.
+
+    A nested dataclass is a section (its own row, then its fields); a `dict[str, Section]` field lists its
+    entries' fields under `name.NAME.`, a `list[Section]` field under `name[N].`. `entries` names the entry
+    dataclass of dict fields typed loosely (e.g. {"data.domains": DomainConfig} where the schema says
+    dict[str, Any]).
+    """
+    entries = entries or {}
+    hints, docs = typing.get_type_hints(cls), field_docs(cls)
+    rows: list[tuple[str, str | None, str]] = []
+    for f in dataclasses.fields(cls):
+        name = prefix + f.name
+        section = _section_type(hints[f.name])
+        if section is not None:
+            rows.append((name, None, docs.get(f.name, "")))
+            rows += config_fields(section, name + ".", entries)
+            continue
+        rows.append((name, default_text(f), docs.get(f.name, "")))
+        entry = _entry_section(hints[f.name]) or ((".NAME", entries[name]) if name in entries else None)
+        if entry is not None:
+            rows += config_fields(entry[1], name + entry[0] + ".", entries)
+    return rows
+
+
+def fields_help(cls: type, schema: str, entries: Mapping[str, type] | None = None) -> str:
+    """The `fields:` block of a command's help: every field of the config it reads, `name = default  — docstring`.
+
+    schema: where the dataclasses live, e.g. "pretrain/config.py". The defaults are the schema's; the YAML
+    files of conf/ (and experiment=) set many others, which `--cfg job` prints resolved.
+    """
+    lines = [f"fields ({schema}; defaults are the schema's: conf/ files change some, `--cfg job` prints the values):"]
+    for name, default, doc in config_fields(cls, entries=entries):
+        head = f"{name}.*" if default is None else f"{name} = {default}"
+        text = f"{head}  — {doc}" if doc else head
+        indent = "  " if default is None else "    "
+        lines += textwrap.wrap(text, width=100, initial_indent=indent, subsequent_indent=indent + "    ",
+                               break_on_hyphens=False, break_long_words=False)
+    return "\n".join(lines)

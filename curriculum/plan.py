@@ -10,10 +10,13 @@ the reasons to refuse; the CLI exits 1 on any, and the trainer runs the same che
 Checkpoint size, bytes per parameter as DeepSpeed 0.19 writes them (measured on every stage): 8 of
 fp32 Adam moments, plus the weights: stage 0 saves the module (2 in bf16/fp16 with a 4-byte fp32
 master copy, 4 in fp32): 14 / 12; stages 1-2 save the module and the fp32 partition even in fp32:
-14 / 16; stage 3 saves only the fp32 partition: 12. `auto` precision counts the larger. Peak disk
-is (keep_last + 1) checkpoints, because a new one is complete before the oldest is deleted, plus
-the stability machinery's recovery ring (ring_keep newest + the rollback target + the one being
-written); the checkpoints already in the directory (a resumed run) count as part of that peak.
+14 / 16; stage 3 saves only the fp32 partition: 12. `auto` precision is planned as bf16, as the
+memory plan does (planned_precision). Peak disk is (keep_last + 1) checkpoints, because a new one is
+complete before the oldest is deleted, plus the stability machinery's recovery ring (ring_keep
+newest + the rollback target + the one being written); the checkpoints already in the directory (a
+resumed run) count as part of that peak. `checkpoint_disk` is the one place this is counted: `ayumi
+plan`, the launcher's and the trainer's plan and `ayumi doctor` all print its figures, and DISK_RULE
+says it in words for the help and the docs.
 
 Nothing here imports `pretrain`: callers pass the parameter count and the run's numbers.
 """
@@ -44,6 +47,15 @@ BYTES_PER_PARAM = {  # (ZeRO stage, precision) -> checkpoint bytes per parameter
     **{(stage, p): 2 + 4 + 8 for stage in (1, 2) for p in ("bf16", "fp16")}, (1, "fp32"): 4 + 4 + 8, (2, "fp32"): 4 + 4 + 8,
     **{(3, p): 4 + 8 for p in ("bf16", "fp16", "fp32")},
 }
+
+PLANNED_AUTO_PRECISION = "bf16"
+"""What every plan (disk and memory) counts deepspeed.precision=auto as: see planned_precision."""
+
+DISK_RULE = ("one checkpoint is the parameters times the bytes per parameter DeepSpeed saves at the run's ZeRO stage "
+             "and precision (curriculum/plan.py bytes_per_parameter; precision=auto counted as bf16); at the peak "
+             "min(saves, checkpoint.keep_last + 1) of them are on disk (every save with keep_last=0), plus up to "
+             "stability.recovery.ring_keep + 2 in the recovery ring, less what checkpoint.dir already holds")
+"""checkpoint_disk's rule in words: what `ayumi doctor --help` and docs/multinode.md say (tested verbatim)."""
 
 
 class PlanRefused(RuntimeError):
@@ -94,7 +106,7 @@ class CheckpointShape:
     num_parameters: int
     """Trainable parameters (pretrain.model.flops.count_parameters)."""
     precision: str = "bf16"
-    """deepspeed.precision: auto | bf16 | fp16 | fp32 (auto counts the larger)."""
+    """deepspeed.precision: auto | bf16 | fp16 | fp32 (auto counts as bf16: planned_precision)."""
     zero_stage: int = 1
     """deepspeed.zero_stage: what DeepSpeed saves depends on it (module doc)."""
     interval: int = 0
@@ -158,14 +170,8 @@ class Plan:
     run: RunShape
     stages: list[StageRow] = field(default_factory=list)
     domains: list[DomainRow] = field(default_factory=list)
-    checkpoints: int = 0
-    ring_checkpoints: int = 0
-    """Recovery-ring checkpoints on disk at the peak (stability.recovery)."""
-    checkpoint_bytes: int = 0
-    disk_needed: int = 0
-    disk_free: int | None = None
-    existing_checkpoint_bytes: int = 0
-    checkpoint_dir: str = ""
+    disk: CheckpointDisk | None = None
+    """The checkpoints' disk at the peak (None: no checkpoint shape was given)."""
     wall_time_s: float | None = None
     problems: list[PlanProblem] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -190,10 +196,26 @@ def checkpoint_count(total_steps: int, interval: int, save_final: bool, save_ini
     return periodic + (1 if save_final else 0) + (1 if save_initial else 0)
 
 
+def planned_precision(precision: str) -> str:
+    """The precision a plan counts: deepspeed.precision as given, `auto` as bf16.
+
+    auto trains bf16 on a GPU with bf16 (every one since Ampere; pretrain/engine/precision.py), and a plan is
+    made for the GPUs the run is meant for, often away from them (a login node), so the disk and the memory
+    plan both count bf16. Where auto resolves otherwise (fp16 on an older GPU, fp32 on a CPU without a fast bf16
+    matmul) the trainer checks each save against the size of the precision it really trains in; pin
+    deepspeed.precision to plan for that precision.
+    """
+    return PLANNED_AUTO_PRECISION if precision == "auto" else precision
+
+
+def bytes_per_parameter(precision: str, zero_stage: int = 1) -> int:
+    """Checkpoint bytes per parameter at this ZeRO stage and precision (module doc; auto: planned_precision)."""
+    return BYTES_PER_PARAM[(zero_stage, planned_precision(precision))]
+
+
 def checkpoint_size(num_parameters: int, precision: str, zero_stage: int = 1) -> int:
-    """Bytes of one checkpoint (module doc); `auto` (resolved only on the machine that trains) counts the larger."""
-    options = ("bf16", "fp32") if precision == "auto" else (precision,)
-    return num_parameters * max(BYTES_PER_PARAM[(zero_stage, option)] for option in options)
+    """Bytes of one checkpoint (module doc)."""
+    return num_parameters * bytes_per_parameter(precision, zero_stage)
 
 
 def ring_checkpoints_at_peak(total_steps: int, ckpt: CheckpointShape) -> int:
@@ -209,6 +231,69 @@ def checkpoints_at_peak(total_steps: int, ckpt: CheckpointShape) -> tuple[int, i
     saves = checkpoint_count(total_steps, ckpt.interval, ckpt.save_final, ckpt.save_initial)
     regular = saves if ckpt.keep_last <= 0 else min(saves, ckpt.keep_last + 1)
     return regular, ring_checkpoints_at_peak(total_steps, ckpt)
+
+
+@dataclass
+class CheckpointDisk:
+    """The disk a run's checkpoints take at their peak (checkpoint_disk): the figures `ayumi plan` and `ayumi
+    doctor` print and refuse on."""
+
+    saves: int
+    """Checkpoints saved over a full run (checkpoint_count)."""
+    regular: int
+    """Of them, on disk at once at the peak (keep_last + 1, or every save with keep_last <= 0)."""
+    ring: int
+    """Recovery-ring checkpoints on disk at the peak."""
+    each: int
+    """Bytes of one checkpoint (checkpoint_size)."""
+    existing: int
+    """Bytes already under checkpoint.dir (a resumed run's checkpoints are part of the peak)."""
+    free: int
+    """Free bytes on the disk that holds checkpoint.dir."""
+    where: Path
+    """checkpoint.dir or its nearest existing ancestor: where the free disk is measured."""
+    dir: str
+    """checkpoint.dir as configured."""
+    keep_last: int = 3
+    """checkpoint.keep_last, for messages."""
+
+    @property
+    def on_disk(self) -> int:
+        return self.regular + self.ring
+
+    @property
+    def needed(self) -> int:
+        """Bytes still to find at the peak."""
+        return max(0, self.on_disk * self.each - self.existing)
+
+
+def checkpoint_disk(total_steps: int, ckpt: CheckpointShape, free_bytes: int | None = None) -> CheckpointDisk:
+    """The checkpoints' disk at the peak of a full run (DISK_RULE); `free_bytes` replaces the measured free disk."""
+    regular, ring = checkpoints_at_peak(total_steps, ckpt)
+    where = existing_parent(ckpt.dir)
+    free = free_bytes if free_bytes is not None else shutil.disk_usage(where).free
+    saves = checkpoint_count(total_steps, ckpt.interval, ckpt.save_final, ckpt.save_initial)
+    return CheckpointDisk(saves, regular, ring, ckpt.size, directory_bytes(ckpt.dir), free, where, str(ckpt.dir),
+                          ckpt.keep_last)
+
+
+def disk_summary(disk: CheckpointDisk) -> str:
+    """One line of the figures: saves, size, what is still needed at the peak, what is free."""
+    ring = f" (+ up to {disk.ring} in the recovery ring)" if disk.ring else ""
+    existing = f" ({human_bytes(disk.existing)} already there)" if disk.existing else ""
+    return (f"{disk.saves} saves{ring} x {human_bytes(disk.each)} each; {human_bytes(disk.needed)} more needed at "
+            f"peak, {human_bytes(disk.free)} free at {disk.dir}{existing}")
+
+
+def disk_problem(disk: CheckpointDisk) -> str | None:
+    """Why the checkpoints do not fit, with the fixes; None when they do."""
+    if disk.needed <= disk.free:
+        return None
+    ring = f" and {disk.ring} recovery-ring checkpoints" if disk.ring else ""
+    return (f"checkpoints need {human_bytes(disk.needed)} more on {disk.where} ({disk.on_disk} x "
+            f"{human_bytes(disk.each)} at peak with checkpoint.keep_last={disk.keep_last}{ring}) but only "
+            f"{human_bytes(disk.free)} is free; free space, lower checkpoint.keep_last"
+            + (" or stability.recovery.ring_keep" if disk.ring else "") + ", or point checkpoint.dir at a larger disk")
 
 
 def existing_parent(path: str | os.PathLike) -> Path:
@@ -308,25 +393,9 @@ def _fill_shuffled_rows(plan: Plan, limit: float, run: RunShape, domain_tokens: 
 
 
 def _fill_checkpoints(plan: Plan, run: RunShape, ckpt: CheckpointShape, free_bytes: int | None) -> None:
-    plan.checkpoints = checkpoint_count(run.total_steps, ckpt.interval, ckpt.save_final, ckpt.save_initial)
-    plan.checkpoint_bytes = ckpt.size
-    regular, plan.ring_checkpoints = checkpoints_at_peak(run.total_steps, ckpt)
-    on_disk = regular + plan.ring_checkpoints
-    plan.existing_checkpoint_bytes = directory_bytes(ckpt.dir)
-    plan.disk_needed = max(0, on_disk * plan.checkpoint_bytes - plan.existing_checkpoint_bytes)
-    where = existing_parent(ckpt.dir)
-    plan.checkpoint_dir = str(ckpt.dir)
-    plan.disk_free = free_bytes if free_bytes is not None else shutil.disk_usage(where).free
-    if plan.disk_needed > plan.disk_free:
-        plan.problems.append(PlanProblem(
-            "disk",
-            f"checkpoints need {human_bytes(plan.disk_needed)} more on {where} ({on_disk} x {human_bytes(plan.checkpoint_bytes)}"
-            f" at peak with checkpoint.keep_last={ckpt.keep_last}"
-            + (f" and {plan.ring_checkpoints} recovery-ring checkpoints" if plan.ring_checkpoints else "")
-            + f") but only {human_bytes(plan.disk_free)} is free; free space, lower checkpoint.keep_last"
-            + (" or stability.recovery.ring_keep" if plan.ring_checkpoints else "")
-            + ", or point checkpoint.dir at a larger disk",
-        ))
+    plan.disk = checkpoint_disk(run.total_steps, ckpt, free_bytes)
+    if problem := disk_problem(plan.disk):
+        plan.problems.append(PlanProblem("disk", problem))
 
 
 def check_plan(*args, **kwargs) -> list[PlanProblem]:
@@ -425,12 +494,8 @@ def format_plan(plan: Plan, sections: list[str] = ()) -> str:
                              f"{human_count(row.available_tokens):>10} {row.epochs:>6.2f}x {_limit(row.max_epochs):>6}  "
                              f"{'ok' if row.ok else 'OVER'}")
         lines.append("")
-    if plan.checkpoint_bytes:
-        ring = f" (+ up to {plan.ring_checkpoints} in the recovery ring)" if plan.ring_checkpoints else ""
-        lines.append(f"checkpoints: {plan.checkpoints} saves{ring} x {human_bytes(plan.checkpoint_bytes)} each; "
-                     f"{human_bytes(plan.disk_needed)} more needed at peak, {human_bytes(plan.disk_free or 0)} free "
-                     f"at {plan.checkpoint_dir}" + (f" ({human_bytes(plan.existing_checkpoint_bytes)} already there)"
-                                                    if plan.existing_checkpoint_bytes else ""))
+    if plan.disk is not None and plan.disk.each:
+        lines.append(f"checkpoints: {disk_summary(plan.disk)}")
     if plan.wall_time_s is not None:
         lines.append(f"estimated wall time: {human_duration(plan.wall_time_s)} at the given throughput")
     lines += list(sections)

@@ -5,7 +5,9 @@
     ayumi data verify DATA_ROOT
 
 `prepare` composes `conf/data_prepare.yaml` with Hydra's Compose API (overrides as in any ayumi
-command; `--cfg job` prints the resolved config and exits).
+command; `--cfg job` prints the resolved config and exits). Exit statuses (common/status.py): bad input
+(a config value, a data root or file that is missing or unreadable) is one line and 2; `verify` exits 1
+when it read the shards and found damage.
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ import sys
 
 from omegaconf import OmegaConf
 
-from common.conf import asks_for_help, command_help, composed_from, config_help
+from common.conf import asks_for_help, command_help, composed_from, config_help, fields_help
+from common.status import BAD_INPUT, DONE, INTERRUPTED, REFUSED
 
 USAGE = __doc__.split("\n\n")[1]
 INSPECT_READS = "no config from conf/: DATA_ROOT's manifest.json and shards (and the tokenizer they name, to decode)"
@@ -24,11 +27,17 @@ VERIFY_READS = "no config from conf/: DATA_ROOT's manifest.json, domain records 
 
 
 def prepare_help() -> str:
-    return command_help(
+    """Usage, what prepare does, the config it reads and its fields (a domain's under data.domains.NAME)."""
+    from data.config import DataPrepareConfig, DomainConfig
+
+    about = command_help(
         "ayumi data prepare data=NAME tokenizer_dir=DIR [key=value ...] [--cfg job]",
         "Clean, tokenize and pack each domain's corpus files into .bin/.idx shards with a validation split and\n"
         "manifest.json (fields: data/config.py: DataPrepareConfig, DomainConfig, CleanConfig).",
         composed_from("data_prepare", "data"))
+    # data.domains is dict[str, Any] in the schema (a domain is merged with DomainConfig when read): name it here.
+    fields = fields_help(DataPrepareConfig, "data/config.py", entries={"data.domains": DomainConfig})
+    return f"{about}\n\n{fields}"
 
 
 def compose(overrides: list[str]):
@@ -68,17 +77,19 @@ def _console_logging():
 
 
 def _split_cfg_flag(argv: list[str]) -> tuple[bool, list[str]]:
-    """(whether `--cfg job` was given, the remaining overrides)."""
+    """(whether `--cfg job` was given, the remaining overrides); ConfigError for another `--cfg` value."""
+    from data.config import ConfigError
+
     if "--cfg" not in argv:
         return False, list(argv)
     at = argv.index("--cfg")
     if argv[at + 1:at + 2] != ["job"]:
-        raise SystemExit("ayumi data prepare: only `--cfg job` is supported")
+        raise ConfigError("only `--cfg job` is supported")
     return True, argv[:at] + argv[at + 2:]
 
 
 def prepare_main(argv: list[str]) -> int:
-    """`ayumi data prepare`: returns the exit code (1 with one clear line on a known error)."""
+    """`ayumi data prepare`: returns the exit status (BAD_INPUT with one clear line on a known error)."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -90,8 +101,8 @@ def prepare_main(argv: list[str]) -> int:
     from common.conf import ConfigCompositionError
     from common.corpus import CorpusError
 
-    show_cfg, overrides = _split_cfg_flag(argv)
     try:
+        show_cfg, overrides = _split_cfg_flag(argv)
         cfg = compose(overrides)
         # Checked before `--cfg job` prints: every value it shows is one prepare accepts (tokenizer_dir may be unset).
         job = prepare_config(cfg, tokenizer_required=not show_cfg)
@@ -103,10 +114,10 @@ def prepare_main(argv: list[str]) -> int:
     except (ConfigCompositionError, HydraException, OmegaConfBaseException, ConfigError, CorpusError, PrepareError,
             ManifestError, ShardFormatError, TokenizerNotFoundError) as err:
         print(f"ayumi data prepare: error: {err}", file=sys.stderr)
-        return 1
+        return BAD_INPUT
     except KeyboardInterrupt:
         print("ayumi data prepare: interrupted; finished domains are kept, re-run to continue", file=sys.stderr)
-        return 130
+        return INTERRUPTED
     totals = manifest["totals"]
     count = len(manifest["domains"])
     print(f"prepared {count} domain{'s' * (count != 1)} under {cfg.data.root}: {totals['docs_kept']:,} docs, "
@@ -132,12 +143,13 @@ def inspect_main(argv: list[str]) -> int:
         print(inspect_root(args.root, samples=args.samples, chars=args.chars, tokenizer_dir=args.tokenizer_dir))
     except (ManifestError, ShardFormatError, TokenizerNotFoundError) as err:
         print(f"ayumi data inspect: error: {err}", file=sys.stderr)
-        return 1
-    return 0
+        return BAD_INPUT
+    return DONE
 
 
 def verify_main(argv: list[str]) -> int:
-    """`ayumi data verify DATA_ROOT`: 0 when every shard matches its record, 1 with one line per problem."""
+    """`ayumi data verify DATA_ROOT`: 0 when every shard matches its record, 1 (the verdict) with one line per
+    problem, 2 when DATA_ROOT has no readable manifest (not a data root: nothing was verified)."""
     from data.integrity import unchecksummed_prefixes, verify_root
     from data.manifest import ManifestError, load_manifest
     from data.megatron import FULL_CHECK_BYTES
@@ -151,7 +163,7 @@ def verify_main(argv: list[str]) -> int:
         manifest = load_manifest(args.root)
     except ManifestError as err:
         print(f"ayumi data verify: error: {err}", file=sys.stderr)
-        return 1
+        return BAD_INPUT
     problems = verify_root(args.root, manifest)
     for problem in problems:
         print(f"ayumi data verify: {problem}", file=sys.stderr)
@@ -163,7 +175,7 @@ def verify_main(argv: list[str]) -> int:
     shards = manifest["totals"]["shards"]
     if problems:
         print(f"{len(problems)} problem(s) in {args.root} ({shards} shards)", file=sys.stderr)
-        return 1
+        return REFUSED
     print(f"{args.root}: all {shards} shards match their records ({manifest['totals']['tokens']:,} tokens checked)")
     return 0
 
@@ -186,4 +198,4 @@ def main(argv: list[str]) -> int:
     if command == "verify":
         return verify_main(rest)
     print(f"ayumi data: unknown command {command!r}\nusage:\n{USAGE}", file=sys.stderr)
-    return 2
+    return BAD_INPUT

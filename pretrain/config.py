@@ -31,8 +31,10 @@ from pretrain.job.hang_watchdog import HangConfig
 from pretrain.ranges import Range, Rule, above, at_least, between, one_of, range_problems
 from pretrain.model.tensor_parallel import tensor_parallel_problems
 from pretrain.stability.config import StabilityConfig, StabilityConfigError, check_stability_config
+from common.status import BAD_INPUT
 from common.conf import (
-    CONF_DIR, ConfigCompositionError, compose, composed_from, conf_label, config_help, group_options, unset_environment,
+    CONF_DIR, ConfigCompositionError, compose, composed_from, conf_label, config_help, fields_help, group_options,
+    unset_environment,
 )
 
 
@@ -467,8 +469,9 @@ def total_steps(train: TrainConfig) -> int:
     return math.ceil(train.tokens / tokens_per_step(train))
 
 
-EXIT_CONFIG_ERROR = 2
-"""Exit status of `ayumi train` and pretrain.train for a configuration error (nothing was started)."""
+EXIT_CONFIG_ERROR = BAD_INPUT
+"""Exit status of `ayumi train` and pretrain.train for a configuration error (nothing was started); the
+statuses of every ayumi command are in common/status.py."""
 
 CHECKED_BY_LAUNCHER_ENV = "AYUMI_CONFIG_CHECKED"
 """Set by `ayumi train` for the ranks it starts: it has checked the config and said what runs."""
@@ -642,10 +645,12 @@ TRAINING_GROUPS = ("model", "optim", "deepspeed", "logging", "stability", "curri
 
 
 def training_config_help(cfg_job: bool = True) -> str:
-    """The `config:` paragraph of every command that reads the training config (train, plan, doctor)."""
+    """The end of the help of every command that reads the training config (train, plan, doctor): the `config:`
+    paragraph, then every field of AyumiConfig with its default and docstring."""
     groups = ", ".join(f"{group}=" for group in TRAINING_GROUPS)
-    return config_help(f"{composed_from('config', 'experiment', CONF_DIR)}, with the groups {groups} "
-                       f"(each a folder of {conf_label(CONF_DIR)})", cfg_job=cfg_job)
+    reads = config_help(f"{composed_from('config', 'experiment', CONF_DIR)}, with the groups {groups} "
+                        f"(each a folder of {conf_label(CONF_DIR)})", cfg_job=cfg_job)
+    return f"{reads}\n\n{fields_help(AyumiConfig, 'pretrain/config.py and the sections it imports')}"
 
 
 def experiment_given(overrides: list[str] | tuple[str, ...]) -> bool:

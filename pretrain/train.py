@@ -77,6 +77,7 @@ from pretrain.job.run_lock import RunDirLock, RunDirLocked
 from pretrain.engine.precision import CAPABILITY_ORDER, PrecisionChoice, agreed, kept_from_checkpoint, resolve_precision
 from pretrain.trainer import Trainer, TrainResult
 from common.files import write_text_atomic
+from common.status import STABILITY_STOP
 from tokenizer.info import TokenizerNotFoundError
 
 
@@ -87,8 +88,8 @@ INPUT_ERRORS = (ConfigError, PlanRefused, CurriculumError, ShardFormatError, Tok
                 TokenizerNotFoundError, CheckpointError, DataChangedError, HFImportError, RunDirLocked)
 """Mistakes in what the run was given (config, plan, shards, tokenizer, checkpoint): a clear line and status 2."""
 
-EXIT_STABILITY_STOP = 3
-"""Exit status when the stability machinery stopped the run (state saved; see events.jsonl)."""
+EXIT_STABILITY_STOP = STABILITY_STOP
+"""Exit status when the stability machinery stopped the run (state saved; see events.jsonl; common/status.py)."""
 
 
 def load_tokenizer_identity(tokenizer_dir: str | None) -> dict:

@@ -7,7 +7,8 @@
   expand BASE SOURCE --vocab N --out DIR     a base tokenizer plus new pieces, base ids kept
 
 build/sweep take Hydra overrides over conf/tokenizer_build.yaml; `--cfg job` prints the resolved config.
-Every verb answers -h/--help with its usage and the config it reads, and starts nothing.
+Every verb answers -h/--help with its usage and the config it reads, and starts nothing. Bad input (a
+config value, an argument, a missing or unusable file named) is one line and exit status 2 (common/status.py).
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import json
 import sys
 from pathlib import Path
 
-from common.conf import asks_for_help, command_help, composed_from, config_help
+from common.conf import asks_for_help, command_help, composed_from, config_help, fields_help
+from common.status import BAD_INPUT, DONE
 
 USAGE = "usage: ayumi tokenizer build | eval | sweep | export | expand [ARGS]\n\n" + __doc__.split("\n", 2)[2]
 
@@ -34,9 +36,17 @@ VERB_HELP = {
 NO_CONFIG = "no config from conf/: only the files named on the command line"
 
 
+class UsageError(ValueError):
+    """An argument argparse cannot check itself (e.g. `--texts` without NAME=PATH); exit status 2."""
+
+
 def verb_help(verb: str) -> str:
+    """The help of a verb that composes conf/tokenizer_build.yaml: usage, what it does, the config and its fields."""
+    from tokenizer.config import TokenizerBuildConfig
+
     usage, about = VERB_HELP[verb]
-    return command_help(usage, about, composed_from("tokenizer_build", "tokenizer"))
+    return (command_help(usage, about, composed_from("tokenizer_build", "tokenizer")) + "\n\n"
+            + fields_help(TokenizerBuildConfig, "tokenizer/config.py"))
 
 
 def compose(overrides: list[str]):
@@ -211,7 +221,7 @@ def _pairs(values: list[str], flag: str) -> dict[str, str]:
     pairs = {}
     for value in values or []:
         if "=" not in value:
-            raise SystemExit(f"ayumi tokenizer eval: {flag} takes NAME=PATH, got {value!r}")
+            raise UsageError(f"{flag} takes NAME=PATH, got {value!r}")
         name, path = value.split("=", 1)
         pairs[name] = path
     return pairs
@@ -299,19 +309,20 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help") or argv[0] not in COMMANDS:
         print(USAGE, file=sys.stderr if argv and argv[0] not in ("-h", "--help", "help") else sys.stdout)
-        return 0 if not argv or argv[0] in ("-h", "--help", "help") else 2
+        return DONE if not argv or argv[0] in ("-h", "--help", "help") else BAD_INPUT
     if argv[0] in VERB_HELP and asks_for_help(argv[1:]):  # before Hydra, which reads --help as an override
         print(verb_help(argv[0]))
         return 0
     try:
         return COMMANDS[argv[0]](argv[1:])
+    # Every error below is about what the user gave (config, corpus, files): fix the input and rerun.
     except (TokenizerConfigError, CorpusError, SampleError, VocabTooLargeError, MergeError, BuildError,
-            ExpandError, ExportParityError, FileNotFoundError) as err:
+            ExpandError, ExportParityError, FileNotFoundError, UsageError) as err:
         print(f"ayumi tokenizer {argv[0]}: {err}", file=sys.stderr)
-        return 1
+        return BAD_INPUT
     except (ConfigCompositionError, HydraException, OmegaConfBaseException) as err:
         print(f"ayumi tokenizer {argv[0]}: config error: {err}", file=sys.stderr)
-        return 1
+        return BAD_INPUT
 
 
 if __name__ == "__main__":

@@ -41,10 +41,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+from common.status import HANG
 from pretrain.ranges import Range, at_least
 
-EXIT_HANG = 4
-"""Exit status of a rank the watchdog ended (not 0: done, 2: input error, 3: stability stop)."""
+EXIT_HANG = HANG
+"""Exit status of a rank the watchdog ended (common/status.py: every ayumi command's statuses)."""
 HANG_DIR = "hang"
 REPORT = "report.txt"
 DUMP_SIGNAL = signal.SIGUSR2

@@ -43,6 +43,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from curriculum.plan import planned_precision
 from pretrain.model.config import ModelConfig, checkpointing_plan
 from pretrain.model.flops import parameter_shapes
 from pretrain.model.tensor_parallel import local_shape
@@ -64,7 +65,7 @@ class MemoryShape:
     micro_batch: int
     seq_len: int
     precision: str
-    """bf16 | fp16 | fp32 (auto is planned as bf16: what GPUs since Ampere resolve it to)."""
+    """bf16 | fp16 | fp32 (auto is planned as bf16, as the disk plan counts it: curriculum.plan.planned_precision)."""
     zero_stage: int
     data_parallel: int
     offload_optimizer: bool = False
@@ -284,7 +285,7 @@ def memory_shape(cfg: Any, data_parallel: int, gqa_kernel: bool = True) -> Memor
     tensor-parallel group of parallel.tensor GPUs)."""
     ds, train = cfg.deepspeed, cfg.train
     parallel = getattr(cfg, "parallel", None)
-    precision = "bf16" if ds.precision == "auto" else ds.precision
+    precision = planned_precision(ds.precision)  # auto as bf16, as the disk plan counts it
     per_step = train.micro_batch_size * max(1, data_parallel)
     accum = train.grad_accum or max(1, train.global_batch_size // per_step)
     return MemoryShape(

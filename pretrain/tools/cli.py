@@ -1,12 +1,16 @@
 """The `ayumi` command: one entry, subcommands routed to the package that owns them.
 
-Every subcommand takes Hydra overrides (`key=value`) over `conf/`; `--cfg job` prints the
-resolved config instead of running.
+The commands that compose a config from `conf/` (OVERRIDE_COMMANDS) take Hydra overrides (`key=value`);
+all but doctor print the resolved config with `--cfg job`. Every command exits with the statuses of
+common/status.py (`ayumi --help` lists them).
 """
 from __future__ import annotations
 
 import importlib
 import sys
+import textwrap
+
+from common.status import BAD_INPUT, exit_status_help
 
 # subcommand -> (module, function, one-line help). Modules load lazily so `ayumi --help` is instant
 # and a command never pays for another's imports (DeepSpeed takes seconds to import).
@@ -14,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("pretrain.tools.launch", "main", "train locally with the right launcher (deepspeed/torchrun) for this machine"),
     "demo": ("demo.run", "main", "the whole pipeline on the embedded default (Quickstart command 1)"),
     "export": ("pretrain.tools.export", "main", "export hf CHECKPOINT_DIR OUT_DIR: a transformers LlamaForCausalLM folder"),
-    "tokenizer": ("tokenizer.cli", "main", "build | eval | sweep | export: the merged SentencePiece tokenizer"),
+    "tokenizer": ("tokenizer.cli", "main", "build | eval | sweep | export | expand: the merged SentencePiece tokenizer"),
     "data": ("data.cli", "main", "prepare | inspect | verify: corpus to Megatron .bin/.idx token shards"),
     "plan": ("pretrain.tools.plan", "main", "stage table, repetition, steps, disk and per-GPU memory for an experiment"),
     "report": ("pretrain.tools.report.build", "main", "plots and a summary of a run dir"),
@@ -22,11 +26,18 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
+OVERRIDE_COMMANDS = ("train", "plan", "doctor", "tokenizer build", "tokenizer sweep", "data prepare")
+"""The commands that compose a config from conf/ and so take Hydra overrides (key=value); the others take only
+the arguments their --help lists. All but doctor also print the resolved config with `--cfg job`."""
+
+
 def usage() -> str:
     lines = ["usage: ayumi COMMAND [ARGS] [key=value ...]", "", "commands:"]
     lines += [f"  {name:<10} {help_}" for name, (_, _, help_) in COMMANDS.items()]
-    lines += ["", "`ayumi COMMAND --help` (or -h) for a command's options and the config it reads; `--cfg job` prints",
-              "the resolved config of a command that composes one."]
+    overrides = (f"key=value overrides over conf/: {', '.join(OVERRIDE_COMMANDS)} (all but doctor print the resolved "
+                 "config with `--cfg job`); the other commands take only their arguments. `ayumi COMMAND --help` (or -h) "
+                 "for a command's options, the config it reads and that config's fields.")
+    lines += ["", *textwrap.wrap(overrides, width=100, break_on_hyphens=False), "", exit_status_help()]
     return "\n".join(lines)
 
 
@@ -38,14 +49,14 @@ def main(argv: list[str] | None = None) -> int:
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         print(f"ayumi: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
-        return 2
+        return BAD_INPUT
     module_name, func_name, _ = COMMANDS[name]
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
         if err.name == module_name:
             print(f"ayumi {name}: not available in this version yet", file=sys.stderr)
-            return 2
+            return BAD_INPUT
         raise
     result = getattr(module, func_name)(rest)
     return int(result or 0)

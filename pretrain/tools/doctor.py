@@ -4,9 +4,10 @@
 
 Checks, in order: Python; torch, its CUDA build, NCCL and the GPUs (name, memory); DeepSpeed's
 version, accelerator and op compatibility; CPU cores and RAM; the tokenizer/data libraries;
-free disk on the data root and the run root; W&B mode and readiness. Given Hydra overrides
-(`experiment=NAME ...`) it also composes that run's config and compares its checkpoints'
-estimated size (parameters x 14 bytes x checkpoint.keep_last) with the free disk.
+free disk on the data root and the run root (and, for a run, that its data root holds prepared data);
+W&B mode and readiness. Given Hydra overrides (`experiment=NAME ...`) it also composes that run's
+config and compares the disk its checkpoints need at their peak with the free disk, by the same rule
+and with the same figures as `ayumi plan` (the rule is printed below), and checks its per-GPU memory.
 
 The precision row is what `deepspeed.precision` resolves to here and why. On the CPU that is
 decided by the CPU's bf16 capability, sanity-checked by a matmul measurement cached per machine
@@ -18,8 +19,9 @@ pretrain/engine/ imports deepspeed in the product, and nothing here may trigger 
 wandb is not imported either (only pretrain/metrics.py does); its presence and the API key are
 checked from the package metadata and the environment.
 
-Exit status 0 unless something is broken (a FAIL line); each WARN/FAIL line says what to do,
-and the fixes are repeated as next steps at the end.
+Exit status (common/status.py) 0 unless something is broken: 1 for a FAIL line (each WARN/FAIL line
+says what to do, and the fixes are repeated as next steps at the end), 2 when the overrides given do
+not compose.
 """
 from __future__ import annotations
 
@@ -32,10 +34,12 @@ import platform
 import shutil
 import subprocess
 import sys
+import textwrap
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from curriculum.plan import checkpoint_shape, checkpoints_at_peak, existing_parent
+from common.status import BAD_INPUT, DONE, REFUSED
+from curriculum.plan import DISK_RULE, checkpoint_disk, checkpoint_shape, disk_problem, disk_summary, existing_parent
 
 OK, INFO, WARN, FAIL = "ok", "info", "warn", "FAIL"
 GIB = 1024**3
@@ -224,18 +228,37 @@ def disk_free(path: Path) -> int:
     return shutil.disk_usage(existing_parent(path)).free
 
 
-def check_roots(data_root: Path, run_root: Path) -> list[Check]:
-    checks = []
-    for name, root in (("data root", data_root), ("run root", run_root)):
-        free = disk_free(root)
-        low = free < LOW_DISK_GIB * GIB
-        writable = _writable(root)
-        status = FAIL if not writable else WARN if low else OK
-        fix = (f"{root} is not writable: set {'AYUMI_DATA_ROOT' if name == 'data root' else 'AYUMI_RUN_ROOT'} "
-               "to a folder you can write" if not writable else
-               f"under {LOW_DISK_GIB} GiB free: point it at a larger disk" if low else "")
-        checks.append(Check("disk", name, status, f"{root.absolute()}: {free / GIB:.1f} GiB free", fix))
-    return checks
+def check_roots(data_root: Path, run_root: Path, data_read: bool = False) -> list[Check]:
+    """Free disk and writability of both roots; with `data_read` (a run's data.root, which training reads)
+    also whether it holds prepared data."""
+    missing = missing_data(data_root) if data_read else None
+    return [root_check("data root", data_root, "AYUMI_DATA_ROOT", missing), root_check("run root", run_root, "AYUMI_RUN_ROOT")]
+
+
+def root_check(name: str, root: Path, variable: str, missing: tuple[str, str] | None = None) -> Check:
+    """One root's row: FAIL when it cannot be written or a run's data is missing (`missing`: what, fix), WARN when
+    its disk is nearly full."""
+    free = disk_free(root)
+    detail = f"{root.absolute()}: {free / GIB:.1f} GiB free"
+    if not _writable(root):
+        return Check("disk", name, FAIL, detail, f"{root} is not writable: set {variable} to a folder you can write")
+    if missing:
+        what, fix = missing
+        return Check("disk", name, FAIL, f"{root.absolute()} {what} ({free / GIB:.1f} GiB free on its disk)", fix)
+    if free < LOW_DISK_GIB * GIB:
+        return Check("disk", name, WARN, detail, f"under {LOW_DISK_GIB} GiB free: point it at a larger disk")
+    return Check("disk", name, OK, detail)
+
+
+def missing_data(root: Path) -> tuple[str, str] | None:
+    """(what is missing, the fix) when a run's data root holds no prepared data: training would refuse to start."""
+    from data.manifest import MANIFEST_NAME
+
+    if root.is_dir() and (root / MANIFEST_NAME).is_file():
+        return None
+    what = "does not exist" if not root.is_dir() else f"holds no {MANIFEST_NAME} (no data prepared there)"
+    return what, (f"write the shards there with `ayumi data prepare data=NAME data.root={root} tokenizer_dir=DIR`, "
+                  "or set data.root=DIR (or AYUMI_DATA_ROOT) to where they are")
 
 
 def _writable(path: Path) -> bool:
@@ -254,23 +277,13 @@ def check_plan(overrides: list[str]) -> tuple[list[Check], object | None]:
         message = " / ".join(line.strip() for line in str(err).splitlines() if line.strip())
         return [Check("plan", "config", FAIL, message[:400], "fix the overrides (`ayumi train --cfg job ...` "
                       "prints the resolved config)")], None
-    # The same arithmetic as `ayumi plan` (curriculum/plan.py): bytes per parameter by ZeRO stage and
-    # precision, keep_last <= 0 keeping every checkpoint, the stability machinery's recovery ring.
-    shape = checkpoint_shape(cfg, parameters)
-    one = shape.size
-    regular, ring = checkpoints_at_peak(total_steps(cfg.train), shape)
-    peak = one * (regular + ring)  # while a new checkpoint is written, the oldest kept one still exists
-    ckpt_dir = Path(cfg.checkpoint.dir)
-    free = disk_free(ckpt_dir)
-    status, fix = OK, ""
-    if peak > free:
-        status, fix = FAIL, (f"the checkpoints need {peak / GIB:.1f} GiB at their peak but {ckpt_dir} has "
-                             f"{free / GIB:.1f} GiB free: lower checkpoint.keep_last (or stability.recovery.ring_keep) "
-                             "or set AYUMI_RUN_ROOT / run_root= to a larger disk")
-    ring_note = f" + {ring} in the recovery ring" if ring else ""
-    detail = (f"{cfg.name}: {parameters / 1e6:,.1f} M parameters, {one / GIB:.2f} GiB per checkpoint x "
-              f"{regular}{ring_note} at peak = {peak / GIB:.2f} GiB in {ckpt_dir} ({free / GIB:.1f} GiB free)")
-    return [Check("plan", "checkpoints", status, detail, fix), check_memory(cfg)], cfg
+    # The figures and the verdict of `ayumi plan` (curriculum/plan.py checkpoint_disk, DISK_RULE).
+    disk = checkpoint_disk(total_steps(cfg.train), checkpoint_shape(cfg, parameters),
+                           free_bytes=disk_free(Path(cfg.checkpoint.dir)))
+    problem = disk_problem(disk)
+    detail = f"{cfg.name}: {parameters:,} parameters; {disk_summary(disk)}"
+    checks = [Check("plan", "checkpoints", FAIL if problem else OK, detail, problem or ""), check_memory(cfg)]
+    return checks, cfg
 
 
 def check_memory(cfg) -> Check:
@@ -333,17 +346,19 @@ def default_roots() -> tuple[Path, Path]:
 def run_checks(overrides: list[str], refresh_precision: bool = False) -> list[Check]:
     checks = check_python() + check_host() + check_torch()
     data_root, run_root = default_roots()
-    configured_mode, precision, plan_checks = None, "auto", []
+    configured_mode, precision, plan_checks, data_read = None, "auto", [], False
     if overrides:
         plan_checks, cfg = check_plan(overrides)
         if cfg is not None:
             data_root, run_root = Path(cfg.data.root), Path(cfg.run_root)
             configured_mode = cfg.logging.wandb.mode if cfg.logging.wandb.enabled else "disabled"
             precision = cfg.deepspeed.precision
+            # A curriculum that declares its own (Megatron) domains writes data.root's manifest at start.
+            data_read = not cfg.curriculum.domains
     if not any(check.name == "torch" and check.status == FAIL for check in checks):
         checks.append(check_precision(precision, refresh_precision))
     checks += check_deepspeed(deepspeed_facts()) + check_libraries()
-    return checks + check_roots(data_root, run_root) + plan_checks + check_wandb(configured_mode)
+    return checks + check_roots(data_root, run_root, data_read) + plan_checks + check_wandb(configured_mode)
 
 
 def next_steps(checks: list[Check], overrides: list[str]) -> list[str]:
@@ -373,10 +388,14 @@ def format_table(checks: list[Check], steps: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from common.conf import asks_for_help
     from pretrain.config import training_config_help
 
-    parser = argparse.ArgumentParser(prog="ayumi doctor", description=__doc__, usage="ayumi doctor [--json] [--refresh-precision] [key=value ...]",
-                                     epilog=training_config_help(cfg_job=False),
+    argv = sys.argv[1:] if argv is None else argv
+    # The field list is read from the config's source: only worth it when help is asked.
+    about = f"{__doc__}\n" + textwrap.fill(f"Checkpoint disk: {DISK_RULE}.", width=100, break_on_hyphens=False)
+    parser = argparse.ArgumentParser(prog="ayumi doctor", description=about, usage="ayumi doctor [--json] [--refresh-precision] [key=value ...]",
+                                     epilog=training_config_help(cfg_job=False) if asks_for_help(argv) else None,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print the checks as JSON")
     parser.add_argument("--refresh-precision", action="store_true",
@@ -395,7 +414,15 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"ok": not broken, "checks": [asdict(check) for check in checks], "next_steps": steps}, indent=2))
     else:
         print(format_table(checks, steps))
-    return 1 if broken else 0
+    return exit_status(checks)
+
+
+def exit_status(checks: list[Check]) -> int:
+    """BAD_INPUT when the overrides given do not compose (fix them and rerun: the run was not checked), else
+    REFUSED when any check is broken (the machine is not ready), else DONE (common/status.py)."""
+    if any(check.section == "plan" and check.name == "config" and check.status == FAIL for check in checks):
+        return BAD_INPUT
+    return REFUSED if any(check.status == FAIL for check in checks) else DONE
 
 
 if __name__ == "__main__":

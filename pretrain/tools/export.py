@@ -154,6 +154,7 @@ def _write_folder(tmp: Path, hf_config, tensors: dict[str, Tensor], tokenizer_fi
 def main(argv: list[str]) -> int:
     """`ayumi export hf CHECKPOINT OUT_DIR [--overwrite] [--dtype fp32|bf16|fp16] [--tokenizer-dir DIR]`."""
     from common.conf import config_help
+    from common.status import BAD_INPUT
 
     reads = config_help("no config from conf/: the checkpoint's ayumi.json (the run's model config and tokenizer)",
                         overrides=False)
@@ -183,7 +184,7 @@ def main(argv: list[str]) -> int:
     except (ExportError, CheckpointError, FileNotFoundError) as err:
         # Bad input (a folder that holds no checkpoint, an OUT_DIR in the way): one line, exit 2.
         print(f"ayumi export hf: {err}", file=sys.stderr)
-        return 2
+        return BAD_INPUT
     has_tokenizer = args.tokenizer_dir or extra.get("tokenizer_dir")
     tokenizer_note = "" if has_tokenizer else " (no tokenizer: none recorded or given)"
     print(f"wrote {out}: {cfg.name}, {count_parameters(cfg):,} parameters, {args.dtype}{tokenizer_note}")

@@ -173,10 +173,12 @@ PROG = "ayumi train"
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """(launcher options, everything else: Hydra overrides and --cfg job for pretrain.train)."""
+    from common.conf import asks_for_help
     from pretrain.config import training_config_help
 
+    # The field list is read from the config's source: only worth it when help is asked.
     parser = argparse.ArgumentParser(
-        prog=PROG, description=__doc__, epilog=training_config_help(),
+        prog=PROG, description=__doc__, epilog=training_config_help() if asks_for_help(argv) else None,
         usage=f"{PROG} [--nproc N] [--launcher L] [--master-port P] [--dry-run] [key=value ...] [--cfg job]",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=0, help="processes (default: every GPU, or 2 on CPU)")

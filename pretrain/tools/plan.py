@@ -1,12 +1,14 @@
 """`ayumi plan [--tokens-per-s N] [--free-bytes N] [--cfg job] key=value ...`: the run's whole plan.
 
-Exit codes: 0 plan ok, 1 plan refused (reasons printed), 2 invalid configuration or arguments.
+Exit statuses (common/status.py): 0 plan ok, 1 plan refused (reasons printed), 2 invalid configuration or
+arguments.
 """
 from __future__ import annotations
 
 import sys
 
 from common.conf import asks_for_help
+from common.status import BAD_INPUT, DONE, REFUSED
 from pretrain.plan.hardware import planned_hardware
 from pretrain.plan.run_plan import format_run_plan, run_plan
 
@@ -54,17 +56,17 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_from_args(rest)  # the same checks as `ayumi train`: ranges, names, model shapes
     except ValueError as err:  # a bad option, or a ConfigError (a ValueError too)
         print_config_error("ayumi plan", err)
-        return 2
+        return BAD_INPUT
     if cfg is None:  # --cfg job printed the resolved config
-        return 0
+        return DONE
     free = options.get("free_bytes")
     run = run_plan(cfg, count_parameters(cfg.model), planned_hardware(cfg), tokens_per_s=options.get("tokens_per_s"),
                    free_bytes=int(free) if free is not None else None)
     print(format_run_plan(run))
     if run.problems:
         print(f"ayumi plan: refused ({len(run.problems)} problem(s), listed above)", file=sys.stderr)
-        return 1
-    return 0
+        return REFUSED
+    return DONE
 
 
 if __name__ == "__main__":

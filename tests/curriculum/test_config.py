@@ -39,10 +39,25 @@ def test_four_stage_curriculum_matches_background_and_experiment():
     assert {"override /curriculum": "ja_en_4stage"} in list(experiment.defaults)
 
 
-def test_tiny_curriculum_fits_cpu_tiny():
-    cfg = load_group("tiny")
-    validate(cfg, train_tokens=int(OmegaConf.load(CONF / "experiment" / "cpu_tiny.yaml").train.tokens),
-             known_domains=["ja", "en"])
+def test_tiny_curriculum_fits_cpu_tiny(tmp_path):
+    """curriculum=tiny over experiment=cpu_tiny's run and the tests' corpus: the plan accepts it, with the figures
+    its YAML promises (128 steps; the boundary at sample 375 falls inside step 47; both domains repeat, under 8x)."""
+    from curriculum.plan import RunShape, available_samples, make_plan
+    from tests.helpers import write_tiny_corpus
+
+    train = OmegaConf.load(CONF / "experiment" / "cpu_tiny.yaml").train
+    run = RunShape(int(train.tokens), int(train.seq_len), int(train.global_batch_size))
+    tokens, samples = available_samples(write_tiny_corpus(tmp_path / "tiny"), run.seq_len)
+    assert samples == {"ja": 167, "en": 234}
+    plan = make_plan(load_group("tiny"), run, tokens, samples)
+    assert plan.problems == [] and plan.warnings == []
+    assert (run.total_steps, run.total_samples) == (128, 1024)
+    assert [(s.name, s.first_sample, s.end_sample, s.steps) for s in plan.stages] == [
+        ("ja_heavy", 0, 375, 46.875), ("en_heavy", 375, 1024, 81.125)]
+    # samples per stage: ja 300 + 195, en 75 + 454 (0.8/0.2 of 375, 0.3/0.7 of 649); epochs are cumulative
+    assert [(r.stage, r.domain, r.tokens // run.seq_len, round(r.epochs, 3), r.max_epochs) for r in plan.domains] == [
+        (0, "ja", 300, round(300 / 167, 3), 8.0), (0, "en", 75, round(75 / 234, 3), 8.0),
+        (1, "ja", 195, round(495 / 167, 3), 8.0), (1, "en", 454, round(529 / 234, 3), 8.0)]
 
 
 @pytest.mark.parametrize("cfg, fragment", [

@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from common.status import BAD_INPUT, INTERRUPTED
 from data.manifest import MANIFEST_NAME
 from pretrain.tools.cli import main as ayumi
 from tests.data.helpers import JA_PARAGRAPHS, write_jsonl
@@ -37,13 +38,17 @@ def test_prepare_then_inspect_in_process(tmp_path, tokenizer_dir, en_texts, caps
 def test_prepare_errors_are_one_clear_line(tmp_path, tokenizer_dir, capsys):
     code = ayumi(["data", "prepare", f"tokenizer_dir={tokenizer_dir}", f"data.root={tmp_path}/r", "progress=false",
                   f"data.domains.en.inputs=['{tmp_path}/missing/*.jsonl']", f"data.domains.ja.inputs=['{tmp_path}/x']"])
-    assert code == 1
+    assert code == BAD_INPUT
     err = capsys.readouterr().err
     assert "error: data.domains.en.inputs" in err and "Traceback" not in err
-    assert ayumi(["data", "prepare", "bogus=1"]) == 1
+    assert ayumi(["data", "prepare", "bogus=1"]) == BAD_INPUT
     assert "bogus" in capsys.readouterr().err
-    assert ayumi(["data", "inspect", str(tmp_path / "nothing")]) == 1
+    assert ayumi(["data", "prepare", "--cfg", "all"]) == BAD_INPUT
+    assert capsys.readouterr().err.strip() == "ayumi data prepare: error: only `--cfg job` is supported"
+    assert ayumi(["data", "inspect", str(tmp_path / "nothing")]) == BAD_INPUT
     assert "ayumi data prepare" in capsys.readouterr().err
+    assert ayumi(["data", "verify", str(tmp_path / "nothing")]) == BAD_INPUT  # not a data root: nothing verified
+    assert "ayumi data verify: error:" in capsys.readouterr().err
 
 
 def test_cfg_job_and_worker_processes_through_the_real_command(tmp_path, tokenizer_dir, en_texts):
@@ -69,10 +74,10 @@ def test_a_bad_override_says_why_and_a_site_conf_dir_is_honoured(tmp_path):
 
     bad = subprocess.run([sys.executable, "-m", "pretrain.tools.cli", "data", "prepare", "workers=abc", "tokenizer_dir=x"],
                          cwd=REPO, capture_output=True, text=True)
-    assert bad.returncode == 1 and "workers" in bad.stderr and "could not be converted to Integer" in bad.stderr
+    assert bad.returncode == BAD_INPUT and "workers" in bad.stderr and "could not be converted to Integer" in bad.stderr
     missing = subprocess.run([sys.executable, "-m", "pretrain.tools.cli", "data", "prepare", "tokenizer_dir=x"], cwd=REPO,
                              capture_output=True, text=True, env={**os.environ, "AYUMI_CONF_DIR": str(tmp_path / "none")})
-    assert missing.returncode == 1 and str(tmp_path / "none") in missing.stderr
+    assert missing.returncode == BAD_INPUT and str(tmp_path / "none") in missing.stderr
 
 
 def test_ctrl_c_with_worker_processes_stops_cleanly(tmp_path, tokenizer_dir, en_texts):
@@ -99,7 +104,7 @@ def test_ctrl_c_with_worker_processes_stops_cleanly(tmp_path, tokenizer_dir, en_
     time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and "interrupted" in err, err
+    assert proc.returncode == INTERRUPTED == 130 and "interrupted" in err, err
     assert not (root / MANIFEST_NAME).exists() and not (root / "en").exists()
     assert not list(root.rglob("*.tmp")) and not (root / ".partial" / "en").exists()
     deadline = time.time() + 5

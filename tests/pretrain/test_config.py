@@ -6,7 +6,7 @@ from pretrain.config import (
     default_run_notice, split_cli_args, to_object, total_steps,
 )
 from pretrain.ranges import unknown_rule_keys
-from common.conf import CONF_DIR
+from common.conf import CONF_DIR, group_options
 
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 
@@ -34,11 +34,45 @@ def test_every_experiment_composes_and_checks(name, tmp_path):
     assert cfg.name and total_steps(cfg.train) > 0
 
 
-@pytest.mark.parametrize("group", ["model", "deepspeed", "optim", "logging", "stability"])
-def test_every_group_option_composes(group):
-    for option in sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml")):
-        cfg = to_object(compose_config([f"{group}={option}"]))
-        assert isinstance(cfg, AyumiConfig)
+GROUPS = ("model", "deepspeed", "optim", "logging", "stability", "stability/inject", "curriculum")
+NEEDS = {("curriculum", "megatron_example"): ["data.tokenizer_dir=/models/tokenizer.model"]}
+"""What an option needs beside it to be a valid run (the template declares Megatron data, checked against a tokenizer)."""
+GROUP_OPTIONS = [(group, option) for group in GROUPS for option in group_options(group, CONF_DIR)]
+
+
+@pytest.mark.parametrize("group,option", GROUP_OPTIONS, ids=[f"{g}={o}" for g, o in GROUP_OPTIONS])
+def test_every_group_option_composes_and_passes_the_checks(group, option):
+    """Each option of each group, over conf/config.yaml's defaults, passes every check `ayumi train` runs without
+    hardware (config_problems: ranges, names, shapes; check_config: the cross-field rules)."""
+    cfg = to_object(compose_config([f"{group}={option}", *NEEDS.get((group, option), [])]))
+    assert config_problems(cfg) == []
+    check_config(cfg)
+
+
+def test_the_group_option_check_catches_a_broken_option(tmp_path, monkeypatch):
+    """The test above fails for an option that composes but breaks a rule (here a ZeRO-0 optimizer offload)."""
+    import shutil
+
+    import pretrain.config as config_module
+
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF_DIR, conf)
+    (conf / "deepspeed" / "broken.yaml").write_text("zero_stage: 0\noffload_optimizer: true\n")
+    monkeypatch.setattr(config_module, "CONF_DIR", conf)
+    with pytest.raises(ConfigError, match="deepspeed.offload_optimizer needs deepspeed.zero_stage >= 1"):
+        test_every_group_option_composes_and_passes_the_checks("deepspeed", "broken")
+
+
+def test_the_demo_experiment_states_its_parameter_count():
+    """conf/experiment/demo.yaml's header says how big the demo model is: the count the plan prints."""
+    import re
+
+    from pretrain.model.flops import count_parameters
+
+    stated = re.search(r"a small Llama \(([\d,]+) parameters", (CONF_DIR / "experiment" / "demo.yaml").read_text())
+    assert stated, "demo.yaml's header no longer states the parameter count"
+    model = to_object(compose_config(["experiment=demo"])).model
+    assert int(stated.group(1).replace(",", "")) == count_parameters(model)
 
 
 def test_presets_have_the_promised_shapes():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from common.status import BAD_INPUT
 from tests.tokenizer.conftest import tiny_overrides
 from tokenizer.cli import compose, main, to_object
 
@@ -16,25 +17,25 @@ def run(overrides, capsys) -> tuple[int, str]:
 def test_missing_domain_inputs(corpus, tmp_path, capsys):
     overrides = [o for o in tiny_overrides(corpus, tmp_path / "o") if not o.startswith("tokenizer.inputs.math")]
     code, err = run(overrides, capsys)
-    assert code == 1 and "domain 'math' has no inputs" in err and "tokenizer.inputs.math=" in err
+    assert code == BAD_INPUT and "domain 'math' has no inputs" in err and "tokenizer.inputs.math=" in err
 
 
 def test_pattern_matching_nothing(corpus, tmp_path, capsys):
     code, err = run(tiny_overrides(corpus, tmp_path / "o") + [f"tokenizer.inputs.en={tmp_path}/none/*.jsonl"], capsys)
-    assert code == 1 and "domain 'en'" in err and "matches no readable file" in err
+    assert code == BAD_INPUT and "domain 'en'" in err and "matches no readable file" in err
 
 
 def test_empty_domain(corpus, tmp_path, capsys):
     (tmp_path / "empty.jsonl").write_text("")
     code, err = run(tiny_overrides(corpus, tmp_path / "o") + [f"tokenizer.inputs.en={tmp_path}/empty.jsonl"], capsys)
-    assert code == 1 and "domain 'en' has no usable training text" in err and "empty_file=1" in err
+    assert code == BAD_INPUT and "domain 'en' has no usable training text" in err and "empty_file=1" in err
 
 
 def test_malformed_lines_strict_names_file_and_line(corpus, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(corpus["en"].read_bytes() + b"{broken\n" + b'{"text": "\xff"}\n')
     code, err = run(tiny_overrides(corpus, tmp_path / "o") + [f"tokenizer.inputs.en={bad}", "tokenizer.strict=true"], capsys)
-    assert code == 1 and f"{bad}:" in err and "malformed JSON" in err and "strict=false" in err
+    assert code == BAD_INPUT and f"{bad}:" in err and "malformed JSON" in err and "strict=false" in err
 
 
 @pytest.mark.slow
@@ -53,7 +54,7 @@ def test_malformed_lines_skipped_and_counted(corpus, tmp_path, capsys):
 
 def test_vocab_larger_than_data_supports(corpus, tmp_path, capsys):
     code, err = run(tiny_overrides(corpus, tmp_path / "o") + ["tokenizer.domains.math.vocab_size=5000"], capsys)
-    assert code == 1 and "domain 'math'" in err and "more than its sample supports" in err and "Fix" in err
+    assert code == BAD_INPUT and "domain 'math'" in err and "more than its sample supports" in err and "Fix" in err
     assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.tmp-*")), "no partial output may remain"
 
 
@@ -65,14 +66,14 @@ def test_vocab_larger_than_data_supports(corpus, tmp_path, capsys):
 ])
 def test_special_token_collisions(corpus, tmp_path, capsys, override, message):
     code, err = run(tiny_overrides(corpus, tmp_path / "o") + [override], capsys)
-    assert code == 1 and message in err
+    assert code == BAD_INPUT and message in err
 
 
 def test_unknown_key_and_wrong_type_rejected_by_name(corpus, tmp_path, capsys):
     code, err = run(tiny_overrides(corpus, tmp_path / "o") + ["tokenizer.total_vocabb=3"], capsys)
-    assert code == 1 and "total_vocabb" in err
+    assert code == BAD_INPUT and "total_vocabb" in err
     code, err = run(tiny_overrides(corpus, tmp_path / "o") + ["tokenizer.total_vocab=lots"], capsys)
-    assert code == 1 and "total_vocab" in err
+    assert code == BAD_INPUT and "total_vocab" in err
 
 
 def test_interrupted_build_leaves_nothing_that_looks_complete(corpus, tmp_path, monkeypatch):

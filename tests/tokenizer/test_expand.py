@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from common.status import BAD_INPUT
 from tests.data.helpers import JA_PARAGRAPHS, english_texts
 from tests.helpers import REPO
 from tokenizer.expand import ExpandError, expand
@@ -76,7 +77,7 @@ def test_the_cli_writes_an_ayumi_tokenizer_folder(tmp_path, texts, source):
     bad = subprocess.run([sys.executable, "-m", "pretrain.tools.cli", "tokenizer", "expand", str(base), str(source),
                           "--vocab", "500", "--out", str(tmp_path / "bad")], cwd=REPO, capture_output=True, text=True,
                          timeout=120)
-    assert bad.returncode == 1 and "not larger than the base's 600 pieces" in bad.stderr
+    assert bad.returncode == BAD_INPUT and "not larger than the base's 600 pieces" in bad.stderr
     assert not (tmp_path / "bad").exists()
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from common.status import BAD_INPUT
 from tests.tokenizer.conftest import tiny_overrides
 from tokenizer.cli import compose, to_object
 from tokenizer.config import NUM_BYTE_PIECES, TokenizerConfigError, check_tokenizer_config, enabled_domains
@@ -65,5 +66,5 @@ def test_cli_builds_without_two_preset_domains(corpus, tmp_path):
 def test_cli_removing_a_preset_domain_points_to_enabled(corpus, tmp_path):
     args = [o for o in tiny_overrides(corpus, tmp_path / "o") if not o.startswith("tokenizer.inputs.code")]
     result = ayumi("build", *args, "~tokenizer.domains.code")
-    assert result.returncode == 1
+    assert result.returncode == BAD_INPUT
     assert "tokenizer.domains.code.enabled=false" in result.stderr and len(result.stderr.strip().splitlines()) == 1

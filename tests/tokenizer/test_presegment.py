@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from common.status import BAD_INPUT
 from tests.tokenizer.conftest import tiny_overrides
 from tokenizer.cli import main
 from tokenizer.presegment import PresegmentStats, count_words, crossing_tokens, load_analyzer, split_words, word_boundaries
@@ -39,7 +40,7 @@ def test_crossing_tokens():
 def test_bad_value_names_the_field(corpus, tmp_path, capsys):
     code = main(["build", *tiny_overrides(corpus, tmp_path / "o"), "tokenizer.domains.ja.presegment=mecab"])
     err = capsys.readouterr().err
-    assert code == 1 and "tokenizer.domains.ja.presegment='mecab'" in err and "none, fugashi, sudachi" in err
+    assert code == BAD_INPUT and "tokenizer.domains.ja.presegment='mecab'" in err and "none, fugashi, sudachi" in err
     assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
 
@@ -49,7 +50,7 @@ def test_presegment_needs_whitespace_kept(corpus, tmp_path, capsys):
     code = main(["build", *tiny_overrides(corpus, tmp_path / "o"), "tokenizer.domains.ja.presegment=fugashi",
                  "tokenizer.remove_extra_whitespaces=true"])
     err = capsys.readouterr().err
-    assert code == 1 and "tokenizer.remove_extra_whitespaces=false" in err and len(err.strip().splitlines()) == 1
+    assert code == BAD_INPUT and "tokenizer.remove_extra_whitespaces=false" in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("analyzer,module,install", [
@@ -61,7 +62,7 @@ def test_missing_analyzer_names_the_pip_install(corpus, tmp_path, capsys, monkey
     monkeypatch.setitem(sys.modules, module, None)  # `import module` now raises ImportError
     code = main(["build", *tiny_overrides(corpus, tmp_path / "o"), f"tokenizer.domains.ja.presegment={analyzer}"])
     err = capsys.readouterr().err
-    assert code == 1 and f"tokenizer.domains.ja.presegment={analyzer} needs" in err and install in err, err
+    assert code == BAD_INPUT and f"tokenizer.domains.ja.presegment={analyzer} needs" in err and install in err, err
     assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
 

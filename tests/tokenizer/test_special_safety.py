@@ -8,6 +8,8 @@ import random
 
 import pytest
 
+from common.status import BAD_INPUT
+
 pytestmark = pytest.mark.slow
 
 POOL = [
@@ -111,7 +113,7 @@ def test_an_export_that_would_turn_special_text_into_specials_is_refused(tmp_pat
                                    model_type="unigram", byte_fallback=False, character_coverage=1.0)
     done = subprocess.run([sys.executable, "-m", "pretrain.tools.cli", "tokenizer", "export", str(tmp_path / "plain.model"),
                            str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 1, done.stderr[-2000:]  # the tokenizer commands' status for bad input
+    assert done.returncode == BAD_INPUT, done.stderr[-2000:]  # a model file that cannot be exported is bad input
     assert done.stderr.startswith(f"ayumi tokenizer export: {tmp_path / 'plain.model'}: the Hugging Face export would "
                                   "encode '<s></s><unk><pad>' as ") and "Traceback" not in done.stderr
     assert not (tmp_path / "out").exists()

@@ -102,12 +102,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from common.status import BAD_INPUT
+
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         report = make_report(args.run_dir, args.out, args.smooth, args.max_events)
     except ReportError as err:
         print(f"ayumi report: {err}", file=sys.stderr)
-        return 2
+        return BAD_INPUT
     print(f"report written to {report.out_dir}/: {', '.join(report.files)}")
     print(f"open {report.out_dir / 'summary.html'} in a browser, or read {report.out_dir / 'summary.md'}")
     return 0
