@@ -54,13 +54,24 @@ class DetectorConfig:
     sustained_window: int = 10
     """Steps over which sustained_count outliers are counted; also what links outliers into one episode."""
     stage_switch_grace_steps: int = 50
-    """After the trainer reports a curriculum stage switch, the loss is not judged for this many steps."""
+    """After the trainer reports a curriculum stage switch, for this many steps the loss is not judged and the grad
+    norm flags a step only at grad_alone_ratio (smaller rises are taken as the new stage's level)."""
+    confirm_z: float = 4.0
+    """A step that crosses one signal's thresholds is an outlier only if the other signal's robust z is at least this
+    (their batch noise is independent: one hard small batch moves one of them), it is extreme on its own
+    (loss_alone_rise, grad_alone_ratio) or it repeats within sustained_window steps; 0 = off (each signal alone)."""
+    loss_alone_rise: float = 0.5
+    """A loss this fraction above its baseline (with z >= loss_z) is an outlier without the grad norm confirming it."""
+    grad_alone_ratio: float = 8.0
+    """A grad norm this many times its baseline (with z >= grad_z) is an outlier without the loss confirming it."""
 
     RANGES: ClassVar[dict[str, Range]] = {
         "window": at_least(3), "center_window": at_least(1), "warmup_steps": at_least(0), "min_history": at_least(0),
         "loss_z": above(0), "loss_min_rise": at_least(0), "grad_z": above(0), "grad_min_ratio": at_least(1),
         "large_loss_rise": at_least(0, "0 = off"), "large_grad_ratio": at_least(0, "0 = off"),
         "sustained_count": at_least(1), "sustained_window": at_least(1), "stage_switch_grace_steps": at_least(0),
+        "confirm_z": at_least(0, "0 = off: each signal judged alone"), "loss_alone_rise": at_least(0),
+        "grad_alone_ratio": at_least(1),
     }
     """Allowed values, checked before training starts (pretrain/ranges.py)."""
 
@@ -238,6 +249,12 @@ def check_stability_config(cfg: StabilityConfig, min_loss_scale: float = 1.0) ->
            f"stability.detector.center_window={det.center_window}: must lie in [1, detector.window={det.window}]")
     _check(det.min_history <= det.window,
            f"stability.detector.min_history={det.min_history} exceeds detector.window={det.window}: lower it")
+    _check(det.loss_alone_rise >= det.loss_min_rise,
+           f"stability.detector.loss_alone_rise={det.loss_alone_rise:g} is below detector.loss_min_rise="
+           f"{det.loss_min_rise:g}: the rise that needs no confirmation must be at least the one that makes an outlier")
+    _check(det.grad_alone_ratio >= det.grad_min_ratio,
+           f"stability.detector.grad_alone_ratio={det.grad_alone_ratio:g} is below detector.grad_min_ratio="
+           f"{det.grad_min_ratio:g}: the ratio that needs no confirmation must be at least the one that makes an outlier")
     _check(1 <= det.sustained_count <= det.sustained_window,
            f"stability.detector.sustained_count={det.sustained_count}: must lie in "
            f"[1, detector.sustained_window={det.sustained_window}]")

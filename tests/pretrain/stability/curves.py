@@ -13,6 +13,16 @@ Synthetic (seeded, so every run sees the same arrays), shaped after a mid-sized 
   +8% and +80% that fade within ~15 steps (the GENIAC curriculum's "jumped, then returned").
 - PaLM-like spike at step s: the loss climbs +15%, +35%, +60%, +80% over four steps and decays
   back over ~300; the grad norm jumps x8 at once and decays over ~30 (BLOOM: the sharper signal).
+- small batch (`small_batch_curve`): the noise of `ayumi demo` (8 samples of 128 tokens a step): 2%
+  on the loss, 0.1 on log(grad norm), each Student-t (6 and 4 degrees of freedom) and independent of
+  the other. The demo's own measurements: robust noise 2% and 0.105, the 99th percentile of the
+  step-to-step changes 1.1x (loss) and 1.65-1.75x (grad norm) what a normal distribution gives, one
+  clean step's loss +13% (6.7 sigma), one's grad norm 3.3x, and loss/grad z-scores uncorrelated.
+
+Real, from `ayumi demo` (tests/pretrain/stability/data/demo_curve.json, made by data/record_demo_curve.py):
+the run's first 604 steps, up to the rollback, with the stage switches at steps 0, 325 and 575; its
+clean steps 243 (loss) and 532 (grad norm) were skipped as outliers before confirmation existed,
+and LR x50 at steps 600-602 is the injected spike (caught at 603).
 """
 from __future__ import annotations
 
@@ -24,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 DATA = Path(__file__).with_name("data") / "tiny_llama_curves.json"
+DEMO_DATA = Path(__file__).with_name("data") / "demo_curve.json"
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,22 @@ def recorded(name: str) -> Curve:
 
 
 RECORDED_EVENT = 500
+
+
+@dataclass(frozen=True)
+class DemoCurve(Curve):
+    stage_switches: tuple[int, ...] = ()
+
+
+@lru_cache(maxsize=None)
+def demo() -> DemoCurve:
+    """The loss / grad-norm curve of `ayumi demo` up to its rollback, with its stage switches."""
+    data = json.loads(DEMO_DATA.read_text())
+    return DemoCurve(np.array(data["loss"]), np.array(data["grad_norm"]), tuple(data["stage_switch_steps"]))
+
+
+DEMO_CLEAN_EXCURSIONS = (243, 532)  # loss +13% (z 6.7, grad z 2.5); grad norm 3.3x (z 11.3, loss z 1.9)
+DEMO_SPIKE = 601  # LR x50 at steps 600-602: the first step on damaged weights; a spike at 603
 
 
 def _ar1(rng: np.random.Generator, n: int, rho: float) -> np.ndarray:
@@ -94,4 +121,13 @@ def with_single_bad_batch(curve: Curve, at: int, loss_factor: float = 3.0, grad_
     loss, grad = curve.loss.copy(), curve.grad_norm.copy()
     loss[at] *= loss_factor
     grad[at] *= grad_factor
+    return Curve(loss, grad)
+
+
+def small_batch_curve(steps: int = 1000, seed: int = 0) -> Curve:
+    """A decaying loss and a grad norm with the heavy-tailed, independent noise of a small batch."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(steps, dtype=np.float64)
+    loss = (4.0 + 5.0 * (1 + t / 40) ** -0.5) * (1 + 0.02 * rng.standard_t(6, steps))
+    grad = (0.8 + 1.0 * np.exp(-t / 80)) * np.exp(0.10 * rng.standard_t(4, steps))
     return Curve(loss, grad)

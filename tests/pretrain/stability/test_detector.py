@@ -167,7 +167,7 @@ def test_metrics_and_thresholds_are_reported():
     verdict = observe_all(detector, curve, stop=300)[-1]
     metrics = verdict.metrics()
     assert set(metrics) == {"stability/spike_score", "stability/outlier", "stability/nonfinite", "stability/loss_z",
-                            "stability/grad_z"}
+                            "stability/grad_z", "stability/unconfirmed"}
     nan = detector.observe(300, math.nan, 1.0).metrics()
     assert nan["stability/nonfinite"] == 1.0 and "stability/spike_score" not in nan
     assert verdict.loss_z_threshold == 6.0 and verdict.grad_z_threshold == 6.0
