@@ -10,7 +10,7 @@ import pytest
 
 from pretrain.stability.config import DetectorConfig, StabilityConfig, StabilityConfigError, check_stability_config
 from pretrain.stability.detector import SpikeDetector
-from tests.stability.curves import (
+from tests.pretrain.stability.curves import (
     DEMO_CLEAN_EXCURSIONS, DEMO_SPIKE, Curve, demo, normal_curve, small_batch_curve, with_palm_spike,
     with_stage_switch,
 )
