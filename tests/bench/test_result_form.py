@@ -1,13 +1,19 @@
 """The benches' RESULT lines speak one language (bench/README.md): one regular expression, written here from the
-README's form and not imported from the helper, parses every form the helper writes."""
+README's form and not imported from the helper, parses every form the helper writes; every bench prints its
+RESULT lines through that helper, never by hand; and a real bench's output parses."""
 from __future__ import annotations
 
+import ast
 import math
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
 from bench.result_form import machine_line, result_line, target_met
+from tests.helpers import REPO
 
 NUM = r"(?:[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?|nan)"
 UNIT = r"(?:[^\s\d.=][^\s=]*)?"
@@ -17,6 +23,7 @@ RESULT = re.compile(
     rf"ok=(?P<ok>true|false|study) spread=(?P<min>{NUM})/(?P<median>{NUM})/(?P<max>{NUM}){UNIT} n=(?P<n>\d+) "
     rf"load=(?P<load_start>\d+\.\d\d)/(?P<load_end>\d+\.\d\d) cpus=(?P<cpus>\d+)$"
 )
+BENCHES = sorted(path for path in (REPO / "bench").glob("*.py") if path.name != "result_form.py")
 
 
 def parse(line: str) -> re.Match:
@@ -75,3 +82,67 @@ def test_the_load_and_cpu_count_stand_beside_every_figure():
 def test_a_malformed_target_is_refused():
     with pytest.raises(ValueError, match="target"):
         result_line("x", 1.0, 1.0, "1.05")
+
+
+# -- every bench --------------------------------------------------------------------------------------------------
+def docstrings(tree: ast.Module) -> set[int]:
+    """ids of the docstring nodes (module, classes, functions): they may show the form, they print nothing."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                found.add(id(first.value))
+    return found
+
+
+def hand_written_results(path) -> list[str]:
+    """Strings and f-strings in the code (not docstrings) that begin a RESULT line."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    skip = docstrings(tree)
+    found = set()  # an f-string's first part is a string of its own too: one entry per line
+    for node in ast.walk(tree):
+        head = node.values[0] if isinstance(node, ast.JoinedStr) and node.values else node
+        if isinstance(head, ast.Constant) and isinstance(head.value, str) and head.value.startswith("RESULT") \
+                and id(head) not in skip:
+            found.add(f"{path.name}:{node.lineno}")
+    return sorted(found)
+
+
+def test_every_bench_prints_its_results_through_the_helper():
+    assert len(BENCHES) >= 12, [p.name for p in BENCHES]
+    for path in BENCHES:
+        source = path.read_text(encoding="utf-8")
+        assert "from bench.result_form import" in source and "result_line(" in source, path.name
+        assert "machine_line()" in source, f"{path.name} does not print the load it starts under"
+    assert [line for path in BENCHES for line in hand_written_results(path)] == []
+
+
+def test_the_benches_pure_result_functions_write_the_form():
+    """The GPU and multi-round paths that cannot run here, fed made-up figures."""
+    from bench import data_prepare, gpu_speed, spike_recovery, step_overhead
+
+    lines = gpu_speed.result_lines("1b", "off", "none", {"mfu": 0.43, "max_allocated": 40 * 2**30, "planned_peak": 42 * 2**30})
+    lines += step_overhead.gpu_result_lines("1b", {"ours_tok_s": 9000.0, "bare_tok_s": 9100.0, "paired_ratios": [1.01, 1.02],
+                                                   "ours_mfu": 0.41, "bare_mfu": 0.42, "ours_ms": 200.0,
+                                                   "ours_times_ms": [190.0, 200.0, 210.0]})
+    measured = {"baseline": (3.0, 8_000_000, 27_000_000, 2.0), "w1": (4.0, 7_990_000, {}, 2.7), "w2": (2.5, 7_990_000, {}, 3.3)}
+    lines += data_prepare.result_lines(measured, [measured, measured], 27_000_000)
+    run = {"val": 2.15, "rollbacks": [{"step": 404}]}
+    lines += spike_recovery.result_lines({"val": 2.14}, {"val": 2.45}, run, 0.26, [0.05, 0.06])
+    parsed = [parse(line) for line in lines]
+    assert [m["n"] for m in parsed] == ["1", "1", "2", "3", "2", "2", "2", "2", "1", "1", "2"]
+    assert parsed[0]["ok"] == "false" and parsed[1]["ok"] == "true"  # 43% < 45%; plan / measured 1.05 in the band
+
+
+@pytest.mark.slow
+def test_a_real_bench_ends_with_lines_the_regex_parses(tmp_path):
+    """bench/tokenizer_indentation.py: two real tokenizer builds, ~5 s."""
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "tokenizer_indentation.py"), "--work", str(tmp_path)],
+                          cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith("[machine] ")
+    m = parse(lines[-1])
+    assert (m["name"], m["target"], m["n"]) == ("tokenizer_indentation", "<=1tok", "1")
