@@ -41,6 +41,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.result_form import machine_line, result_line  # noqa: E402  (first: it reads the load at the start)
+
 MEGATRON_MB_PER_S = 1.05  # Megatron-LM preprocess_data.py, per worker (published figure)
 PACKAGES = ("manpages-ja", "r-cran-janeaustenr", "pari-doc")
 JA_CHAR = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uff66-\uff9f"
@@ -363,13 +365,6 @@ def peak_rss_mb() -> tuple[float, float]:
             resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)
 
 
-def result(name: str, ours_value: float, base_value: float, unit: str, op: str, target: float, ratio: float | None = None) -> str:
-    ratio = ours_value / base_value if ratio is None else ratio
-    ok = ratio >= target if op == ">=" else ratio <= target
-    return (f"RESULT {name} ours={ours_value:.3f}{unit} baseline={base_value:.3f}{unit} ratio={ratio:.3f} "
-            f"target={op}{target} ok={str(ok).lower()}")
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "ayumi_bench_data"), help="scratch folder (cached corpus)")
@@ -379,7 +374,7 @@ def main() -> int:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
 
-    print(f"[bench] {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start")
+    print(machine_line())
     files, notes = build_corpus(work)
     sizes = {name: path.stat().st_size for name, path in files.items()}
     docs = {name: sum(1 for _ in open(path, encoding="utf-8")) for name, path in files.items()}
@@ -390,16 +385,15 @@ def main() -> int:
     model = tokenizer / "tokenizer.model"
 
     # Interleave the measurements (baseline, 1 worker, 2 workers per round) and keep each one's best:
-    # other jobs on this machine come and go, and interleaving spreads that over all three.
-    best: dict[str, tuple] = {}
+    # other jobs on this machine come and go, and interleaving spreads that over all three. Every round
+    # is kept too: the RESULT lines' spread is the round-by-round figure.
+    rounds: list[dict[str, tuple]] = []
     for _ in range(args.repeat):
-        rounds = {"baseline": lambda: baseline(list(files.values()), model),
-                  "w1": lambda: ours(files, tokenizer, work / "out_w1", 1),
-                  "w2": lambda: ours(files, tokenizer, work / "out_w2", 2)}
-        for name, run in rounds.items():
-            measured = run()
-            if name not in best or measured[0] < best[name][0]:
-                best[name] = measured
+        measure = {"baseline": lambda: baseline(list(files.values()), model),
+                   "w1": lambda: ours(files, tokenizer, work / "out_w1", 1),
+                   "w2": lambda: ours(files, tokenizer, work / "out_w2", 2)}
+        rounds.append({name: run() for name, run in measure.items()})
+    best = {name: min((r[name] for r in rounds), key=lambda measured: measured[0]) for name in rounds[0]}
     base_s, base_tokens, text_bytes, base_cpu = best["baseline"]
     print(f"[bench] baseline (1 process, encode loop): {base_s:.2f}s, {base_tokens:,} tokens, "
           f"{text_bytes / 1e6:.1f} MB, {base_tokens / base_s:,.0f} tok/s, {text_bytes / 1e6 / base_s:.2f} MB/s")
@@ -420,21 +414,40 @@ def main() -> int:
     print(f"[bench] peak RSS: parent {rss_self:.0f} MiB, largest worker {rss_children:.0f} MiB "
           f"(corpus {sum(sizes.values()) / 2**20:.0f} MiB)")
 
-    print(f"[bench] load average {os.getloadavg()[0]:.1f} at the end (2-worker scaling needs 2 free cores)")
-    one_s, one_tokens, _, one_cpu = runs[1]
-    two_s, two_tokens, _, _ = runs[2]
-    base_rate = base_tokens / base_s
-    print(result("data_prepare_tokens_per_s_per_worker", one_tokens / one_s, base_rate, "tok/s", ">=", 0.5))
-    print(result("data_prepare_scaling_2_workers", two_tokens / two_s, one_tokens / one_s, "tok/s", ">=", 1.7))
+    print(machine_line() + " (2-worker scaling needs 2 free cores)")
+    for line in result_lines(best, rounds, text_bytes):
+        print(line)
+    return 0
+
+
+def rate(measured: tuple) -> float:
+    """Tokens per second of one measurement (seconds, tokens, ...)."""
+    return measured[1] / measured[0]
+
+
+def per_cpu(measured: tuple) -> float:
+    """Tokens per CPU-second of one measurement (..., CPU seconds last)."""
+    return measured[1] / measured[-1]
+
+
+def result_lines(best: dict[str, tuple], rounds: list[dict[str, tuple]], text_bytes: int) -> list[str]:
+    """The four RESULT lines: each figure from the best rounds, its spread from every round alike."""
+    mb_per_worker = text_bytes / 1e6 / best["w1"][0]
     # Absolute target (>= 1 MB/s per worker) against Megatron's published ~1.05 MB/s per worker:
     # ratio = ours / 1.05, so the target ratio is 1.0 / 1.05.
-    mb_per_worker = text_bytes / 1e6 / one_s
-    print(result("data_prepare_mb_per_s_per_worker", mb_per_worker, MEGATRON_MB_PER_S, "MB/s", ">=",
-                 round(1.0 / MEGATRON_MB_PER_S, 3)))
-    # The same per-worker overhead target in CPU time (all of the pipeline's processes): unlike wall
-    # time, it does not depend on how many cores other jobs leave free.
-    print(result("data_prepare_tokens_per_cpu_s", one_tokens / one_cpu, base_tokens / base_cpu, "tok/cpu-s", ">=", 0.5))
-    return 0
+    mb_target = f">={round(1.0 / MEGATRON_MB_PER_S, 3)}"
+    return [
+        result_line("data_prepare_tokens_per_s_per_worker", rate(best["w1"]), rate(best["baseline"]), ">=0.5",
+                    unit="tok/s", spread=[rate(r["w1"]) / rate(r["baseline"]) for r in rounds]),
+        result_line("data_prepare_scaling_2_workers", rate(best["w2"]), rate(best["w1"]), ">=1.7", unit="tok/s",
+                    spread=[rate(r["w2"]) / rate(r["w1"]) for r in rounds]),
+        result_line("data_prepare_mb_per_s_per_worker", mb_per_worker, MEGATRON_MB_PER_S, mb_target, unit="MB/s",
+                    spread=[text_bytes / 1e6 / r["w1"][0] / MEGATRON_MB_PER_S for r in rounds]),
+        # The same per-worker overhead target in CPU time (all of the pipeline's processes): unlike wall
+        # time, it does not depend on how many cores other jobs leave free.
+        result_line("data_prepare_tokens_per_cpu_s", per_cpu(best["w1"]), per_cpu(best["baseline"]), ">=0.5",
+                    unit="tok/cpu-s", spread=[per_cpu(r["w1"]) / per_cpu(r["baseline"]) for r in rounds]),
+    ]
 
 
 if __name__ == "__main__":

@@ -65,6 +65,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.result_form import machine_line, result_line, target_met  # noqa: E402  (first: it reads the load at the start)
+
 EOS = 256
 VOCAB = 512
 TARGET_ON = 1.02  # recovery on ends within 2% of clean
@@ -381,6 +383,7 @@ def main(argv: list[str]) -> int:
     if argv and argv[0] == "--load-worker":
         return load_worker(argv[1:])
     args = parse_args(argv)
+    print(machine_line(), flush=True)
     if args.global_batch % 2:
         raise SystemExit("--global-batch must be even (2 ranks)")
     keep = args.work is not None
@@ -480,24 +483,26 @@ def bench(args: argparse.Namespace, work: Path) -> int:
           f"(runs {', '.join(f'{t:.3f}' for t in load['times_s'])})")
     print()
 
-    r_on = on["val"] / clean["val"]
-    r_off = off["val"] / clean["val"]
-    ok_on = math.isfinite(r_on) and r_on <= TARGET_ON and bool(on["rollbacks"])
-    ok_off = (not math.isfinite(off["val"])) or r_off > TARGET_OFF
-    print(f"RESULT spike_recovery_val ours={fmt(on['val'], missing='nan')} baseline={fmt(clean['val'], missing='nan')} "
-          f"ratio={fmt(r_on, missing='nan')} "
-          f"target=<={TARGET_ON} ok={'true' if ok_on else 'false'}")
-    print(f"RESULT spike_no_recovery_val ours={fmt(off['val'], missing='nan')} "
-          f"baseline={fmt(clean['val'], missing='nan')} ratio={fmt(r_off, missing='nan')} "
-          f"target=>{TARGET_OFF} ok={'true' if ok_off else 'false'}")
-    base = load_s + LATENCY_SLACK_S
-    if total_latency is None:
-        print(f"RESULT recovery_latency ours=nan baseline={base:.3f}s ratio=nan target=<=1 ok=false")
-    else:
-        r_lat = total_latency / base
-        print(f"RESULT recovery_latency ours={total_latency:.3f}s baseline={base:.3f}s ratio={r_lat:.3f} "
-              f"target=<=1 ok={'true' if r_lat <= 1 else 'false'}")
+    for line in result_lines(clean, off, on, total_latency, load["times_s"]):
+        print(line)
     return 0
+
+
+def result_lines(clean: dict, off: dict, on: dict, latency: float | None, load_times: list[float]) -> list[str]:
+    """The three RESULT lines. The val losses are deterministic on the CPU (n=1); the latency's spread is the
+    ratio against each timed load of the baseline."""
+    nan = float("nan")
+    on_target, off_target = f"<={TARGET_ON}", f">{TARGET_OFF}"
+    r_on, r_off = on["val"] / clean["val"], off["val"] / clean["val"]
+    # Recovery counts only if it really rolled back; a run without it that diverged (nan) is as bad as it gets.
+    ok_on = target_met(on_target, on["val"], r_on) and bool(on["rollbacks"])
+    ok_off = (not math.isfinite(off["val"])) or target_met(off_target, off["val"], r_off)
+    base = statistics.median(load_times) + LATENCY_SLACK_S
+    latency = nan if latency is None else latency
+    return [result_line("spike_recovery_val", on["val"], clean["val"], on_target, ratio=r_on, ok=ok_on),
+            result_line("spike_no_recovery_val", off["val"], clean["val"], off_target, ratio=r_off, ok=ok_off),
+            result_line("recovery_latency", latency, base, "<=1", unit="s",
+                        spread=[latency / (t + LATENCY_SLACK_S) for t in load_times])]
 
 
 if __name__ == "__main__":

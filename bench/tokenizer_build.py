@@ -39,6 +39,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.result_form import machine_line, result_line  # noqa: E402  (first: it reads the load at the start)
+
 DEBS = {"ja": "manpages-ja", "en": "r-cran-janeaustenr", "math": "pari-doc"}
 EN_MAN_DEBS = ("manpages", "manpages-dev")
 """English technical prose beside Austen's novels: the Linux man-pages (sections 1-8), so the English domain
@@ -312,6 +314,7 @@ def main() -> int:
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies vocab sizes and sample bytes")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    print(machine_line())
 
     corpora = prepare_corpora(args.work)
     print(f"[bench] corpora: { {d: f'{p.stat().st_size / 1e6:.1f} MB' for d, p in corpora.items()} }")
@@ -357,11 +360,9 @@ def main() -> int:
     print(f"[bench] round-trip exact on all held-out: {all(m['roundtrip_ok'] for m in results['merged']['domains'].values())}")
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"[bench] peak RSS {rss_mb:.0f} MB; sentencepiece {__import__('sentencepiece').__version__}")
-    ratio, joint_ratio = ours / baseline, ours / joint_s
-    print(f"RESULT tokenizer_build_vs_joint ours={ours:.1f}s baseline={joint_s:.1f}s ratio={joint_ratio:.3f} "
-          f"target=<=2 ok={'true' if joint_ratio <= 2 else 'false'}")
-    print(f"RESULT tokenizer_build ours={ours:.1f}s baseline={baseline:.1f}s ratio={ratio:.3f} target=<=1.3 "
-          f"ok={'true' if ratio <= 1.3 else 'false'}")
+    # One timed build of each (minutes apiece): n=1, so the load fields are what to read beside them.
+    print(result_line("tokenizer_build_vs_joint", ours, joint_s, "<=2", unit="s"))
+    print(result_line("tokenizer_build", ours, baseline, "<=1.3", unit="s"))
     return 0
 
 

@@ -19,6 +19,7 @@ import ast
 import glob
 import json
 import re
+import shutil
 import sys
 import sysconfig
 import tempfile
@@ -26,6 +27,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.result_form import machine_line, result_line  # noqa: E402  (first: it reads the load at the start)
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 TRAIN_CODE = ["textwrap.py", "shlex.py", "fnmatch.py", "string.py", "heapq.py", "bisect.py", "glob.py", "colorsys.py"]
@@ -90,14 +93,19 @@ def measure(folder: Path, held: dict[str, list[str]]) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--vocab", type=int, default=1000)
-    parser.add_argument("--work", type=Path)
+    parser.add_argument("--work", type=Path, help="keep both tokenizers here (default: a temporary folder, removed)")
     args = parser.parse_args()
+    print(machine_line())
     work = args.work or Path(tempfile.mkdtemp(prefix="indent-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     held = {"tab_code": tab_headers(), "space_code": [(STDLIB / m).read_text(encoding="utf-8") for m in HELD_CODE],
             "prose_en": docstrings(HELD_DOCS)}
-    results = {name: measure(build(work, name, args.vocab, t, s), held)
-               for name, t, s in (("baseline", 0, 0), ("ours", 4, 16))}
+    try:
+        results = {name: measure(build(work, name, args.vocab, t, s), held)
+                   for name, t, s in (("baseline", 0, 0), ("ours", 4, 16))}
+    finally:
+        if args.work is None:  # the two tokenizers were built only to be measured
+            shutil.rmtree(work, ignore_errors=True)
     print(f"\n{'depth':>8} {'runs':>6} {'baseline':>9} {'ours':>6}   (mean whitespace tokens per indentation run)")
     for depth, row in results["baseline"]["runs"].items():
         print(f"{depth:>8} {row['runs']:>6} {row['mean']:>9.2f} {results['ours']['runs'][depth]['mean']:>6.2f}")
@@ -106,8 +114,8 @@ def main() -> int:
         ours = results["ours"]["chars_per_token"][key]
         print(f"{key:>16} {base:>9.4f} {ours:>9.4f} {100 * (ours / base - 1):>+7.2f}%")
     worst = {name: max(r["mean"] for r in res["runs"].values()) for name, res in results.items()}
-    print(f"RESULT tokenizer_indentation ours={worst['ours']:.2f}tok baseline={worst['baseline']:.2f}tok "
-          f"ratio={worst['ours'] / worst['baseline']:.3f} target=<=1tok ok={'true' if worst['ours'] <= 1 else 'false'}")
+    # One build each: token counts of a fixed model on fixed text do not vary between runs (n=1).
+    print(result_line("tokenizer_indentation", worst["ours"], worst["baseline"], "<=1tok", unit="tok"))
     return 0
 
 

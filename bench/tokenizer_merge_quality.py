@@ -12,8 +12,9 @@ measured on the held-out documents (never trained on). `--share-weight` sets tok
 
     python bench/tokenizer_merge_quality.py [--sizes 8000,16000,32000,50000] [--share-weight 0.5]
 
-Prints a table and, per size, RESULT tokenizer_merge_quality size=N ja=.. en=.. code=.. math=.. tokens=..
-(merged ÷ joint chars/token per domain; tokens = merged ÷ joint total held-out tokens).
+Prints, per size, merged ÷ joint total held-out tokens, and ends with one RESULT line per size and domain:
+RESULT tokenizer_merge_quality_<size>_<domain> ours=<merged chars/token> baseline=<joint chars/token>
+       ratio=<merged ÷ joint> target=>=0.99 ok=<true|false>
 """
 from __future__ import annotations
 
@@ -26,6 +27,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
+
+from bench.result_form import machine_line, result_line  # noqa: E402  (first: it reads the load at the start)
+
+TARGET = ">=0.99"
+"""Merged ÷ joint chars/token, per domain (bench/README.md)."""
 
 SHARES_50K = {"ja": 30000, "en": 20000, "code": 6000, "math": 4000}
 """The 50k preset's domain sizes, scaled to other totals."""
@@ -65,10 +71,10 @@ def measure(size: int, corpora: dict[str, Path], work: Path, share_weight: float
           f"joint={out / 'baseline' / 'joint_baseline.model'}", "--json", str(report))
     results = json.loads(report.read_text())["results"]
     merged, joint = results[out.name], results["joint"]
-    ratios = {d: merged["domains"][d]["chars_per_token"] / joint["domains"][d]["chars_per_token"] for d in corpora}
-    ratios["tokens"] = merged["all"]["tokens"] / joint["all"]["tokens"]
+    chars_per_token = {d: (merged["domains"][d]["chars_per_token"], joint["domains"][d]["chars_per_token"]) for d in corpora}
     meta = json.loads((out / "tokenizer_meta.json").read_text())
-    return {"ratios": ratios, "pieces_by_domain": meta["pieces_by_domain"], "timings": meta["timings"]}
+    return {"chars_per_token": chars_per_token, "tokens": merged["all"]["tokens"] / joint["all"]["tokens"],
+            "pieces_by_domain": meta["pieces_by_domain"], "timings": meta["timings"]}
 
 
 def main() -> int:
@@ -79,17 +85,21 @@ def main() -> int:
     parser.add_argument("--sizes", default="8000,16000,32000,50000")
     parser.add_argument("--share-weight", type=float, default=None, help="tokenizer.merge.share_weight (default: the preset's)")
     args = parser.parse_args()
+    print(machine_line())
     corpora = prepare_corpora(args.work)
     print(f"[bench] corpora: { {d: f'{p.stat().st_size / 1e6:.1f} MB' for d, p in corpora.items()} }")
     work = args.work / "merge_quality"
     work.mkdir(parents=True, exist_ok=True)
+    lines = []
     for size in (int(s) for s in args.sizes.split(",")):
         found = measure(size, corpora, work, args.share_weight)
-        r = found["ratios"]
         print(f"[bench] {size}: learned pieces by the domain that uses them most {found['pieces_by_domain']}; "
-              f"timings {', '.join(f'{k} {v:.0f}s' for k, v in found['timings'].items())}")
-        print(f"RESULT tokenizer_merge_quality size={size} "
-              + " ".join(f"{d}={v:.3f}" for d, v in r.items()), flush=True)
+              f"timings {', '.join(f'{k} {v:.0f}s' for k, v in found['timings'].items())}; merged ÷ joint total "
+              f"held-out tokens {found['tokens']:.3f}", flush=True)
+        # Chars/token of fixed models on fixed held-out text: one measurement (n=1) per domain.
+        lines += [result_line(f"tokenizer_merge_quality_{size}_{d}", merged, joint, TARGET, unit="chars/tok")
+                  for d, (merged, joint) in found["chars_per_token"].items()]
+    print("\n".join(lines))
     return 0
 
 

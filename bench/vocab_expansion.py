@@ -1,22 +1,27 @@
 """Benchmark: chars/token on held-out Japanese (and English) before and after `ayumi tokenizer expand`.
 
-    .venv/bin/python bench/vocab_expansion.py [--corpus .cache/demo_corpus] [--base-vocab 8000] [--add 1000,2700,8000]
+    .venv/bin/python bench/vocab_expansion.py [--corpus .cache/demo_corpus] [--base-vocab 8000] [--add 1000,2800,8000]
 
 No Llama 2 tokenizer can be downloaded here, so the base is a stand-in built the same way: a
 SentencePiece BPE model with byte fallback trained on English (and code) only, as Llama 2's 32k
 vocabulary is English-dominated. The source is a SentencePiece unigram model trained on Japanese,
 as `ayumi tokenizer build` trains its per-domain models. Both are trained on 90% of the documents
 (by a hash of each document); chars/token is measured on the other 10%, which neither saw.
-The corpus is the demo's (`./ayumi demo` writes it: Japanese man pages, Jane Austen, Python).
+The corpus is the demo's (Japanese man pages, Jane Austen, Python): a complete one in --corpus is reused
+(`ayumi demo` and `ayumi demo corpus` write it there), else the bench builds it there as `ayumi demo corpus`
+does (Debian packages fetched with `apt-get download` into a demo_packages folder beside it, ~1 min; where
+that is impossible it says why and measures nothing).
 
 Baseline = the base tokenizer; ours = base + N new pieces (ids of the base unchanged). Swallow went
 from 32,000 to 43,176 pieces (+35%); `--add` sizes the expansion the same way at this scale.
-Ends with RESULT lines (chars/token ratios; higher is better for Japanese, about 1.0 for English).
+Ends with RESULT lines (chars/token ratios; higher is better for Japanese, about 1.0 for English); chars/token
+of fixed models on fixed held-out text is one measurement (n=1).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import zlib
@@ -24,6 +29,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from bench.result_form import machine_line, result_line  # noqa: E402  (first: it reads the load at the start)
+
+NEEDED = ("en", "code", "ja_clean", "ja_raw")
+"""The demo corpus's domains this bench reads."""
 
 
 def documents(path: Path) -> tuple[list[str], list[str]]:
@@ -54,18 +64,41 @@ def chars_per_token(model: Path, texts: list[str]) -> float:
     return sum(len(t) for t in texts) / sum(len(ids) for ids in processor.encode(texts))
 
 
+def demo_corpus(folder: Path) -> bool:
+    """Whether `folder` holds the domains this bench reads, after building the demo corpus there if needed."""
+    from demo.corpus import DemoCorpusError, build_demo_corpus, load_manifest
+
+    manifest = load_manifest(folder)
+    if not (manifest and manifest.get("complete")):
+        print(f"[bench] no complete demo corpus in {folder}: building it (as `ayumi demo corpus --out {folder}`)")
+        try:
+            manifest = build_demo_corpus(folder)
+        except DemoCorpusError as err:
+            print(f"[bench] the demo corpus cannot be built here: {err}", file=sys.stderr)
+            return False
+    missing = [name for name in NEEDED if not (folder / f"{name}.jsonl").is_file()]
+    if missing:
+        reasons = "; ".join(sorted(set(manifest.get("missing", {}).values()))) or "not written"
+        print(f"[bench] the demo corpus in {folder} lacks {', '.join(missing)} ({reasons}): nothing measured",
+              file=sys.stderr)
+        return False
+    return True
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--corpus", type=Path, default=REPO / ".cache" / "demo_corpus")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--corpus", type=Path, default=None,
+                        help="demo corpus folder, reused or built (default: $AYUMI_DATA_ROOT/demo_corpus, "
+                             "AYUMI_DATA_ROOT defaulting to .cache, as `ayumi demo corpus`)")
     parser.add_argument("--base-vocab", type=int, default=8000)
     parser.add_argument("--source-vocab", type=int, default=8000)
     parser.add_argument("--add", default="1000,2800,8000", help="new pieces per expansion, comma-separated")
     args = parser.parse_args()
+    print(machine_line())
     from tokenizer.expand import expand
 
-    needed = [args.corpus / f"{name}.jsonl" for name in ("en", "code", "ja_clean", "ja_raw")]
-    if not all(path.is_file() for path in needed):
-        print(f"missing {', '.join(str(p) for p in needed if not p.is_file())}: run ./ayumi demo first", file=sys.stderr)
+    args.corpus = args.corpus or Path(os.environ.get("AYUMI_DATA_ROOT", REPO / ".cache")) / "demo_corpus"
+    if not demo_corpus(args.corpus.resolve()):
         return 2
     en_train, en_held = documents(args.corpus / "en.jsonl")
     code_train, _ = documents(args.corpus / "code.jsonl")
@@ -93,10 +126,8 @@ def main() -> int:
                   f"en {after['en']:.3f} ({after['en'] / before['en']:.3f}x)")
             results.append((result.added, after))
         for added, after in results:
-            print(f"RESULT ja_chars_per_token_plus_{added} ours={after['ja']:.3f} baseline={before['ja']:.3f} "
-                  f"ratio={after['ja'] / before['ja']:.3f} target=>1.0 ok={str(after['ja'] > before['ja']).lower()}")
-            print(f"RESULT en_chars_per_token_plus_{added} ours={after['en']:.3f} baseline={before['en']:.3f} "
-                  f"ratio={after['en'] / before['en']:.3f} target=>=0.999 ok={str(after['en'] >= 0.999 * before['en']).lower()}")
+            print(result_line(f"ja_chars_per_token_plus_{added}", after["ja"], before["ja"], ">1.0", unit="chars/tok"))
+            print(result_line(f"en_chars_per_token_plus_{added}", after["en"], before["en"], ">=0.999", unit="chars/tok"))
     return 0
 
 

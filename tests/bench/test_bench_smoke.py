@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 RESULT = re.compile(
     r"^RESULT (?P<name>\S+) ours=(?P<ours>[0-9.]+)ms baseline=(?P<base>[0-9.]+)ms ratio=(?P<ratio>[0-9.]+) "
-    r"target=<=1\.05 ok=(?P<ok>true|false)$"
+    r"target=<=1\.05 ok=(?P<ok>true|false) spread=\S+ n=(?P<n>\d+) load=\S+ cpus=\d+$"
 )
 
 
@@ -35,6 +35,7 @@ def test_step_overhead_smoke(tmp_path):
     assert match["name"] == "step_overhead"
     ours, base, ratio = float(match["ours"]), float(match["base"]), float(match["ratio"])
     assert ours > 0 and base > 0 and ratio > 0  # ratio: median of per-round paired ratios, not ours/base
+    assert match["n"] == "2"  # the spread is over the rounds' paired ratios
     # Metrics were really on: ayumi's run dir holds the jsonl with one record per ayumi step, and a W&B run.
     run_dir = tmp_path / "work" / "runs" / "bench_cpu"
     records = (run_dir / "metrics.jsonl").read_text().splitlines()
