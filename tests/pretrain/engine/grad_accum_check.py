@@ -23,7 +23,7 @@ import sys
 import torch
 import torch.distributed as torch_dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))  # the repo
 
 from pretrain.config import compose_config, to_object  # noqa: E402
 from pretrain.engine.train_engine import TrainEngine  # noqa: E402
