@@ -84,13 +84,13 @@ def cmd_build(argv: list[str]) -> int:
 
     from tokenizer.build import build_tokenizer
 
-    from tokenizer.config import check_tokenizer_config
+    from tokenizer.config import check_tokenizer_config, enabled_domains
 
     overrides, show = _split_flags(argv)
     cfg = compose(overrides)
     job = to_object(cfg)
     # Before `--cfg job` prints: every value it shows is one a build accepts (inputs may still be unset).
-    check_tokenizer_config(job.tokenizer, inputs_required=not show)
+    check_tokenizer_config(enabled_domains(job.tokenizer), inputs_required=not show)  # disabled domains need no inputs
     if show:
         print(OmegaConf.to_yaml(cfg, resolve=True))
         return 0
@@ -129,14 +129,14 @@ def sweep_candidates(overrides: list[str]) -> list[list[str]]:
 
 def cmd_sweep(argv: list[str]) -> int:
     from tokenizer.build import build_tokenizer, sample_all
-    from tokenizer.config import check_tokenizer_config
+    from tokenizer.config import check_tokenizer_config, enabled_domains
 
     overrides, show = _split_flags(argv)
     candidates = sweep_candidates(overrides)
     jobs = []
     for combo in candidates:
         job = to_object(compose(combo))
-        check_tokenizer_config(job.tokenizer, inputs_required=not show)  # every candidate, before anything trains
+        check_tokenizer_config(enabled_domains(job.tokenizer), inputs_required=not show)  # every candidate, first
         job.tokenizer = enabled_domains_logged(job.tokenizer)
         label = ",".join(o for o in combo if o not in overrides) or "base"
         _scale_domain_vocab(job.tokenizer, compose([o for o in combo if "total_vocab" not in o]))
