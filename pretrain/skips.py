@@ -42,8 +42,8 @@ class SkippedData:
         """Move the stream past `num_batches` global batches: (first sample, end sample, the mixer's events)."""
         start = self.loader.consumed_samples
         self.loader.skip(num_batches)
-        self.add([(start, self.loader.consumed_samples)])
-        events = self.mixer.skip(num_batches) if self.mixer is not None else []
+        self.ranges = [tuple(r) for r in merge_ranges([*self.ranges, (start, self.loader.consumed_samples)])]
+        events = self.mixer.skip(num_batches) if self.mixer is not None else []  # records the range in the mixer
         if self.is_main:
             self.ledger.save([list(r) for r in self.ranges])
         return start, self.loader.consumed_samples, events

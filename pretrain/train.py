@@ -116,7 +116,7 @@ def load_tokenizer_identity(tokenizer_dir: str | None) -> dict:
 def job_hardware(dist: DistInfo) -> Hardware:
     """The job's own size and GPU for the memory plan (on the CPU, memory is not checked)."""
     if dist.device.type != "cuda":
-        return Hardware(dist.dp_size, None, "CPU training: GPU memory not checked", dist.tensor_parallel, "CPU rank")
+        return Hardware.cpu(dist.world_size, dist.tensor_parallel)
     name, total_memory = gpu_properties(dist.device.index or 0)
     return Hardware(dist.dp_size, total_memory, f"this {name}", dist.tensor_parallel)
 

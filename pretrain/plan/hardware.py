@@ -50,6 +50,12 @@ class Hardware:
     device: str = "GPU"
     """What a rank runs on, for messages: "GPU", or "CPU rank" for CPU training."""
 
+    @classmethod
+    def cpu(cls, ranks: int, tensor_parallel: int = 1) -> "Hardware":
+        """`ranks` CPU processes: the batch is checked against them, memory is not."""
+        return cls(max(1, ranks // tensor_parallel), None, "CPU training: memory not checked", tensor_parallel,
+                   "CPU rank")
+
 
 def visible_gpus() -> tuple[int, int | None, str]:
     """(count, bytes of GPU 0, its name) of the GPUs torch sees here; torch is imported only where an
@@ -78,7 +84,7 @@ def planned_hardware(cfg: Any, ranks: int | None = None) -> Hardware:
     count, gpu_bytes, gpu_name = visible_gpus()
     tp = cfg.parallel.tensor
     if not count and not cfg.train.num_gpus and cfg.train.gpu_memory_gib <= 0:
-        return Hardware(max(1, (ranks or CPU_RANKS) // tp), None, "CPU training: memory not checked", tp, "CPU rank")
+        return Hardware.cpu(ranks or CPU_RANKS, tp)
     data_parallel = max(1, (ranks or cfg.train.num_gpus or count or 1) // tp)
     if gpu_bytes:
         return Hardware(data_parallel, gpu_bytes, f"this {gpu_name or 'GPU'}", tp)
