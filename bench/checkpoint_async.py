@@ -19,6 +19,7 @@ Ends with: RESULT checkpoint_async ours=<ms>ms baseline=<ms>ms ratio=<r> target=
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -41,6 +42,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--zero-stage", type=int, default=1)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                   help="deepspeed.precision (bf16 on a GPU: bf16 weights beside the fp32 master copy)")
+    p.add_argument("--json", default=None, help="also write the figures here as JSON")
     p.add_argument("--work", default=None, help="checkpoint folder (default: a temporary one, removed)")
     return p.parse_args(argv)
 
@@ -62,7 +66,7 @@ def main(argv: list[str]) -> int:
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="ckpt_async_", dir=REPO / ".cache"
                                                                     if (REPO / ".cache").is_dir() else None))
     cfg = to_object(compose_config([
-        f"model={args.model}", f"deepspeed=zero{args.zero_stage}", "deepspeed.precision=fp32",
+        f"model={args.model}", f"deepspeed=zero{args.zero_stage}", f"deepspeed.precision={args.precision}",
         f"train.device={args.device}", "train.seq_len=128", "train.micro_batch_size=1", "train.global_batch_size=1",
         f"run_root={work}", "logging=none"]))
     dinfo = init_distributed(cfg.train.device)
@@ -90,23 +94,27 @@ def main(argv: list[str]) -> int:
         start = time.perf_counter()
         sync.save(engine, step, shared, {})
         base.append(time.perf_counter() - start)
-        for path in sorted((work / "sync" / f"step_{step:07d}").iterdir()):  # what the async side guarantees too
+        folder = work / "sync" / f"step_{step:07d}"
+        for path in sorted(folder.iterdir()):  # what the async side guarantees too
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
         durable.append(time.perf_counter() - start)
+        size = directory_bytes(folder)
+        # One checkpoint on disk at a time (a 1b one is ~16 GiB): removed once timed, outside the timing.
+        shutil.rmtree(folder)
         start = time.perf_counter()
         asyn.save(engine, step, shared, {})
         blocked = time.perf_counter() - start
         start = time.perf_counter()
         asyn.wait()
         writes.append(time.perf_counter() - start)
+        shutil.rmtree(work / "async" / f"step_{step:07d}")
         if round_ == 0:
             first_async = blocked  # allocates the host buffers
         else:
             ours.append(blocked)
         print(f"round {round_}: sync save {1e3 * base[-1]:.0f} ms ({1e3 * durable[-1]:.0f} ms with its files fsynced), async blocked {1e3 * blocked:.0f} ms "
               f"(+ background write {1e3 * writes[-1]:.0f} ms after it)")
-    size = directory_bytes(work / "sync" / f"step_{step:07d}")
     ours_ms, base_ms = 1e3 * statistics.median(ours), 1e3 * statistics.median(base[1:])
     ratio = ours_ms / base_ms
     print(f"checkpoint {size / 2**30:.2f} GiB; first async save (buffers allocated) {1e3 * first_async:.0f} ms; "
@@ -114,6 +122,12 @@ def main(argv: list[str]) -> int:
     durable_ms = 1e3 * statistics.median(durable[1:])
     print(f"for reference, not the RESULT: vs a synchronous save fsynced as the async one is "
           f"({durable_ms:.0f} ms) the ratio is {ours_ms / durable_ms:.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "model": args.model, "precision": args.precision, "zero_stage": args.zero_stage, "device": str(dinfo.device),
+            "gib": size / 2**30, "ours_ms": ours_ms, "base_ms": base_ms, "durable_ms": durable_ms,
+            "write_ms": 1e3 * statistics.median(writes[1:]), "first_async_ms": 1e3 * first_async,
+            "rounds": len(ours)}))
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
     finalize_distributed()

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,7 +56,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="125m,1b,7b_short")
     p.add_argument("--compile", default="off,blocks", help="model.compile values to try")
-    p.add_argument("--checkpointing", default="none,full", help="deepspeed.activation_checkpointing values to try")
+    p.add_argument("--checkpointing", default="none,full",
+                   help="deepspeed.activation_checkpointing values to try; `plan`: twice the micro batch that fits "
+                        "without checkpointing, with the least recompute the memory plan says makes it fit")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--micro-batch", default="auto", help="auto: the largest power of two the memory plan fits")
     p.add_argument("--grad-accum", type=int, default=4)
@@ -157,6 +160,26 @@ def pick_micro_batch(overrides: list[str], requested: str, seq: int, gpu_bytes: 
     return best
 
 
+PLAN_POLICIES = ("none", "mlp", "attention", "every_2", "full")
+"""Activation-checkpointing policies from the least recompute to the most (the memory plan's own order)."""
+
+
+def plan_choice(overrides: list[str], seq: int, micro: int, gpu_bytes: int | None) -> str:
+    """The least-recompute policy whose plan fits `micro` samples (the `plan` checkpointing of this benchmark:
+    twice the micro batch that fits without checkpointing, and what the plan needs to make it fit)."""
+    if not gpu_bytes:
+        return "full"
+    from pretrain.config import compose_config, to_object
+    from pretrain.plan.memory import estimate_memory, memory_shape
+
+    for policy in PLAN_POLICIES:
+        cfg = to_object(compose_config([*overrides, f"train.micro_batch_size={micro}", f"train.seq_len={seq}",
+                                        f"deepspeed.activation_checkpointing={policy}"]))
+        if estimate_memory(memory_shape(cfg, 1)).required <= gpu_bytes:
+            return policy
+    return "full"
+
+
 def worker(args: argparse.Namespace) -> int:
     import torch
 
@@ -177,13 +200,17 @@ def worker(args: argparse.Namespace) -> int:
     base = [*SHAPES[shape], f"model.max_seq_len={max(seq, 64)}", "deepspeed=zero1",
             "deepspeed.precision=" + ("bf16" if cuda else "fp32")]
     micro = pick_micro_batch(base, args.micro_batch, seq, gpu_bytes)
+    policy = spec["checkpointing"]
+    if policy == "plan":  # twice the micro batch, with the checkpointing the plan says it needs
+        micro *= 2
+        policy = plan_choice(base, seq, micro, gpu_bytes)
     cfg0 = to_object(compose_config(base))
     data_root = write_corpus(work / f"corpus_{cfg0.model.vocab_size}", cfg0.model.vocab_size,
                              min_tokens=(args.warmup + args.steps) * micro * args.grad_accum * (seq + 1) + 10**5)
     overrides = [
         *base, f"name=gpu_speed_{shape}_{spec['compile']}_{spec['checkpointing']}", f"run_root={work / 'runs'}",
         f"data.root={data_root}", f"model.compile={spec['compile']}",
-        f"deepspeed.activation_checkpointing={spec['checkpointing']}", f"train.seq_len={seq}",
+        f"deepspeed.activation_checkpointing={policy}", f"train.seq_len={seq}",
         f"train.micro_batch_size={micro}", f"train.grad_accum={args.grad_accum}",
         f"train.global_batch_size={micro * args.grad_accum}", "train.tokens=1000000000",
         "curriculum.default_max_repetition=inf", "train.eval_interval=0", "data.validation=false",
@@ -200,27 +227,34 @@ def worker(args: argparse.Namespace) -> int:
     trainer.engine.train()
     trainer.refresh_checkpoint_steps()
 
-    def steps(n: int) -> None:
+    def steps(n: int) -> list[float]:
+        """Run n steps; each step's wall time (the device synchronised at both ends)."""
+        times = []
         for _ in range(n):
+            start = time.perf_counter()
             outcome = trainer.step_once()
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
             if outcome.rolled_back or outcome.stability_stop or outcome.signal_stop:
                 raise RuntimeError(f"the run rolled back or stopped at step {trainer.state.step}: {outcome}")
+        return times
 
-    steps(args.warmup)
+    warmup_times = steps(args.warmup)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    steps(args.steps)
-    if cuda:
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    tokens_per_s = args.steps * cfg.train.global_batch_size * seq / seconds
+    step_times = steps(args.steps)
+    seconds = sum(step_times)
+    # The median step: one slow step (a host hiccup, a late recompile) does not move it.
+    tokens_per_s = cfg.train.global_batch_size * seq / statistics.median(step_times)
     peak = peak_flops(dinfo.device)
     # Measured after the warm-up: the peak of steady training, as the plan describes it.
     max_allocated = torch.cuda.max_memory_allocated() if cuda else 0
     planned = estimate_memory(memory_shape(cfg, dinfo.world_size, gqa_kernel=cuda)).peak_allocated
-    result = {"micro_batch": micro, "tokens_per_s": tokens_per_s, "seconds": seconds,
+    result = {"micro_batch": micro, "checkpointing": policy, "seq_len": seq, "grad_accum": args.grad_accum,
+              "tokens_per_s": tokens_per_s, "seconds": seconds, "step_seconds": step_times,
+              "warmup_seconds": warmup_times, "flops_per_token": trainer.flops_per_token, "peak_flops": peak,
               "mfu": tokens_per_s * trainer.flops_per_token / peak if peak else None,
               "max_allocated": max_allocated, "planned_peak": planned,
               "device": torch.cuda.get_device_name(0) if cuda else "cpu", "compiled": trainer.engine.compiled}

@@ -1,0 +1,650 @@
+"""Acceptance run on one GPU: every GPU path of ayumi measured and checked in one prepared command.
+
+    python bench/gpu_acceptance.py --out OUT [--work DIR] [--budget 420] [--parts env,speed_1b_2048,...]
+                                   [--demo-data DIR]
+    python bench/gpu_acceptance.py --cpu-smoke --out OUT    # every part with tiny shapes on the CPU (the suite runs it)
+
+Made for a GPU machine that is lent for minutes and has no package registry (docs/performance.md,
+"Running on a machine without a registry"): nothing here is set up or debugged on the GPU. Each part
+runs in processes of its own under its own time limit, inside one overall budget; a part that fails or
+runs out of time is recorded and the next one starts. After every part `OUT/results.json` is rewritten
+(a killed run still leaves every finished part) with `OUT/results.md`, the table, and `OUT/parts.log`
+gets the end of that part's log.
+
+Parts, the most valuable figures first (letters as in docs/performance.md):
+  env              (a) GPU, driver, CUDA, torch, DeepSpeed; a dense bf16 GEMM 8192^3 against the datasheet peak
+  speed_1b_2048    (b, c) the 1b preset, seq 2048, compiled blocks, no checkpointing: median tokens/s per GPU
+                   over timed steps after warm-up, MFU (the trainer's FLOP count: 6 N_matmul + 12 L h s per
+                   token), and the memory plan's peak against torch.cuda.max_memory_allocated
+  correctness      (d) a small model, 30 steps each, all runs at once: two seeded runs identical; ZeRO 0/1/2/3
+                   against each other (bf16) and against fp32; compiled blocks against eager; the chunked loss
+                   against the plain one; fp32 gradient accumulation over 4 micro batches against one 4x larger
+  checkpoint_kill  (e) kill -9 while an asynchronous save is being written, resume: the losses equal an
+                   uninterrupted run's
+  stability        (f) an injected spike (LR x50) is detected, rolled back and its batches skipped
+                   (these three run side by side: small models, mostly process start-up)
+  speed_7b_layers  (b, c) Llama-2-7B's layers (4 of them), seq 2048
+  checkpoint_save  (e) the asynchronous save's blocked time against a synchronous save, 1b model (bench/checkpoint_async.py)
+  demo_train       (g) the demo's training phase (`ayumi train experiment=demo`) on the GPU, timed; needs
+                   --demo-data (the shards and tokenizer `ayumi demo` builds)
+  speed_1b_plan    (b, c) the 1b preset with twice the micro batch and the checkpointing the memory plan picks for it
+  speed_1b_4096    (b, c) the 1b preset at seq 4096
+
+Exit status: 0 when every part ran and passed, 1 otherwise (the table says which).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.result_form import machine_line  # noqa: E402  (first: it reads the load at the start)
+
+
+@dataclass(frozen=True)
+class Part:
+    key: str
+    letter: str
+    title: str
+    limit_s: int
+    """Wall-clock limit on the GPU (the CPU smoke run allows SMOKE_SLOWDOWN times as long)."""
+
+
+PARTS = {p.key: p for p in [
+    Part("env", "a", "environment and a dense bf16 GEMM", 60),
+    Part("speed_1b_2048", "b", "1b, seq 2048, compiled blocks, no checkpointing", 180),
+    Part("correctness", "d", "correctness on the GPU (small model, 30 steps)", 180),
+    Part("checkpoint_kill", "e", "kill -9 during an asynchronous write, then resume", 180),
+    Part("stability", "f", "an injected spike: detected, rolled back, batches skipped", 180),
+    Part("speed_7b_layers", "b", "Llama-2-7B layers (4), seq 2048, compiled blocks", 150),
+    Part("checkpoint_save", "e", "asynchronous vs synchronous save of the 1b model", 150),
+    Part("demo_train", "g", "the demo's training phase", 180),
+    Part("speed_1b_plan", "b", "1b, seq 2048, twice the micro batch, the plan's checkpointing", 150),
+    Part("speed_1b_4096", "b", "1b, seq 4096, compiled blocks, no checkpointing", 150),
+]}
+SCHEDULE = [["env"], ["speed_1b_2048"], ["correctness", "checkpoint_kill", "stability"], ["speed_7b_layers"],
+            ["checkpoint_save"], ["demo_train"], ["speed_1b_plan"], ["speed_1b_4096"]]
+"""Batches in order; the parts of one batch run at the same time (small models: the GPU is shared)."""
+SMOKE_SLOWDOWN = 3
+MIN_START_S = 20
+"""A part is not started with less than this left of the budget."""
+BF16_TOLERANCE = 0.02
+"""Correctness: the largest relative loss difference allowed between two bf16 runs that differ only in how
+they compute (ZeRO stage, compiled kernels, chunked loss, accumulation), over 30 steps of a small model."""
+FP32_TOLERANCE = 0.03
+"""The same between a bf16 run and the fp32 run."""
+PEAK_GEMM_TARGET = 0.70
+"""The measured GEMM against the datasheet's dense bf16 peak: below this the machine itself is slow."""
+MFU_TARGET = 0.45
+MEMORY_BAND = (0.90, 1.10)
+ASYNC_TARGET = 0.10
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="results.json, results.md and parts.log go here")
+    p.add_argument("--work", default=None, help="runs, corpora and logs (default: a temporary folder)")
+    p.add_argument("--budget", type=int, default=420, help="seconds for the whole run (no part starts after)")
+    p.add_argument("--parts", default=",".join(PARTS), help="comma-separated part keys, run in schedule order")
+    p.add_argument("--demo-data", default=None, help="folder holding shards/demo and tokenizers/demo_8k (demo_train)")
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU: checks the paths, not the figures")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# == driver ========================================================================================
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return run_worker(args)
+    wanted = [k for k in args.parts.split(",") if k]
+    unknown = [k for k in wanted if k not in PARTS]
+    if unknown:
+        print(f"gpu_acceptance: unknown part(s) {', '.join(unknown)}; choose from {', '.join(PARTS)}", file=sys.stderr)
+        return 2
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(args.work or tempfile.mkdtemp(prefix="ayumi_acceptance_")).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    report = {"command": "python bench/gpu_acceptance.py " + " ".join(argv), "machine": machine_line(),
+              "host": platform.node(), "cpu_smoke": args.cpu_smoke, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+              "budget_s": args.budget, "parts": {}}
+    print(report["machine"], flush=True)
+    deadline = time.monotonic() + args.budget
+    for batch in SCHEDULE:
+        keys = [k for k in batch if k in wanted]
+        if keys:
+            run_batch(keys, args, work, out, report, deadline)
+    report["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    write_report(out, report)
+    print((out / "results.md").read_text(), flush=True)
+    return 0 if all(r["status"] == "passed" for r in report["parts"].values()) else 1
+
+
+def run_batch(keys: list[str], args, work: Path, out: Path, report: dict, deadline: float) -> None:
+    """Start the batch's parts together, each under min(its limit, the budget left); wait for all."""
+    left = deadline - time.monotonic()
+    if left < MIN_START_S:
+        for key in keys:
+            report["parts"][key] = {"status": "skipped", "detail": f"not started: {left:.0f} s of the budget left"}
+        write_report(out, report)
+        return
+    running = {}
+    for key in keys:
+        limit = PARTS[key].limit_s * (SMOKE_SLOWDOWN if args.cpu_smoke else 1)
+        running[key] = start_part(key, args, work, min(limit, left))
+        print(f"[acceptance] {key}: started (limit {min(limit, left):.0f} s, log {running[key]['log']})", flush=True)
+    while running:
+        time.sleep(0.5)
+        for key in list(running):
+            entry = running[key]
+            timed_out = time.monotonic() > entry["deadline"]
+            if entry["proc"].poll() is None and not timed_out:
+                continue
+            if timed_out and entry["proc"].poll() is None:
+                os.killpg(entry["proc"].pid, signal.SIGKILL)
+                entry["proc"].wait()
+            report["parts"][key] = finish_part(key, entry, timed_out)
+            del running[key]
+            print(f"[acceptance] {key}: {report['parts'][key]['status']} in {report['parts'][key]['seconds']:.0f} s",
+                  flush=True)
+            append_log(out / "parts.log", key, entry["log"])
+            write_report(out, report)
+
+
+def start_part(key: str, args, work: Path, limit: float) -> dict:
+    part_dir = work / key
+    part_dir.mkdir(parents=True, exist_ok=True)
+    result, log = part_dir / "result.json", part_dir / "part.log"
+    result.unlink(missing_ok=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--out", str(part_dir), "--work", str(part_dir),
+           "--worker", key, "--result", str(result)]
+    if args.cpu_smoke:
+        cmd.append("--cpu-smoke")
+    if args.demo_data:
+        cmd += ["--demo-data", str(Path(args.demo_data).resolve())]
+    handle = open(log, "w")
+    # A session of its own: a part over its limit is killed with every process it started.
+    proc = subprocess.Popen(cmd, cwd=REPO, env=part_env(args.cpu_smoke), stdout=handle, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    handle.close()
+    return {"proc": proc, "log": log, "result": result, "started": time.monotonic(), "deadline": time.monotonic() + limit}
+
+
+def part_env(cpu_smoke: bool) -> dict[str, str]:
+    env = dict(os.environ, WANDB_MODE="disabled", WANDB_SILENT="true", PYTHONUNBUFFERED="1",
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"):
+        env.pop(key, None)
+    if cpu_smoke:
+        env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    return env
+
+
+def finish_part(key: str, entry: dict, timed_out: bool) -> dict:
+    seconds = time.monotonic() - entry["started"]
+    base = {"title": PARTS[key].title, "letter": PARTS[key].letter, "seconds": round(seconds, 1)}
+    if entry["result"].is_file():
+        result = json.loads(entry["result"].read_text())
+        passed = all(check["ok"] for check in result.get("checks", []))
+        status = "passed" if passed and not timed_out else ("timeout" if timed_out else "failed")
+        return {**base, "status": status, **result}
+    tail = entry["log"].read_text(errors="replace")[-1500:] if entry["log"].is_file() else ""
+    return {**base, "status": "timeout" if timed_out else "error", "exit": entry["proc"].returncode, "log_tail": tail}
+
+
+def append_log(path: Path, key: str, log: Path) -> None:
+    text = log.read_text(errors="replace") if log.is_file() else "(no log)"
+    with open(path, "a") as handle:
+        handle.write(f"\n===== {key} (last 6000 characters of {log}) =====\n{text[-6000:]}\n")
+
+
+def write_report(out: Path, report: dict) -> None:
+    """results.json and results.md, each replaced whole (a reader never sees half a file)."""
+    for name, text in (("results.json", json.dumps(report, indent=1, default=str)), ("results.md", markdown(report))):
+        tmp = out / (name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, out / name)
+
+
+def markdown(report: dict) -> str:
+    lines = [f"Command: `{report['command']}`  ", f"Machine: {report['machine']}  ", f"Started: {report['started']}", "",
+             "| part | figure | value | target | ok |", "|---|---|---|---|---|"]
+    for key, part in report["parts"].items():
+        label = f"{part.get('letter', PARTS[key].letter)}. {key}"
+        if part["status"] in ("skipped", "error") or not part.get("rows"):
+            detail = part.get("detail") or (part.get("log_tail", "").strip().splitlines() or ["no result"])[-1]
+            lines.append(f"| {label} | {part['status']} | {detail[:160].replace('|', '/')} | | no |")
+            continue
+        for figure, value, target, ok in part["rows"]:
+            ok_text = {True: "yes", False: "**no**", None: ""}[ok]
+            lines.append(f"| {label} | {figure} | {value} | {target} | {ok_text} |")
+        if part["status"] == "timeout":
+            lines.append(f"| {label} | timeout | stopped at its limit after {part['seconds']:.0f} s | | **no** |")
+    return "\n".join(lines) + "\n"
+
+
+# == workers =======================================================================================
+def run_worker(args: argparse.Namespace) -> int:
+    work = Path(args.work)
+    result = WORKERS[args.worker](args, work)
+    Path(args.result).write_text(json.dumps(result, indent=1, default=str))
+    return 0
+
+
+def check(name: str, ok: bool, detail: str) -> dict:
+    print(f"[{'ok' if ok else 'FAILED'}] {name}: {detail}", flush=True)
+    return {"name": name, "ok": bool(ok), "detail": detail}
+
+
+def fmt(x: float, digits: int = 4) -> str:
+    return f"{x:.{digits}g}"
+
+
+# -- a. environment ----------------------------------------------------------------------------------
+def worker_env(args, work: Path) -> dict:
+    import importlib.metadata as md
+
+    import torch
+
+    from pretrain.model.flops import PEAK_BF16_FLOPS
+
+    cuda = torch.cuda.is_available() and not args.cpu_smoke
+    figures = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+               "deepspeed": md.version("deepspeed"), "transformers": md.version("transformers"),
+               "cpus": os.cpu_count()}
+    if cuda:
+        props = torch.cuda.get_device_properties(0)
+        figures.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                       multiprocessors=props.multi_processor_count, driver=nvidia_smi("driver_version"))
+    n, dtype = (8192, torch.bfloat16) if cuda else (256, torch.float32)
+    device = "cuda" if cuda else "cpu"
+    tflops = gemm_tflops(n, dtype, device)
+    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in figures.get("gpu", "")), None)
+    figures.update(gemm_n=n, gemm_dtype=str(dtype), gemm_tflops=tflops, peak_tflops=peak / 1e12 if peak else None)
+    rows = [["GPU", f"{figures.get('gpu', 'cpu')} ({figures.get('gpu_memory_gib', '-')} GiB)", "", None],
+            ["versions", f"driver {figures.get('driver', '-')}, CUDA {figures['cuda']}, torch {figures['torch']}, "
+                         f"DeepSpeed {figures['deepspeed']}", "", None]]
+    checks = []
+    if peak:
+        ratio = tflops * 1e12 / peak
+        rows.append([f"bf16 GEMM {n}^3", f"{tflops:.0f} TFLOP/s = {100 * ratio:.0f}% of {peak / 1e12:.0f}",
+                     f">={100 * PEAK_GEMM_TARGET:.0f}%", ratio >= PEAK_GEMM_TARGET])
+        checks.append(check("gemm", ratio >= PEAK_GEMM_TARGET, f"{tflops:.0f} TFLOP/s, {100 * ratio:.0f}% of peak"))
+    else:
+        rows.append([f"{dtype} GEMM {n}^3 on {device}", f"{tflops:.3g} TFLOP/s", "", None])
+    return {"figures": figures, "rows": rows, "checks": checks}
+
+
+def nvidia_smi(field: str) -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def gemm_tflops(n: int, dtype, device: str) -> float:
+    """Dense matrix product n x n x n: the mean of 10 timed products after 3 warm-ups."""
+    import torch
+
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    for _ in range(3):
+        a @ b
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    sync()
+    return 2 * n**3 * 10 / (time.perf_counter() - start) / 1e12
+
+
+# -- b, c. speed and memory ------------------------------------------------------------------------------
+SPEED = {
+    "speed_1b_2048": {"shape": "1b", "seq": 2048, "checkpointing": "none"},
+    "speed_7b_layers": {"shape": "7b_short", "seq": 2048, "checkpointing": "none"},
+    "speed_1b_plan": {"shape": "1b", "seq": 2048, "checkpointing": "plan"},
+    "speed_1b_4096": {"shape": "1b", "seq": 4096, "checkpointing": "none"},
+}
+
+
+def worker_speed(args, work: Path) -> dict:
+    """bench/gpu_speed.py for one shape: the trainer as a run builds it, timed per step after warm-up."""
+    spec = SPEED[args.worker]
+    cmd = [sys.executable, str(REPO / "bench" / "gpu_speed.py"), "--compile", "blocks",
+           "--checkpointing", spec["checkpointing"], "--work", str(work)]
+    if args.cpu_smoke:
+        cmd += ["--cpu-smoke", "--steps", "2", "--warmup", "1", "--grad-accum", "1"]
+    else:
+        cmd += ["--shapes", spec["shape"], "--seq", str(spec["seq"]), "--steps", "6", "--warmup", "3", "--grad-accum", "2"]
+    subprocess.run(cmd, cwd=REPO, check=True)
+    shape = "tiny" if args.cpu_smoke else spec["shape"]
+    res = json.loads((work / f"{shape}_blocks_{spec['checkpointing']}.json").read_text())
+    return speed_summary(res, spec["shape"])
+
+
+def speed_summary(res: dict, shape: str) -> dict:
+    tokens = res["tokens_per_s"]
+    mfu = res.get("mfu")
+    plan, measured = res["planned_peak"], res["max_allocated"]
+    ratio = plan / measured if measured else None
+    setting = (f"micro batch {res['micro_batch']} x seq {res['seq_len']} x accum {res['grad_accum']}, "
+               f"checkpointing {res['checkpointing']}, compiled {res['compiled']}")
+    rows = [["setting", setting, "", None],
+            ["tokens/s per GPU (median step)", f"{tokens:,.0f}", "", None],
+            ["first step (compilation)", f"{res['warmup_seconds'][0]:.1f} s", "", None]]
+    checks = []
+    if mfu is not None:
+        flop = (f"MFU ({res['flops_per_token'] / 1e9:.2f} GFLOP/token = 6 N_matmul + 12 L h s, "
+                f"peak {res['peak_flops'] / 1e12:.0f} TFLOP/s)")
+        target_applies = shape == "1b"
+        rows.append([flop, f"{100 * mfu:.1f}%", f">={100 * MFU_TARGET:.0f}%" if target_applies else "",
+                     mfu >= MFU_TARGET if target_applies else None])
+        if target_applies:
+            checks.append(check("mfu", mfu >= MFU_TARGET, f"{100 * mfu:.1f}%"))
+    if ratio is not None:
+        ok = MEMORY_BAND[0] <= ratio <= MEMORY_BAND[1]
+        rows.append(["memory: plan / max allocated", f"{plan / 2**30:.1f} / {measured / 2**30:.1f} GiB = {ratio:.2f}",
+                     f"{MEMORY_BAND[0]:.2f}..{MEMORY_BAND[1]:.2f}", ok])
+        checks.append(check("memory_plan", ok, f"plan {plan / 2**30:.2f} GiB, measured {measured / 2**30:.2f} GiB"))
+    return {"figures": res, "rows": rows, "checks": checks}
+
+
+# -- training runs as a user starts them -------------------------------------------------------------
+SMALL_GPU_MODEL = ["model=debug", "model.vocab_size=512", "model.hidden_size=256", "model.intermediate_size=688",
+                   "model.num_layers=4", "model.num_heads=8", "model.num_kv_heads=4", "model.max_seq_len=256"]
+"""The correctness model on the GPU: big enough that bf16 rounding shows, small enough to start in seconds."""
+TINY_MODEL = ["model=debug", "model.vocab_size=512", "model.max_seq_len=64"]
+
+
+def corpus(work: Path) -> Path:
+    """Byte tokens of the repository's own text (bench/step_overhead.py): the same on every machine."""
+    from bench.step_overhead import write_corpus
+
+    root = work / "corpus"
+    if not (root / "manifest.json").is_file():
+        write_corpus(root, 512, min_tokens=2_000_000)
+    return root
+
+
+def run_overrides(work: Path, name: str, device: str, *extra: str) -> list[str]:
+    return [f"name={name}", f"run_root={work / 'runs'}", f"data.root={corpus(work)}", f"train.device={device}",
+            "data.validation=false", "curriculum.default_max_repetition=inf", "logging=none", "logging.console_interval=10",
+            "optim.warmup_steps=5", *extra]
+
+
+def start_training(overrides: list[str], log: Path) -> subprocess.Popen:
+    handle = open(log, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "pretrain.train", *overrides], cwd=REPO, stdout=handle,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    handle.close()
+    return proc
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {r["step"]: r["train/loss"] for r in records if "train/loss" in r}
+
+
+def events(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def wait_all(procs: dict[str, subprocess.Popen], work: Path) -> None:
+    for name, proc in procs.items():
+        if proc.wait() != 0:
+            raise RuntimeError(f"training run {name} exited {proc.returncode}: "
+                               + (work / f"{name}.log").read_text(errors="replace")[-3000:])
+
+
+def device_of(args) -> str:
+    return "cpu" if args.cpu_smoke else "cuda"
+
+
+# -- d. correctness ----------------------------------------------------------------------------------
+def correctness_variants(cpu_smoke: bool) -> dict[str, list[str]]:
+    """Run name -> its overrides beside the base. `base` is bf16 ZeRO-1 eager, one micro batch of 8."""
+    chunk = 128 if cpu_smoke else 512  # several chunks per micro batch of 8 x seq
+    return {
+        "base": [], "base_again": [],
+        "zero0": ["deepspeed=zero0"], "zero2": ["deepspeed=zero2"], "zero3": ["deepspeed=zero3"],
+        "fp32": ["deepspeed.precision=fp32"],
+        "compiled": ["model.compile=blocks"],
+        "chunked": [f"model.loss_chunk_tokens={chunk}"],
+        "accum4": ["train.micro_batch_size=2", "train.grad_accum=4"],
+    }
+
+
+def worker_correctness(args, work: Path) -> dict:
+    steps, seq = (6, 64) if args.cpu_smoke else (30, 256)
+    model = TINY_MODEL if args.cpu_smoke else SMALL_GPU_MODEL
+    # The CPU here may lack native bf16 (100x slower): the smoke run checks the paths in fp32.
+    precision = "fp32" if args.cpu_smoke else "bf16"
+    base = [*model, "deepspeed=zero1", f"deepspeed.precision={precision}", "model.compile=off", f"train.seq_len={seq}",
+            "train.micro_batch_size=8", "train.global_batch_size=8", "train.grad_accum=1",
+            f"train.tokens={steps * 8 * seq}", "optim.lr=1e-3", "train.eval_interval=0", "checkpoint.interval=0",
+            "checkpoint.save_final=false", "checkpoint.resume=false", "stability.recovery.ring_interval=0"]
+    corpus(work)
+    variants = correctness_variants(args.cpu_smoke)
+    procs = {}
+    for name, extra in variants.items():
+        procs[name] = start_training(run_overrides(work, name, device_of(args), *base, *extra), work / f"{name}.log")
+        if args.cpu_smoke:  # two cores: one run at a time
+            wait_all({name: procs.pop(name)}, work)
+    wait_all(procs, work)
+    got = {name: losses(work / "runs" / name) for name in variants}
+    return correctness_report(got, steps)
+
+
+def relative_gap(a: dict[int, float], b: dict[int, float]) -> tuple[float, float]:
+    """(relative gap at the first step, largest relative gap over all steps) between two loss curves."""
+    steps = sorted(b)
+    if sorted(a) != steps:
+        raise RuntimeError(f"the runs logged different steps: {sorted(a)[:5]}... vs {steps[:5]}...")
+    gaps = [abs(a[s] - b[s]) / abs(b[s]) for s in steps]
+    return gaps[0], max(gaps)
+
+
+def correctness_report(got: dict[str, dict[int, float]], steps: int) -> dict:
+    rows, checks = [], []
+    base = got["base"]
+    if len(base) != steps:
+        raise RuntimeError(f"the base run logged {len(base)} steps, not {steps}")
+    identical = got["base_again"] == base
+    diff = max(abs(got["base_again"][s] - base[s]) for s in base)
+    rows.append(["two seeded runs", "identical" if identical else f"differ by up to {diff:.3g}", "identical", identical])
+    checks.append(check("seeded_runs_identical", identical, f"largest difference {diff:.3g} over {steps} steps"))
+    pairs = [("zero0", "base", BF16_TOLERANCE, "ZeRO-0 vs ZeRO-1"), ("zero2", "base", BF16_TOLERANCE, "ZeRO-2 vs ZeRO-1"),
+             ("zero3", "base", BF16_TOLERANCE, "ZeRO-3 vs ZeRO-1"), ("fp32", "base", FP32_TOLERANCE, "fp32 vs bf16 (ZeRO-1)"),
+             ("compiled", "base", BF16_TOLERANCE, "compiled blocks vs eager"),
+             ("chunked", "base", BF16_TOLERANCE, "chunked loss vs plain"),
+             ("accum4", "base", BF16_TOLERANCE, "4 x micro 2 (fp32 accumulation) vs 1 x micro 8")]
+    for name, ref, tolerance, label in pairs:
+        first, worst = relative_gap(got[name], got[ref])
+        ok = worst <= tolerance
+        rows.append([label, f"first step {first:.2e}, largest {worst:.2e} (relative)", f"<={tolerance}", ok])
+        checks.append(check(name, ok, f"relative gap: first step {first:.3g}, largest over {steps} steps {worst:.3g}"))
+    return {"figures": {"losses": got, "final": {k: v[max(v)] for k, v in got.items()}}, "rows": rows, "checks": checks}
+
+
+# -- e. kill -9 during an asynchronous write ---------------------------------------------------------------
+def worker_checkpoint_kill(args, work: Path) -> dict:
+    """As tests/pretrain/checkpoint/test_checkpoint_async_cpu.py, with one rank on the GPU: saves every 4
+    steps written in the background, each held back 4 s; once step 8 is staged and step 4 published,
+    kill -9; resume to step 10. Its losses must equal an uninterrupted run's to the last bit (the cpu_tiny run,
+    ZeRO-3)."""
+    common = ["experiment=cpu_tiny", "deepspeed=zero3", "train.tokens=1000000", "checkpoint.interval=4",
+              "checkpoint.async_save=true", "model.compile=off"]
+    device = device_of(args)
+    corpus(work)
+    whole = start_training(run_overrides(work, "whole", device, *common, "train.max_steps=10"), work / "whole.log")
+    killed = start_training(run_overrides(work, "killed", device, *common, "checkpoint.inject_write_delay_s=4"),
+                            work / "killed.log")
+    checkpoints = work / "runs" / "killed" / "checkpoints"
+    staged = wait_for_staged_write(killed, checkpoints, work / "killed.log")
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait()
+    wait_all({"whole": whole}, work)
+    rows, checks = [], []
+    published = (checkpoints / "latest").read_text().strip()
+    intact = published == "step_0000004" and not (checkpoints / "step_0000008" / "ayumi.json").exists()
+    checks.append(check("latest_intact", intact, f"after kill -9 (step 8 staged {staged:.1f} s in): latest = {published}"))
+    resumed = start_training(run_overrides(work, "killed", device, *common, "train.max_steps=10"), work / "resumed.log")
+    wait_all({"resumed": resumed}, work)
+    resumed_from = "resumed from" in (work / "resumed.log").read_text() and "step_0000004" in (work / "resumed.log").read_text()
+    got, expected = losses(work / "runs" / "killed"), losses(work / "runs" / "whole")
+    equal = [got.get(s) for s in range(5, 11)] == [expected[s] for s in range(5, 11)]
+    diff = max(abs(got.get(s, float("nan")) - expected[s]) for s in range(5, 11))
+    checks.append(check("resumed_exactly", equal and resumed_from,
+                        f"resumed from step 4: {resumed_from}; steps 5-10 equal the uninterrupted run's: {equal} "
+                        f"(largest difference {diff:.3g})"))
+    rows.append(["kill -9 mid-write: latest stays on the previous checkpoint", published, "step_0000004", intact])
+    rows.append(["resume: losses of steps 5-10 vs uninterrupted", "equal" if equal else f"differ by {diff:.3g}", "equal",
+                 equal and resumed_from])
+    return {"figures": {"resumed": got, "whole": expected}, "rows": rows, "checks": checks}
+
+
+def wait_for_staged_write(proc: subprocess.Popen, checkpoints: Path, log: Path, timeout: float = 300) -> float:
+    """Seconds until step 8's folder exists while `latest` still names step 4 (its write is held back)."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        latest = checkpoints / "latest"
+        if (checkpoints / "step_0000008").is_dir() and latest.is_file() and latest.read_text().strip() == "step_0000004":
+            return time.monotonic() - start
+        if proc.poll() is not None:
+            raise RuntimeError("the run ended before step 8 was staged: " + log.read_text(errors="replace")[-3000:])
+        time.sleep(0.05)
+    raise RuntimeError("step 8 was never staged after step 4 was published")
+
+
+# -- f. stability --------------------------------------------------------------------------------------
+SPIKE_STEP = 150
+STABILITY = ["stability.detector.warmup_steps=40", "stability.detector.min_history=30",
+             "stability.recovery.ring_interval=20", "stability.recovery.rollback_steps=20",
+             "stability.recovery.skip_batches=10", "stability.recovery.lr_cooldown_steps=30",
+             f"+stability.inject.lr_multiply={{{SPIKE_STEP}:50.0,{SPIKE_STEP + 1}:50.0,{SPIKE_STEP + 2}:50.0}}"]
+
+
+def worker_stability(args, work: Path) -> dict:
+    """The LR x50 for three steps at 150-152 (the cpu_tiny run, one rank): one spike, a rollback to a ring
+    checkpoint >= 20 steps earlier, 10 batches skipped, and a final loss back near the clean run's."""
+    common = ["experiment=cpu_tiny", "deepspeed=zero2", "train.tokens=131072", "train.max_steps=200",
+              "checkpoint.interval=0", "checkpoint.save_final=false", "model.compile=off", "train.eval_interval=0"]
+    device = device_of(args)
+    corpus(work)
+    procs = {"spiked": start_training(run_overrides(work, "spiked", device, *common, *STABILITY), work / "spiked.log"),
+             "clean": start_training(run_overrides(work, "clean", device, *common, *STABILITY[:-1]), work / "clean.log")}
+    wait_all(procs, work)
+    run_events = events(work / "runs" / "spiked")
+    kinds = [e["event"] for e in run_events]
+    spikes = [e for e in run_events if e["event"] == "spike"]
+    recovered = [e for e in run_events if e["event"] == "recovered"]
+    skipped = [e for e in run_events if e["event"] == "batches_skipped"]
+    false_alarms = [e for e in events(work / "runs" / "clean") if e["event"] in ("spike", "rollback")]
+    got, clean = losses(work / "runs" / "spiked"), losses(work / "runs" / "clean")
+    final_ratio = got[max(got)] / clean[max(clean)]
+    rows, checks = [], []
+    detected = len(spikes) == 1 and SPIKE_STEP <= spikes[0].get("spike_start", -1) <= SPIKE_STEP + 3
+    to_step = recovered[0].get("to_step") if recovered else None
+    rolled = to_step is not None and to_step <= SPIKE_STEP - 20
+    checks.append(check("spike_detected", detected, f"spike events {[(e['step'], e.get('spike_start')) for e in spikes]}"))
+    checks.append(check("rolled_back", rolled, f"recovered to step {to_step}"))
+    checks.append(check("batches_skipped", bool(skipped), f"{len(skipped)} batches_skipped event(s)"))
+    checks.append(check("no_false_alarm", not false_alarms, f"clean run: {len(false_alarms)} spike/rollback events"))
+    checks.append(check("final_loss", final_ratio <= 1.05, f"final loss {got[max(got)]:.4f} vs clean {clean[max(clean)]:.4f}"))
+    rows.append(["spike (LR x50 at 150-152) detected", f"at step {spikes[0]['step']}" if spikes else "no", "one", detected])
+    rows.append(["rolled back to", f"step {to_step}", f"<={SPIKE_STEP - 20}", rolled])
+    rows.append(["batches skipped", f"{len(skipped)} event(s)", ">=1", bool(skipped)])
+    rows.append(["final loss vs a clean run", f"{got[max(got)]:.4f} / {clean[max(clean)]:.4f} = {final_ratio:.3f}",
+                 "<=1.05", final_ratio <= 1.05])
+    return {"figures": {"events": kinds, "final_ratio": final_ratio}, "rows": rows, "checks": checks}
+
+
+# -- e. asynchronous vs synchronous save ---------------------------------------------------------------
+def worker_checkpoint_save(args, work: Path) -> dict:
+    out = work / "checkpoint_async.json"
+    cmd = [sys.executable, str(REPO / "bench" / "checkpoint_async.py"), "--repeats", "1", "--json", str(out),
+           "--work", str(work / "checkpoints")]
+    cmd += ["--model", "debug", "--device", "cpu", "--precision", "fp32"] if args.cpu_smoke else \
+        ["--model", "1b", "--device", "cuda", "--precision", "bf16"]
+    subprocess.run(cmd, cwd=REPO, check=True)
+    res = json.loads(out.read_text())
+    ratio = res["ours_ms"] / res["base_ms"]
+    ok = ratio <= ASYNC_TARGET
+    rows = [["checkpoint", f"{res['gib']:.2f} GiB ({res['model']}, {res['precision']}, ZeRO-{res['zero_stage']})", "", None],
+            ["synchronous save", f"{res['base_ms']:,.0f} ms ({res['durable_ms']:,.0f} ms fsynced)", "", None],
+            ["asynchronous save: blocked", f"{res['ours_ms']:,.0f} ms = {ratio:.3f} of synchronous", f"<={ASYNC_TARGET}", ok],
+            ["asynchronous save: background write", f"{res['write_ms']:,.0f} ms", "", None]]
+    return {"figures": res, "rows": rows, "checks": [check("async_blocked", ok, f"ratio {ratio:.3f}")]}
+
+
+# -- g. the demo's training phase ----------------------------------------------------------------------
+def worker_demo_train(args, work: Path) -> dict:
+    """`ayumi train experiment=demo` on the demo's shards, as `ayumi demo` runs it (stage 5), timed."""
+    if args.demo_data:
+        data = Path(args.demo_data)
+        overrides = [f"data.root={data / 'shards' / 'demo'}", f"data.tokenizer_dir={data / 'tokenizers' / 'demo_8k'}"]
+    elif args.cpu_smoke:  # the demo's domains as byte tokens: the path, not the demo's figures
+        overrides = [f"data.root={demo_like_corpus(work)}", "data.tokenizer_dir=null", "model.vocab_size=512",
+                     "train.max_steps=12"]
+    else:
+        return {"rows": [["demo data", "not given (--demo-data)", "", False]],
+                "checks": [check("demo_data", False, "no --demo-data: build it with `ayumi demo` and carry it")]}
+    cmd = [sys.executable, "-m", "pretrain.tools.cli", "train", "experiment=demo", f"run_root={work / 'runs'}",
+           "logging=none", *overrides]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO)
+    seconds = time.perf_counter() - start
+    run_dir = work / "runs" / "demo"
+    got = losses(run_dir) if (run_dir / "metrics.jsonl").is_file() else {}
+    kinds = [e["event"] for e in events(run_dir)]
+    rows = [["demo training (wall, launcher to exit)", f"{seconds:.0f} s, {len(got)} steps logged", "", proc.returncode == 0],
+            ["final train loss", f"{got[max(got)]:.3f}" if got else "-", "", None],
+            ["spike recovered", str("recovered" in kinds), "True" if args.demo_data else "", None]]
+    checks = [check("demo_exit", proc.returncode == 0, f"exit {proc.returncode} after {seconds:.0f} s")]
+    if args.demo_data:
+        checks.append(check("demo_spike_recovered", "recovered" in kinds, f"events {kinds}"))
+    return {"figures": {"seconds": seconds, "steps": len(got), "events": kinds}, "rows": rows, "checks": checks}
+
+
+def demo_like_corpus(work: Path) -> Path:
+    """The demo's five domains (train and val) as byte tokens of the repository's text."""
+    from data.token_root import TokenRoot
+
+    root = work / "demo_like"
+    if (root / "manifest.json").is_file():
+        return root
+    files = sorted(p for p in REPO.glob("*/*.py") if p.is_file())
+    with TokenRoot(root, vocab_size=512, eos_id=256, name="demo_like") as out:
+        for index, domain in enumerate(("ja_raw", "ja_clean", "en", "math", "code")):
+            docs = [list(p.read_bytes()) + [256] for p in files[index::5] if p.stat().st_size]
+            for split, chosen in (("train", docs * 4), ("val", docs[:4])):
+                with out.shard(domain, split) as writer:
+                    for doc in chosen:
+                        writer.add_document(doc)
+    return root
+
+
+WORKERS = {"env": worker_env, "correctness": worker_correctness, "checkpoint_kill": worker_checkpoint_kill,
+           "stability": worker_stability, "checkpoint_save": worker_checkpoint_save, "demo_train": worker_demo_train,
+           **{key: worker_speed for key in SPEED}}
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
