@@ -230,7 +230,8 @@ def markdown(report: dict) -> str:
             continue
         for figure, value, target, ok in part["rows"]:
             ok_text = {True: "yes", False: "**no**", None: ""}[ok]
-            lines.append(f"| {label} | {figure} | {value} | {target} | {ok_text} |")
+            cells = [str(c).replace("|", "/") for c in (figure, value, target)]
+            lines.append(f"| {label} | {cells[0]} | {cells[1]} | {cells[2]} | {ok_text} |")
         if part["status"] == "timeout":
             lines.append(f"| {label} | timeout | stopped at its limit after {part['seconds']:.0f} s | | **no** |")
     return "\n".join(lines) + "\n"
@@ -442,14 +443,23 @@ def worker_correctness(args, work: Path) -> dict:
             "checkpoint.save_final=false", "checkpoint.resume=false", "stability.recovery.ring_interval=0"]
     corpus(work)
     variants = correctness_variants(args.cpu_smoke)
-    procs = {}
+    procs, failed = {}, {}
     for name, extra in variants.items():
         procs[name] = start_training(run_overrides(work, name, device_of(args), *base, *extra), work / f"{name}.log")
         if args.cpu_smoke:  # two cores: one run at a time
-            wait_all({name: procs.pop(name)}, work)
-    wait_all(procs, work)
-    got = {name: losses(work / "runs" / name) for name in variants}
-    return correctness_report(got, steps)
+            procs[name].wait()
+    for name, proc in procs.items():  # a failed run fails its own comparisons, not the others
+        if proc.wait() != 0:
+            failed[name] = last_error(work / f"{name}.log")
+    got = {name: losses(work / "runs" / name) for name in variants if name not in failed}
+    return correctness_report(got, steps, failed)
+
+
+def last_error(log: Path) -> str:
+    """The last line of a failed run's log that names an error, else its last line."""
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    named = [line for line in lines if "Error" in line or "error" in line]
+    return (named or lines or ["(empty log)"])[-1][-300:]
 
 
 def relative_gap(a: dict[int, float], b: dict[int, float]) -> tuple[float, float]:
@@ -461,26 +471,39 @@ def relative_gap(a: dict[int, float], b: dict[int, float]) -> tuple[float, float
     return gaps[0], max(gaps)
 
 
-def correctness_report(got: dict[str, dict[int, float]], steps: int) -> dict:
+def correctness_report(got: dict[str, dict[int, float]], steps: int, failed: dict[str, str] | None = None) -> dict:
+    failed = failed or {}
     rows, checks = [], []
+    if "base" in failed:
+        raise RuntimeError(f"the base run failed: {failed['base']}")
     base = got["base"]
     if len(base) != steps:
         raise RuntimeError(f"the base run logged {len(base)} steps, not {steps}")
-    identical = got["base_again"] == base
-    diff = max(abs(got["base_again"][s] - base[s]) for s in base)
-    rows.append(["two seeded runs", "identical" if identical else f"differ by up to {diff:.3g}", "identical", identical])
-    checks.append(check("seeded_runs_identical", identical, f"largest difference {diff:.3g} over {steps} steps"))
+    if "base_again" in failed:
+        rows.append(["two seeded runs", f"run failed: {failed['base_again']}", "identical", False])
+        checks.append(check("seeded_runs_identical", False, f"base_again failed: {failed['base_again']}"))
+    else:
+        identical = got["base_again"] == base
+        diff = max(abs(got["base_again"][s] - base[s]) for s in base)
+        rows.append(["two seeded runs", "identical" if identical else f"differ by up to {diff:.3g}", "identical",
+                     identical])
+        checks.append(check("seeded_runs_identical", identical, f"largest difference {diff:.3g} over {steps} steps"))
     pairs = [("zero0", "base", BF16_TOLERANCE, "ZeRO-0 vs ZeRO-1"), ("zero2", "base", BF16_TOLERANCE, "ZeRO-2 vs ZeRO-1"),
              ("zero3", "base", BF16_TOLERANCE, "ZeRO-3 vs ZeRO-1"), ("fp32", "base", FP32_TOLERANCE, "fp32 vs bf16 (ZeRO-1)"),
              ("compiled", "base", BF16_TOLERANCE, "compiled blocks vs eager"),
              ("chunked", "base", BF16_TOLERANCE, "chunked loss vs plain"),
              ("accum4", "base", BF16_TOLERANCE, "4 x micro 2 (fp32 accumulation) vs 1 x micro 8")]
     for name, ref, tolerance, label in pairs:
+        if name in failed:
+            rows.append([label, f"run failed: {failed[name]}", f"<={tolerance}", False])
+            checks.append(check(name, False, f"run failed: {failed[name]}"))
+            continue
         first, worst = relative_gap(got[name], got[ref])
         ok = worst <= tolerance
         rows.append([label, f"first step {first:.2e}, largest {worst:.2e} (relative)", f"<={tolerance}", ok])
         checks.append(check(name, ok, f"relative gap: first step {first:.3g}, largest over {steps} steps {worst:.3g}"))
-    return {"figures": {"losses": got, "final": {k: v[max(v)] for k, v in got.items()}}, "rows": rows, "checks": checks}
+    return {"figures": {"losses": got, "final": {k: v[max(v)] for k, v in got.items()}, "failed": failed},
+            "rows": rows, "checks": checks}
 
 
 # -- e. kill -9 during an asynchronous write ---------------------------------------------------------------

@@ -64,6 +64,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--grad-accum", type=int, default=4)
     p.add_argument("--steps", type=int, default=20, help="timed optimizer steps")
     p.add_argument("--warmup", type=int, default=8, help="untimed steps first (compilation happens here)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="an extra Hydra override for every combination (repeatable), e.g. model.loss_chunk_tokens=0")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="after the timed steps, profile 2 more and write the kernels by GPU time (and CPU ops) to FILE")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shape on the CPU: checks the path, not the speed")
     p.add_argument("--work", default=None, help="keep the corpus, runs and results here")
     p.add_argument("--timeout", type=int, default=1800)
@@ -216,7 +220,7 @@ def worker(args: argparse.Namespace) -> int:
         "curriculum.default_max_repetition=inf", "train.eval_interval=0", "data.validation=false",
         "checkpoint.interval=0", "checkpoint.save_final=false", "checkpoint.resume=false",
         "checkpoint.save_on_signal=false", "stability.recovery.ring_interval=0", "logging=none",
-        "logging.console=false", "optim.warmup_steps=10",
+        "logging.console=false", "optim.warmup_steps=10", *args.set,
     ]
     if not cuda:
         overrides.append("train.device=cpu")
@@ -246,22 +250,51 @@ def worker(args: argparse.Namespace) -> int:
         torch.cuda.reset_peak_memory_stats()
     step_times = steps(args.steps)
     seconds = sum(step_times)
+    max_allocated = torch.cuda.max_memory_allocated() if cuda else 0
+    # Between steps only the model states (weights, fp32 master, moments, the fp32 gradient) remain allocated.
+    at_rest = torch.cuda.memory_allocated() if cuda else 0
+    if args.profile:
+        write_profile(Path(args.profile), lambda: steps(2), cuda)
     # The median step: one slow step (a host hiccup, a late recompile) does not move it.
     tokens_per_s = cfg.train.global_batch_size * seq / statistics.median(step_times)
     peak = peak_flops(dinfo.device)
-    # Measured after the warm-up: the peak of steady training, as the plan describes it.
-    max_allocated = torch.cuda.max_memory_allocated() if cuda else 0
-    planned = estimate_memory(memory_shape(cfg, dinfo.world_size, gqa_kernel=cuda)).peak_allocated
+    # Measured after the warm-up (max_allocated above): the peak of steady training, as the plan describes it.
+    estimate = estimate_memory(memory_shape(cfg, dinfo.world_size, gqa_kernel=cuda))
+    planned = estimate.peak_allocated
     result = {"micro_batch": micro, "checkpointing": policy, "seq_len": seq, "grad_accum": args.grad_accum,
               "tokens_per_s": tokens_per_s, "seconds": seconds, "step_seconds": step_times,
               "warmup_seconds": warmup_times, "flops_per_token": trainer.flops_per_token, "peak_flops": peak,
               "mfu": tokens_per_s * trainer.flops_per_token / peak if peak else None,
-              "max_allocated": max_allocated, "planned_peak": planned,
+              "max_allocated": max_allocated, "planned_peak": planned, "allocated_at_rest": at_rest,
+              "planned_model_states": estimate.model_states,
+              "planned_terms": {t.name: t.bytes for t in estimate.terms}, "overrides": overrides,
               "device": torch.cuda.get_device_name(0) if cuda else "cpu", "compiled": trainer.engine.compiled}
     Path(spec["out"]).write_text(json.dumps(result))
     logger.close()
     finalize_distributed()
     return 0
+
+
+def write_profile(path: Path, run_steps, cuda: bool) -> None:
+    """torch.profiler over `run_steps()`: the top kernels by device time, then the top CPU ops, as text."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        run_steps()
+        wall = time.perf_counter() - start
+    averages = prof.key_averages()
+    sort = "cuda_time_total" if cuda else "cpu_time_total"
+    # Kernel time over wall time: how much of the steps the GPU spent computing (the rest: waiting on the host).
+    kernels = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in averages) / 1e6
+    text = [f"# 2 steps profiled: {wall:.3f} s wall, {kernels:.3f} s of device kernels ({100 * kernels / wall:.1f}% busy); "
+            f"sorted by {sort}", averages.table(sort_by=sort, row_limit=45, max_name_column_width=90),
+            "# by CPU time (self)", averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=90)]
+    path.write_text("\n".join(text))
+    if cuda:
+        torch.cuda.synchronize()
 
 
 if __name__ == "__main__":

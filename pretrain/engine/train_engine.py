@@ -87,6 +87,25 @@ def build_model(factory, cfg: AyumiConfig, dist_info: DistInfo, initial=None) ->
     return model
 
 
+def place_buffers(model: torch.nn.Module, device: torch.device) -> None:
+    """Move the buffers DeepSpeed left off the training device.
+
+    Under ZeRO-3 DeepSpeed places the parameters itself (zero.Init, its partitioning) and never moves
+    the module, so a buffer made on the CPU (the RoPE tables) stays there while the activations are on
+    the GPU: the first forward fails with "found at least two devices". Only modules that hold buffers
+    and no parameters of their own are moved (`to` would move the parameters too, which ZeRO-3 owns).
+    Found by the first GPU run (bench/gpu_acceptance.py); on the CPU every tensor is on one device.
+    """
+    device = torch.device(device)
+    for module in model.modules():
+        buffers = list(module.buffers(recurse=False))
+        if not buffers or list(module.parameters(recurse=False)):
+            continue
+        if any(b.device.type != device.type or (device.index is not None and b.device.index != device.index)
+               for b in buffers):
+            module.to(device)
+
+
 class TrainEngine:
     """DeepSpeed's engine behind the handful of calls the trainer makes."""
 
@@ -113,6 +132,7 @@ class TrainEngine:
             model=model, optimizer=optimizer, model_parameters=model_parameters, config=self.ds_config,
             mpu=deepspeed_mpu(self.tensor_parallel),
         )
+        place_buffers(self.engine.module, dist_info.device)
         # On the parameters the engine holds (AutoTP replaced the ones it cut) and placed (their device);
         # its hooks go first, ahead of the gradient hooks ZeRO-1 added inside initialize.
         self.accumulator = self._fp32_accumulator(self.engine.module)
