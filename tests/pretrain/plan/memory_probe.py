@@ -35,6 +35,7 @@ def kept_by_forward(case: dict) -> int:
     model = Llama(ModelConfig(**case["model"]))
     model.to({"fp32": torch.float32, "bf16": torch.bfloat16}[case["precision"]]).train()
     model.set_activation_checkpointing(case["policy"])
+    model.compile_for(case.get("compile", "off"), "cpu")
     ids = torch.randint(0, model.cfg.vocab_size, (case["micro_batch"], case["seq_len"]))
     for _ in range(2):  # gradients allocated, lazy kernels initialised
         model(ids, ids).loss.backward()

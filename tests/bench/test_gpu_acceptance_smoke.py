@@ -1,0 +1,119 @@
+"""bench/gpu_acceptance.py --cpu-smoke: every part of the GPU acceptance run, with tiny shapes on the CPU, so
+the script that a lent GPU runs for minutes is known to work before any GPU time is spent.
+
+The figures (MFU, GEMM, memory, the async save's ratio) mean nothing on a CPU; the behaviour does: the
+correctness comparisons, the kill -9 and resume, the spike recovery and the demo's training run must pass
+here as they must there. Also: results.json is rewritten after every part (a killed run keeps what
+finished), a part over its limit is recorded and the next one still runs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bench.gpu_acceptance import PARTS, SCHEDULE
+from tests.helpers import REPO
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = REPO / "bench" / "gpu_acceptance.py"
+BEHAVIOUR = {  # part -> checks that must pass on the CPU too
+    "correctness": {"seeded_runs_identical", "zero0", "zero2", "zero3", "fp32", "compiled", "chunked", "accum4"},
+    "checkpoint_kill": {"latest_intact", "resumed_exactly"},
+    "stability": {"spike_detected", "rolled_back", "batches_skipped", "no_false_alarm", "final_loss"},
+    "demo_train": {"demo_exit"},
+}
+
+
+def env() -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1")
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    root = tmp_path_factory.mktemp("acceptance")
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--cpu-smoke", "--out", str(root / "out"), "--work",
+                           str(root / "work"), "--budget", "1500"], cwd=REPO, env=env(), capture_output=True,
+                          text=True, timeout=1700)
+    results = json.loads((root / "out" / "results.json").read_text())
+    return proc, results, root
+
+
+def test_every_part_runs_on_the_cpu(smoke):
+    proc, results, root = smoke
+    parts = results["parts"]
+    assert list(parts) == [k for batch in SCHEDULE for k in batch], list(parts)
+    assert set(parts) == set(PARTS)
+    broken = {k: (p["status"], p.get("log_tail", "")[-800:]) for k, p in parts.items()
+              if p["status"] not in ("passed", "failed")}
+    assert not broken, broken
+    table = (root / "out" / "results.md").read_text()
+    for key in PARTS:
+        assert f". {key} |" in table, key
+    assert proc.stdout.rstrip().endswith(table.rstrip().splitlines()[-1])  # the table is printed at the end too
+    assert (root / "out" / "parts.log").read_text().count("=====") == 2 * len(PARTS)
+
+
+@pytest.mark.parametrize("part", sorted(BEHAVIOUR))
+def test_the_behaviour_checks_pass_on_the_cpu(smoke, part):
+    _, results, _ = smoke
+    checks = {c["name"]: c for c in results["parts"][part]["checks"]}
+    assert BEHAVIOUR[part] <= set(checks), sorted(checks)
+    failed = {name: checks[name]["detail"] for name in BEHAVIOUR[part] if not checks[name]["ok"]}
+    assert not failed, failed
+
+
+def test_speed_parts_report_the_trainer_figures(smoke):
+    _, results, _ = smoke
+    for key in ("speed_1b_2048", "speed_7b_layers", "speed_1b_plan", "speed_1b_4096"):
+        figures = results["parts"][key]["figures"]
+        assert figures["tokens_per_s"] > 0 and figures["compiled"] == "blocks" and figures["planned_peak"] > 0
+        assert len(figures["step_seconds"]) == 2
+    assert results["parts"]["speed_1b_plan"]["figures"]["micro_batch"] == 2 * \
+        results["parts"]["speed_1b_2048"]["figures"]["micro_batch"]
+
+
+def test_a_part_over_its_limit_is_recorded_and_the_next_still_runs(tmp_path):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--cpu-smoke", "--out", str(tmp_path / "out"), "--work",
+                           str(tmp_path / "work"), "--parts", "env,checkpoint_save", "--part-limit", "env=0.5"],
+                          cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    parts = json.loads((tmp_path / "out" / "results.json").read_text())["parts"]
+    assert parts["env"]["status"] == "timeout"
+    assert parts["checkpoint_save"]["status"] in ("passed", "failed") and parts["checkpoint_save"]["rows"]
+
+
+def test_a_killed_run_keeps_every_finished_part(tmp_path):
+    """kill -9 of the whole run once the first part is in: results.json is whole and holds that part."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--cpu-smoke", "--out", str(out), "--work", str(tmp_path / "work"),
+                             "--parts", "env,speed_1b_2048"], cwd=REPO, env=env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 300
+    try:
+        while time.time() < deadline:
+            results = out / "results.json"
+            if results.is_file() and "env" in json.loads(results.read_text())["parts"]:
+                break
+            assert proc.poll() is None
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    parts = json.loads((out / "results.json").read_text())["parts"]
+    assert parts["env"]["status"] == "passed"
+    assert parts.get("speed_1b_2048", {"status": "running"})["status"] == "running"  # started, never finished
+    assert "a. env" in (out / "results.md").read_text()
+
+
+def test_bad_arguments_get_one_line():
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", "/nonexistent-never", "--parts", "env,warp"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "gpu_acceptance: unknown part(s) warp; choose from " + ", ".join(PARTS)]
