@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pretrain.model.chunked_loss import LMHead
 from pretrain.model.config import ModelConfig, checkpointing_plan, validate_config
+from pretrain.model.inductor_cache import use_isa_keyed_cache
 from pretrain.model.layers import Block, RMSNorm, RotaryEmbedding
 
 IGNORE_INDEX = -100
@@ -89,10 +90,13 @@ class Llama(nn.Module):
         """Apply model.compile in place (parameter names unchanged); returns what was done: off, blocks or full.
 
         `dynamic=False`: shapes are static in training (micro batch x seq_len), so each block compiles
-        once; a different shape (an eval batch of another size) compiles one more variant.
+        once; a different shape (an eval batch of another size) compiles one more variant. Inductor's cache
+        is first keyed by the CPU instruction-set setting (inductor_cache.py says why).
         """
         if mode == "auto":
             mode = "blocks" if device_type == "cuda" else "off"
+        if mode in ("blocks", "full"):
+            use_isa_keyed_cache()
         if mode == "blocks":
             for block in self.model.layers:
                 block.compile(dynamic=False)
