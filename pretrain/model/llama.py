@@ -90,12 +90,12 @@ class Llama(nn.Module):
         """Apply model.compile in place (parameter names unchanged); returns what was done: off, blocks or full.
 
         `dynamic=False`: shapes are static in training (micro batch x seq_len), so each block compiles
-        once; a different shape (an eval batch of another size) compiles one more variant. Inductor's cache
-        is first keyed by the CPU instruction-set setting (inductor_cache.py says why).
+        once; a different shape (an eval batch of another size) compiles one more variant. On the CPU inductor's
+        cache is first keyed by the CPU instruction-set setting (inductor_cache.py says why).
         """
         if mode == "auto":
             mode = "blocks" if device_type == "cuda" else "off"
-        if mode in ("blocks", "full"):
+        if mode in ("blocks", "full") and device_type == "cpu":  # GPU kernels are Triton's: no CPU ISA in them
             use_isa_keyed_cache()
         if mode == "blocks":
             for block in self.model.layers:
