@@ -82,6 +82,13 @@ class MemoryShape:
     """GPUs each block's projections are cut over (parallel.tensor); data_parallel counts the groups."""
 
     @property
+    def compiled(self) -> bool:
+        """Inductor compiles the blocks (model.compile blocks or full; auto on a GPU plan, i.e. gqa_kernel): it
+        recomputes cheap pointwise ops in backward and keeps fewer activations (`block_activation_bytes`)."""
+        mode = getattr(self.model, "compile", "off")
+        return mode in ("blocks", "full") or (mode == "auto" and self.gqa_kernel)
+
+    @property
     def compute_bytes(self) -> int:
         """Bytes of one activation element (the model's dtype)."""
         return 4 if self.precision == "fp32" else 2
@@ -151,7 +158,9 @@ def model_state_terms(parameters: int, largest_layer: int, shape: MemoryShape) -
     elif stage in (1, 2):
         params = e * P
         low = e * P if stage == 1 else part(e)  # ZeRO-1 keeps whole gradients, ZeRO-2 only its partition
-        fp32_grads = part(4) if mixed and not offload else 0  # the fp32 gradient partition the step reads
+        # ZeRO-2 accumulates into its fp32 gradient partition, so it stays; ZeRO-1 builds it at the step only,
+        # when the activations are gone (measured at rest: 2P + 2P + 12P/D at 1, 2 and 4 ranks): `step_bytes`.
+        fp32_grads = part(4) if mixed and not offload and stage == 2 else 0
         accum = 4 * P if fp32_accum and stage == 1 else 0  # ayumi's fp32 sums (pretrain/engine/grad_accum.py)
         if stage == 2 and (offload or fp32_accum):  # offloaded, or accumulated straight into the fp32 partition
             low = 0
@@ -173,9 +182,18 @@ def model_state_terms(parameters: int, largest_layer: int, shape: MemoryShape) -
     return terms
 
 
+def step_bytes(parameters: int, shape: MemoryShape) -> int:
+    """What only the optimizer step allocates, after backward freed the activations: ZeRO-1's fp32 gradient partition."""
+    mixed, offload = shape.precision != "fp32", shape.offload_optimizer
+    return int(4 * parameters / shape.data_parallel) if shape.zero_stage == 1 and mixed and not offload else 0
+
+
 def bucket_bytes(parameters: int, shape: MemoryShape) -> int:
-    """ZeRO's gradient reduction buffers (module doc)."""
+    """ZeRO's gradient reduction buffers (module doc); none with one rank, where nothing is reduced (measured
+    on one GPU: the peak is whole without them)."""
     e = shape.compute_bytes
+    if shape.data_parallel * shape.tensor_parallel == 1:
+        return 0
     if shape.zero_stage == 0:
         return min(STAGE0_ALLREDUCE_ELEMENTS, parameters) * e
     if shape.zero_stage in (1, 2):
@@ -185,16 +203,16 @@ def bucket_bytes(parameters: int, shape: MemoryShape) -> int:
 
 # -- activations ------------------------------------------------------------------------------------
 def attention_activation_bytes(model: ModelConfig, tokens: int, e: int, gqa_kernel: bool, seq_len: int,
-                               tp: int = 1) -> int:
-    """What the attention half of a block keeps: its RMSNorm (fp32 input copy, 1/rms, normalised and
-    scaled outputs), q and K/V after RoPE, the attention output and its log-sum-exp. The fused kernels
-    lay their output out token-major, so o_proj's input is a view of it, not another tensor. With `tp`
-    tensor-parallel ranks each keeps its own heads (1/tp of them); the norm is whole on every rank."""
+                               tp: int = 1, compiled: bool = False) -> int:
+    """What the attention half of a block keeps: its RMSNorm (`norm_activation_bytes`), q and K/V after RoPE,
+    the attention output and its log-sum-exp. The fused kernels lay their output out token-major, so o_proj's
+    input is a view of it, not another tensor. With `tp` tensor-parallel ranks each keeps its own heads (1/tp
+    of them); the norm is whole on every rank."""
     n, h, heads, kv_heads = tokens, model.hidden_size, model.num_heads, model.num_kv_heads
     head_dim = h // heads
     kv = (kv_heads if gqa_kernel or kv_heads == heads else heads) * head_dim
     q, heads, kv_heads, kv = h // tp, heads // tp, kv_heads // tp, kv // tp  # this rank's heads
-    kept = norm_activation_bytes(n, h, e) + e * n * q + 2 * e * n * kv + e * n * q + 4 * n * heads
+    kept = norm_activation_bytes(n, h, e, compiled) + e * n * q + 2 * e * n * kv + e * n * q + 4 * n * heads
     if model.qk_norm:
         kept += (4 + e) * n * (q + kv_heads * head_dim) + 4 * n * (heads + kv_heads)
     if model.attention == "eager":
@@ -204,13 +222,18 @@ def attention_activation_bytes(model: ModelConfig, tokens: int, e: int, gqa_kern
     return kept
 
 
-def mlp_activation_bytes(model: ModelConfig, tokens: int, e: int, tp: int = 1) -> int:
-    """What the SwiGLU half keeps: its RMSNorm, gate, silu(gate), up and their product (1/tp of the columns each)."""
-    return norm_activation_bytes(tokens, model.hidden_size, e) + 4 * e * tokens * (model.intermediate_size // tp)
+def mlp_activation_bytes(model: ModelConfig, tokens: int, e: int, tp: int = 1, compiled: bool = False) -> int:
+    """What the SwiGLU half keeps: its RMSNorm, gate, silu(gate), up and their product (1/tp of the columns each);
+    compiled, gate, up and the product (silu(gate) is recomputed in backward)."""
+    columns = e * tokens * (model.intermediate_size // tp)
+    return norm_activation_bytes(tokens, model.hidden_size, e, compiled) + (3 if compiled else 4) * columns
 
 
-def norm_activation_bytes(tokens: int, hidden: int, e: int) -> int:
-    """RMSNorm in fp32 keeps the fp32 input, 1/rms per token, the normalised and the scaled output."""
+def norm_activation_bytes(tokens: int, hidden: int, e: int, compiled: bool = False) -> int:
+    """RMSNorm in fp32 keeps the fp32 input, 1/rms per token, the normalised and the scaled output; compiled,
+    only its input and scaled output in the model dtype and 1/rms (the fp32 steps are recomputed in backward)."""
+    if compiled:
+        return 2 * e * tokens * hidden + 4 * tokens
     return 4 * tokens * hidden + 4 * tokens + 2 * e * tokens * hidden
 
 
@@ -221,10 +244,13 @@ def block_activation_bytes(shape: MemoryShape, recompute: str) -> int:
     block_input = e * n * model.hidden_size
     if recompute == "block":
         return block_input
-    attention = attention_activation_bytes(model, n, e, shape.gqa_kernel, shape.seq_len, shape.tensor_parallel)
-    mlp = mlp_activation_bytes(model, n, e, shape.tensor_parallel)
+    attention = attention_activation_bytes(model, n, e, shape.gqa_kernel, shape.seq_len, shape.tensor_parallel,
+                                           shape.compiled)
+    mlp = mlp_activation_bytes(model, n, e, shape.tensor_parallel, shape.compiled)
     if recompute == "attention":
         attention = block_input
+        if shape.compiled:  # measured: inductor then recomputes the MLP norm's output from its input too
+            mlp -= e * n * model.hidden_size
     elif recompute == "mlp":
         mlp = block_input
     return attention + mlp
@@ -273,7 +299,9 @@ def estimate_memory(shape: MemoryShape) -> MemoryEstimate:
                                      f"checkpointing {shape.checkpointing} ({sum(1 for p in plan if p)} of "
                                      f"{len(plan)} blocks recompute)"))
     head = "chunked" if shape.model.loss_chunk_tokens > 0 else "whole fp32 logits"
-    estimate.terms.append(MemoryTerm("transients", transient_bytes(shape), f"loss: {head}"))
+    # The step's own buffers come after backward freed the activations: they raise the peak only past those.
+    step = step_bytes(parameters, shape) - estimate.term("activations")
+    estimate.terms.append(MemoryTerm("transients", max(transient_bytes(shape), step), f"loss: {head}"))
     dynamic = estimate.peak_allocated
     estimate.terms.append(MemoryTerm("fragmentation", int(FRAGMENTATION * dynamic), f"{FRAGMENTATION:.0%} allowance"))
     estimate.terms.append(MemoryTerm("CUDA context", CONTEXT_BYTES, "context, cuBLAS and NCCL workspaces"))

@@ -93,9 +93,56 @@ def test_activations_match_measured_cpu_memory():
     assert measured[2] < measured[4] < measured[0]
 
 
+COMPILED_CASES = [("fp32", 256, "none"), ("fp32", 0, "mlp"), ("fp32", 256, "attention")]
+
+
+@pytest.mark.slow
+def test_compiled_blocks_keep_what_the_plan_says():
+    """model.compile=blocks: inductor recomputes the norms' fp32 steps and silu(gate) in backward, so a block keeps
+    less than in eager mode. Measured as above, within 3%, and below the eager figure. (bf16 kept the same
+    tensors in a measurement on this CPU, 9 minutes without native bf16: fp32 here.)"""
+    cases, shapes = [], []
+    for precision, chunk, policy in COMPILED_CASES:
+        model = ModelConfig(vocab_size=8192, hidden_size=256, intermediate_size=704, num_layers=4, num_heads=8,
+                            num_kv_heads=2, max_seq_len=512, loss_chunk_tokens=chunk, compile="blocks")
+        cases.append({"model": asdict(model), "precision": precision, "policy": policy, "micro_batch": 4,
+                      "seq_len": 512, "compile": "blocks"})
+        shapes.append(MemoryShape(model, 4, 512, precision, 0, 1, checkpointing=policy, gqa_kernel=False))
+    done = subprocess.run([sys.executable, str(PROBE), json.dumps(cases)], capture_output=True, text=True, cwd=REPO,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    measured = [json.loads(line)["kept"] for line in done.stdout.splitlines()]
+    ratios = {f"{c[0]}/{c[1]}/{c[2]}": activation_bytes(s) / m for c, s, m in zip(COMPILED_CASES, shapes, measured)}
+    assert all(0.97 <= r <= 1.03 for r in ratios.values()), ratios
+    eager = [activation_bytes(replace(s, model=replace(s.model, compile="off"))) for s in shapes]
+    assert all(c < e for c, e in zip(map(activation_bytes, shapes), eager))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,ranks", [(1, 1), (1, 2)])
+def test_model_states_at_rest_match_the_plan(stage, ranks):
+    """What a real DeepSpeed engine keeps between steps (bf16, fp32 accumulation over 2 micro batches) against the
+    plan's resident states, within 3%: ZeRO-1 keeps 2P + 2P + 4P (ayumi's fp32 sums) + 12P/D, its fp32 gradient
+    partition existing only during the step; ZeRO-2 accumulates into that partition, which stays."""
+    from tests.helpers import cpu_env, free_port
+
+    probe = str(REPO / "tests" / "pretrain" / "plan" / "states_probe.py")
+    cmd = [sys.executable, probe] if ranks == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_addr", "127.0.0.1",
+        "--master_port", str(free_port()), probe]
+    done = subprocess.run([*cmd, str(stage), "bf16", "2"], capture_output=True, text=True, cwd=REPO, env=cpu_env(),
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == ranks
+    for line in lines:
+        assert 0.97 <= line["planned"] / line["kept"] <= 1.03, line
+
+
 def test_plan_refuses_a_1b_micro_batch_that_cannot_fit_and_names_the_knobs():
-    """llama_1b_example on 8 x 80 GB (its train.num_gpus/gpu_memory_gib): the shipped micro batch 8 fits; 16
-    without checkpointing does not, and the message names a change of each knob that would fit."""
+    """llama_1b_example on 8 x 80 GB (its train.num_gpus/gpu_memory_gib): the shipped micro batch 8 fits; 32
+    without checkpointing does not (16 does, compiled, as one H200 measured), and the message names a change of
+    each knob that would fit."""
     shipped = one_b()
     hardware = planned_hardware(shipped)
     assert (hardware.data_parallel, hardware.gpu_bytes) == (8, 80 * GIB)
@@ -103,12 +150,13 @@ def test_plan_refuses_a_1b_micro_batch_that_cannot_fit_and_names_the_knobs():
     assert "memory" not in [p.kind for p in ok.problems]
     assert 35 * GIB < ok.memory.required < 65 * GIB
 
-    big = one_b(micro_batch_size=16)
+    big = one_b(micro_batch_size=32)
     refused = run_plan(big, count_parameters(big.model), hardware, free_bytes=2**50)
     [problem] = [p.message for p in refused.problems if p.kind == "memory"]
     assert problem.startswith("the run needs about ") and "per GPU but each GPU (train.gpu_memory_gib=80) has 80.0 GiB" in problem
-    for knob in ("deepspeed.activation_checkpointing=mlp (", "train.micro_batch_size=8 (", "deepspeed.zero_stage=2 ("):
+    for knob in ("deepspeed.activation_checkpointing=mlp (", "train.micro_batch_size=16 ("):
         assert knob in problem, problem
+    assert "zero_stage" not in problem  # the activations alone are more than a GPU: cutting states cannot help
     # ZeRO-1 offload still keeps the fp32 accumulation sums on the GPU: not enough here, so not offered.
     assert "offload" not in problem
     text = format_run_plan(refused)
@@ -117,11 +165,11 @@ def test_plan_refuses_a_1b_micro_batch_that_cannot_fit_and_names_the_knobs():
 
 def test_ayumi_plan_command_exits_1_on_memory(tmp_path, capsys):
     args = ["experiment=llama_1b_example", f"data.root={tmp_path}", "--free-bytes", str(2**50)]
-    assert plan_cli.main(args + ["train.micro_batch_size=16"]) == 1
+    assert plan_cli.main(args + ["train.micro_batch_size=32"]) == 1
     out = capsys.readouterr().out
     assert "[memory] the run needs about" in out and "[disk]" not in out
     # Checkpointing every block makes the same micro batch fit.
-    plan_cli.main(args + ["train.micro_batch_size=16", "deepspeed.activation_checkpointing=full"])
+    plan_cli.main(args + ["train.micro_batch_size=32", "deepspeed.activation_checkpointing=full"])
     assert "[memory]" not in capsys.readouterr().out
 
 
@@ -136,9 +184,9 @@ def test_without_a_gpu_memory_is_estimated_not_checked():
 def test_doctor_reports_the_memory_check():
     from pretrain.tools.doctor import check_memory
 
-    big = one_b(micro_batch_size=16)
+    big = one_b(micro_batch_size=32)
     check = check_memory(big)
-    assert check.status == "FAIL" and "train.micro_batch_size=8" in check.fix
+    assert check.status == "FAIL" and "train.micro_batch_size=16" in check.fix
     assert check_memory(one_b()).status == "ok"
 
 
