@@ -7,9 +7,10 @@
 Made for a GPU machine that is lent for minutes and has no package registry (docs/performance.md,
 "Running on a machine without a registry"): nothing here is set up or debugged on the GPU. Each part
 runs in processes of its own under its own time limit, inside one overall budget; a part that fails or
-runs out of time is recorded and the next one starts. After every part `OUT/results.json` is rewritten
-(a killed run still leaves every finished part) with `OUT/results.md`, the table, and `OUT/parts.log`
-gets the end of that part's log.
+runs out of time is recorded and the next one starts. After every part the JSON record and the markdown
+table in OUT are rewritten whole (a killed run still leaves every finished part), and the end of that
+part's log is appended to OUT's parts.log. The run ends with the table and RESULT lines (bench/README.md)
+for the figures that have targets.
 
 Parts, the most valuable figures first (letters as in docs/performance.md):
   env              (a) GPU, driver, CUDA, torch, DeepSpeed; a dense bf16 GEMM 8192^3 against the datasheet peak
@@ -49,7 +50,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.result_form import machine_line  # noqa: E402  (first: it reads the load at the start)
+from bench.result_form import machine_line, result_line  # noqa: E402  (first: it reads the load at the start)
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,10 @@ def main(argv: list[str]) -> int:
     report["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     write_report(out, report)
     print((out / "results.md").read_text(), flush=True)
+    if args.cpu_smoke:
+        print("[acceptance] --cpu-smoke: every part ran on the CPU; no RESULT (nothing measured on a GPU)")
+    else:
+        print("\n".join(result_lines(report["parts"])), flush=True)
     return 0 if all(r["status"] == "passed" for r in report["parts"].values()) else 1
 
 
@@ -256,6 +261,26 @@ def markdown(report: dict) -> str:
         if part["status"] == "timeout":
             lines.append(f"| {label} | timeout | stopped at its limit after {part['seconds']:.0f} s | | **no** |")
     return "\n".join(lines) + "\n"
+
+
+def result_lines(parts: dict) -> list[str]:
+    """RESULT lines for the figures with targets: the GEMM, each speed part's MFU and memory, the async save."""
+    from bench.gpu_speed import result_lines as speed_lines
+
+    lines = []
+    env = parts.get("env", {}).get("figures", {})
+    if env.get("peak_tflops"):
+        lines.append(result_line("gpu_acceptance_gemm", env["gemm_tflops"], env["peak_tflops"],
+                                 f">={PEAK_GEMM_TARGET:.2f}", unit="TFLOP/s"))
+    for key in SPEED:
+        figures = parts.get(key, {}).get("figures")
+        if figures and "max_allocated" in figures:
+            lines += speed_lines(SPEED[key]["shape"], f"blocks_seq{figures['seq_len']}", figures["checkpointing"], figures)
+    save = parts.get("checkpoint_save", {}).get("figures")
+    if save:
+        lines.append(result_line("gpu_acceptance_checkpoint_async", save["ours_ms"], save["base_ms"],
+                                 f"<={ASYNC_TARGET:.2f}", unit="ms"))
+    return lines
 
 
 # == workers =======================================================================================

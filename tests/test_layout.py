@@ -107,7 +107,7 @@ def test_no_two_files_import_each_other():
 
 
 MARKDOWN_NAME = re.compile(r"(?<![\w/.-])((?:[\w.-]+/)*[\w.-]+\.md)\b")
-WRITTEN_BY_AYUMI = {"summary.md"}  # the run report's own output (`ayumi report`), not a document to read
+WRITTEN_BY_AYUMI = {"summary.md", "results.md"}  # outputs (`ayumi report`, bench/gpu_acceptance.py), not documents to read
 # An absolute path into a home or work folder of one machine.
 MACHINE_PATH = re.compile(r"(?<![\w.])/(?:home|Users|root|work|mnt|scratch)/\w")
 CLIMB = re.compile(r"(?<![\w.])((?:\.\./)+[\w./-]*)")
