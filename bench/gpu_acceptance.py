@@ -30,6 +30,9 @@ Parts, the most valuable figures first (letters as in docs/performance.md):
                    --demo-data (the shards and tokenizer `ayumi demo` builds)
   speed_1b_plan    (b, c) the 1b preset with twice the micro batch and the checkpointing the memory plan picks for it
   speed_1b_4096    (b, c) the 1b preset at seq 4096
+  profile_1b       (b) the 1b preset profiled for 2 steps: the kernels by GPU time and the share of the step the GPU
+                   is busy, copied to OUT as profile_1b.txt (where the MFU goes)
+  speed_1b_plain_loss (b) the 1b preset with the loss in one pass: what the chunked loss costs
 
 Exit status: 0 when every part ran and passed, 1 otherwise (the table says which).
 """
@@ -39,6 +42,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -73,9 +77,12 @@ PARTS = {p.key: p for p in [
     Part("demo_train", "g", "the demo's training phase", 180),
     Part("speed_1b_plan", "b", "1b, seq 2048, twice the micro batch, the plan's checkpointing", 150),
     Part("speed_1b_4096", "b", "1b, seq 4096, compiled blocks, no checkpointing", 150),
+    Part("profile_1b", "b", "1b, seq 2048: the kernels by GPU time over 2 profiled steps (for tuning)", 150),
+    Part("speed_1b_plain_loss", "b", "1b, seq 2048, the loss in one pass (model.loss_chunk_tokens=0)", 150),
 ]}
 SCHEDULE = [["env"], ["speed_1b_2048"], ["correctness", "checkpoint_kill", "stability"], ["speed_7b_layers"],
-            ["checkpoint_save"], ["demo_train"], ["speed_1b_plan"], ["speed_1b_4096"]]
+            ["checkpoint_save"], ["demo_train"], ["speed_1b_plan"], ["speed_1b_4096"], ["profile_1b"],
+            ["speed_1b_plain_loss"]]
 """Batches in order; the parts of one batch run at the same time (small models: the GPU is shared)."""
 SMOKE_SLOWDOWN = 3
 MIN_START_S = 20
@@ -187,6 +194,9 @@ def run_batch(keys: list[str], args, work: Path, out: Path, report: dict, deadli
             print(f"[acceptance] {key}: {report['parts'][key]['status']} in {report['parts'][key]['seconds']:.0f} s",
                   flush=True)
             append_log(out / "parts.log", key, entry["log"])
+            attachment = work / key / "attach.txt"
+            if attachment.is_file():  # e.g. a profile: beside the results, under the part's name
+                shutil.copyfile(attachment, out / f"{key}.txt")
             write_report(out, report)
 
 
@@ -275,7 +285,9 @@ def result_lines(parts: dict) -> list[str]:
     for key in SPEED:
         figures = parts.get(key, {}).get("figures")
         if figures and "max_allocated" in figures:
-            lines += speed_lines(SPEED[key]["shape"], f"blocks_seq{figures['seq_len']}", figures["checkpointing"], figures)
+            # Named by the part as well: two parts can share a shape, a sequence length and a policy.
+            lines += speed_lines(SPEED[key]["shape"], f"seq{figures['seq_len']}",
+                                 f"{figures['checkpointing']}_{key}", figures)
     save = parts.get("checkpoint_save", {}).get("figures")
     if save:
         lines.append(result_line("gpu_acceptance_checkpoint_async", save["ours_ms"], save["base_ms"],
@@ -367,14 +379,20 @@ SPEED = {
     "speed_7b_layers": {"shape": "7b_short", "seq": 2048, "checkpointing": "none"},
     "speed_1b_plan": {"shape": "1b", "seq": 2048, "checkpointing": "plan"},
     "speed_1b_4096": {"shape": "1b", "seq": 4096, "checkpointing": "none"},
+    "profile_1b": {"shape": "1b", "seq": 2048, "checkpointing": "none", "extra": ["--profile", "{work}/attach.txt"]},
+    "speed_1b_plain_loss": {"shape": "1b", "seq": 2048, "checkpointing": "none",
+                            "extra": ["--set", "model.loss_chunk_tokens=0"]},
 }
+"""Speed parts: bench/gpu_speed.py's shape, sequence, checkpointing and extra arguments ({work}: the part's folder;
+a part's attach.txt is copied to OUT as <part>.txt)."""
 
 
 def worker_speed(args, work: Path) -> dict:
     """bench/gpu_speed.py for one shape: the trainer as a run builds it, timed per step after warm-up."""
     spec = SPEED[args.worker]
     cmd = [sys.executable, str(REPO / "bench" / "gpu_speed.py"), "--compile", "blocks",
-           "--checkpointing", spec["checkpointing"], "--work", str(work)]
+           "--checkpointing", spec["checkpointing"], "--work", str(work),
+           *[arg.format(work=work) for arg in spec.get("extra", [])]]
     if args.cpu_smoke:
         cmd += ["--cpu-smoke", "--steps", "2", "--warmup", "1", "--grad-accum", "1"]
     else:

@@ -58,6 +58,7 @@ def test_every_part_runs_on_the_cpu(smoke):
         assert f". {key} |" in table, key
     assert proc.stdout.rstrip().endswith(table.rstrip().splitlines()[-1])  # the table is printed at the end too
     assert (root / "out" / "parts.log").read_text().count("=====") == 2 * len(PARTS)
+    assert proc.returncode == 1  # the figures' targets are not met on a CPU
 
 
 @pytest.mark.parametrize("part", sorted(BEHAVIOUR))
@@ -71,12 +72,19 @@ def test_the_behaviour_checks_pass_on_the_cpu(smoke, part):
 
 def test_speed_parts_report_the_trainer_figures(smoke):
     _, results, _ = smoke
-    for key in ("speed_1b_2048", "speed_7b_layers", "speed_1b_plan", "speed_1b_4096"):
+    for key in ("speed_1b_2048", "speed_7b_layers", "speed_1b_plan", "speed_1b_4096", "profile_1b", "speed_1b_plain_loss"):
         figures = results["parts"][key]["figures"]
         assert figures["tokens_per_s"] > 0 and figures["compiled"] == "blocks" and figures["planned_peak"] > 0
         assert len(figures["step_seconds"]) == 2
     assert results["parts"]["speed_1b_plan"]["figures"]["micro_batch"] == 2 * \
         results["parts"]["speed_1b_2048"]["figures"]["micro_batch"]
+    assert "model.loss_chunk_tokens=0" in results["parts"]["speed_1b_plain_loss"]["figures"]["overrides"]
+
+
+def test_the_profile_comes_back_beside_the_results(smoke):
+    _, _, root = smoke
+    profile = (root / "out" / "profile_1b.txt").read_text()
+    assert profile.startswith("# 2 steps profiled:") and "Name" in profile
 
 
 def test_a_part_over_its_limit_is_recorded_and_the_next_still_runs(tmp_path):
