@@ -229,7 +229,7 @@ def worker(args: argparse.Namespace) -> int:
     dinfo = init_distributed(cfg.train.device)
     trainer, logger = build_trainer(cfg, dinfo, resolved)
     trainer.engine.train()
-    trainer.refresh_checkpoint_steps()
+    trainer.checkpoints.refresh()
 
     def steps(n: int) -> list[float]:
         """Run n steps; each step's wall time (the device synchronised at both ends)."""

@@ -372,7 +372,7 @@ def worker(args: argparse.Namespace) -> int:
     logger.set_progress(trainer.total_steps, trainer.state.step)
     trainer.engine.train()
 
-    trainer.refresh_checkpoint_steps()
+    trainer.checkpoints.refresh()
 
     def ayumi_step() -> None:
         # Exactly one turn of Trainer.run's loop. Evaluation and checkpoints (interval, final,

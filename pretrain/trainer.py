@@ -22,7 +22,7 @@ import torch
 
 from curriculum.mixer import Mixer
 from data.packed import PackedSamples
-from pretrain.checkpoint.checkpointer import Checkpointer, start_checkpoint
+from pretrain.checkpoint.checkpointer import Checkpointer, resharded_note, start_checkpoint
 from pretrain.checkpoint.ring import RunCheckpoints
 from pretrain.config import AyumiConfig, advisable_settings, tokens_per_step
 from pretrain.engine.distributed import DistInfo, all_reduce_tensor, barrier, broadcast_object
@@ -112,7 +112,8 @@ class Trainer:
         self.stability = StabilityMonitor(stab, cfg.optim.grad_clip, cfg.deepspeed.min_loss_scale,
                                           knobs=advisable_settings(cfg))
         ring_interval = stab.recovery.ring_interval if stab.enabled and stab.action == "recover" else 0
-        self.checkpoints = RunCheckpoints(checkpointer, dist.is_main, barrier, broadcast_object, ring_interval)
+        self.checkpoints = RunCheckpoints(checkpointer, dist.is_main, barrier, broadcast_object, ring_interval,
+                                          on_change=self.stability.set_checkpoints)
         self.evaluator = Evaluator(cfg, dist, engine, val_sets, logger, self.watchdog, total_steps)
         self.drills = FaultDrills(cfg, dist, self.stability.injector, logger, self.tokens_per_step)
         stragglers = StragglerMonitor(cfg.hang, self._gather_per_rank)
@@ -158,11 +159,8 @@ class Trainer:
         shared, meta = self.checkpoints.long_term.load(self.engine, tag, root=root)
         self.load_shared_state(shared)
         self.apply_optimizer_overrides()
-        resharded = (f"; re-sharded from {meta['resharded_from']} ranks{_tp(meta['resharded_from_tensor_parallel'])} to "
-                     f"{self.dist.world_size}{_tp(self.dist.tensor_parallel)} through DeepSpeed's universal checkpoint"
-                     if "resharded_from" in meta else "")
         self.logger.info(f"resumed from {root / tag} at step {self.state.step} ({format_count(self.state.tokens)} tokens)"
-                         f"{resharded}")
+                         f"{resharded_note(meta, self.dist.world_size, self.dist.tensor_parallel)}")
         return self.state.step
 
     def _gather_per_rank(self, value: float) -> list[float]:
@@ -178,7 +176,6 @@ class Trainer:
             path = self.checkpoints.save(self.engine, self.state.step, self.shared_state(), self.run_meta)
         how = "staged; writing in the background" if self.checkpoints.long_term.async_writes else "saved"
         self.logger.info(f"{how} checkpoint {path} ({reason}, {time.perf_counter() - start:.1f}s)")
-        self.stability.set_checkpoints(self.checkpoints.steps)
 
     def drain_checkpoints(self, prune: bool = True) -> None:
         """Wait for background checkpoint writes (all ranks): before a rollback, a stop, the end."""
@@ -188,7 +185,6 @@ class Trainer:
             done = self.checkpoints.drain(prune=prune)
         for path, waited in done:
             self.logger.info(f"checkpoint {path} is written ({waited:.1f}s waited)")
-        self.stability.set_checkpoints(self.checkpoints.steps)
 
     def save_recovery_checkpoint(self) -> None:
         """The cheap, frequent ring that makes a rollback >= rollback_steps back always possible."""
@@ -203,22 +199,13 @@ class Trainer:
 
         with self.watchdog.phase(step, "checkpoint save"):
             self.checkpoints.save_ring(self.engine, step, self.shared_state(), self.run_meta, to_delete)
-        self.stability.set_checkpoints(self.checkpoints.steps)
-
-    def refresh_checkpoint_steps(self) -> None:
-        """Steps of every complete checkpoint (long-term and ring), identical on all ranks."""
-        self.stability.set_checkpoints(self.checkpoints.refresh())
-
-    @property
-    def checkpoint_steps(self) -> list[int]:
-        return self.checkpoints.steps
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> TrainResult:
         self.announce()
         self.stop.install(handle_signals=self.cfg.checkpoint.save_on_signal)
         self.logger.set_progress(self.total_steps, self.state.step)
-        self.refresh_checkpoint_steps()
+        self.checkpoints.refresh()  # every complete checkpoint, long-term and ring, on every rank
         self.engine.train()
         last_loss: float | None = None
         outcome = StepOutcome(loss=None)
@@ -226,7 +213,7 @@ class Trainer:
         start_step = self.state.step
         if start_step >= self.total_steps:
             self.logger.info(f"run {self.cfg.name} is already complete ({start_step} steps); nothing to do")
-        elif start_step == 0 and self.cfg.checkpoint.save_initial and 0 not in self.checkpoint_steps:
+        elif start_step == 0 and self.cfg.checkpoint.save_initial and 0 not in self.checkpoints.steps:
             self.save("initial")
         try:
             while self.state.step < self.total_steps and not (max_steps and self.state.step >= max_steps):
@@ -314,7 +301,7 @@ class Trainer:
         if self._pending is None:
             return True
         step, loss = self._pending
-        action = self.stability.judge(step, loss, self.engine.current_grad_norm(), self.checkpoint_steps)
+        action = self.stability.judge(step, loss, self.engine.current_grad_norm(), self.checkpoints.steps)
         return self.stability.allows_update(action)
 
     def train_step(self) -> tuple[dict[str, Any], bool, Action]:
@@ -385,7 +372,7 @@ class Trainer:
         # watchdog owns those, so the detector judges that step on its loss alone.
         overflow = self.cfg.deepspeed.precision == "fp16" and result is not None and not result.applied \
             and math.isfinite(mean_loss)
-        self.stability.judge(step, mean_loss, None if overflow else grad_norm, self.checkpoint_steps)
+        self.stability.judge(step, mean_loss, None if overflow else grad_norm, self.checkpoints.steps)
         action, events, reset_scale = self.stability.after_step(step, self.engine.loss_scale(), applied)
         if reset_scale is not None:
             self.engine.reset_loss_scale(reset_scale)
@@ -442,7 +429,6 @@ class Trainer:
             root, shared = self.checkpoints.load(self.engine, to_step)
         self.load_shared_state(shared, with_stability=False)
         self.checkpoints.drop_after(to_step)
-        self.stability.set_checkpoints(self.checkpoints.steps)
         self.skip_batches(action.skip_batches)
         if action.reset_loss_scale is not None:
             self.engine.reset_loss_scale(action.reset_loss_scale)
@@ -486,8 +472,3 @@ class Trainer:
             self.logger.event("batches_skipped", self.state.step, self.state.tokens,
                               f"skipped {num_batches} batch(es): global samples [{start:,}, {stop:,}) will never be "
                               "trained on", skip_start=start, skip_stop=stop, batches=num_batches)
-
-
-def _tp(tensor_parallel: int) -> str:
-    """` (tensor-parallel T)` after a rank count in resume messages; empty without tensor parallelism."""
-    return f" (tensor-parallel {tensor_parallel})" if tensor_parallel > 1 else ""

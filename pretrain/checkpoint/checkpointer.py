@@ -401,3 +401,15 @@ def load_for_export(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelCon
     state = consolidated_state_dict(root, tag)
     extra = {key: meta.get(key) for key in ("tokenizer_dir", "bos_id", "eos_id", "pad_id")}
     return state, model_config_from_meta(meta), extra
+
+
+def resharded_note(meta: dict[str, Any], world_size: int, tensor_parallel: int) -> str:
+    """`; re-sharded from N ranks to M ...` for a resume message when the checkpoint came through the universal
+    form (meta["resharded_from"]); empty otherwise."""
+    if "resharded_from" not in meta:
+        return ""
+
+    def tp(size: int) -> str:
+        return f" (tensor-parallel {size})" if size > 1 else ""
+    return (f"; re-sharded from {meta['resharded_from']} ranks{tp(meta['resharded_from_tensor_parallel'])} to "
+            f"{world_size}{tp(tensor_parallel)} through DeepSpeed's universal checkpoint")

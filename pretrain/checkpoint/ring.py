@@ -22,8 +22,11 @@ class RunCheckpoints:
     """Long-term checkpoints and the rollback ring; `steps` lists every complete one (identical on all ranks)."""
 
     def __init__(self, long_term: Checkpointer, is_main: bool, barrier: Callable[[], None],
-                 broadcast: Callable[[Any], Any], ring_interval: int = 0):
+                 broadcast: Callable[[Any], Any], ring_interval: int = 0,
+                 on_change: Callable[[list[int]], None] | None = None):
         self.long_term = long_term
+        self.on_change = on_change
+        """Told the steps after every change (the stability policy picks rollback targets from them)."""
         self.ring_interval = ring_interval
         """Steps between ring checkpoints; 0 = no ring (recovery off)."""
         self.ring = long_term.sibling(long_term.root / RING_DIR, keep_last=0)
@@ -42,6 +45,8 @@ class RunCheckpoints:
         if self._is_main:
             steps = sorted({step_of(t) for root in self.roots for t in complete_tags(root)})
         self.steps = self._broadcast(steps)
+        if self.on_change is not None:
+            self.on_change(self.steps)
         return self.steps
 
     def save(self, engine, step: int, shared: dict, meta: dict) -> Path:
