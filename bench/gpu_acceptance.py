@@ -44,6 +44,7 @@ import os
 import platform
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -630,7 +631,7 @@ STABILITY = ["stability.detector.warmup_steps=40", "stability.detector.min_histo
 
 def worker_stability(args, work: Path) -> dict:
     """The LR x50 for three steps at 150-152 (the cpu_tiny run, one rank): one spike, a rollback to a ring
-    checkpoint >= 20 steps earlier, 10 batches skipped, and a final loss back near the clean run's."""
+    checkpoint >= 20 steps earlier, 10 batches skipped, and the last 20 steps' loss back near the clean run's."""
     common = ["experiment=cpu_tiny", "deepspeed=zero2", "train.tokens=131072", "train.max_steps=200",
               "checkpoint.interval=0", "checkpoint.save_final=false", "model.compile=off", "train.eval_interval=0"]
     device = device_of(args)
@@ -645,7 +646,10 @@ def worker_stability(args, work: Path) -> dict:
     skipped = [e for e in run_events if e["event"] == "batches_skipped"]
     false_alarms = [e for e in events(work / "runs" / "clean") if e["event"] in ("spike", "rollback")]
     got, clean = losses(work / "runs" / "spiked"), losses(work / "runs" / "clean")
-    final_ratio = got[max(got)] / clean[max(clean)]
+    # The last 20 steps' mean: after the skip the two runs train on different batches, and one step's loss
+    # varies by 10% from batch to batch.
+    final, final_clean = (statistics.mean(run[s] for s in sorted(run)[-20:]) for run in (got, clean))
+    final_ratio = final / final_clean
     rows, checks = [], []
     detected = len(spikes) == 1 and SPIKE_STEP <= spikes[0].get("spike_start", -1) <= SPIKE_STEP + 3
     to_step = recovered[0].get("to_step") if recovered else None
@@ -654,11 +658,11 @@ def worker_stability(args, work: Path) -> dict:
     checks.append(check("rolled_back", rolled, f"recovered to step {to_step}"))
     checks.append(check("batches_skipped", bool(skipped), f"{len(skipped)} batches_skipped event(s)"))
     checks.append(check("no_false_alarm", not false_alarms, f"clean run: {len(false_alarms)} spike/rollback events"))
-    checks.append(check("final_loss", final_ratio <= 1.05, f"final loss {got[max(got)]:.4f} vs clean {clean[max(clean)]:.4f}"))
+    checks.append(check("final_loss", final_ratio <= 1.05, f"mean loss of the last 20 steps {final:.4f} vs clean {final_clean:.4f}"))
     rows.append(["spike (LR x50 at 150-152) detected", f"at step {spikes[0]['step']}" if spikes else "no", "one", detected])
     rows.append(["rolled back to", f"step {to_step}", f"<={SPIKE_STEP - 20}", rolled])
     rows.append(["batches skipped", f"{len(skipped)} event(s)", ">=1", bool(skipped)])
-    rows.append(["final loss vs a clean run", f"{got[max(got)]:.4f} / {clean[max(clean)]:.4f} = {final_ratio:.3f}",
+    rows.append(["last 20 steps' mean loss vs a clean run", f"{final:.4f} / {final_clean:.4f} = {final_ratio:.3f}",
                  "<=1.05", final_ratio <= 1.05])
     return {"figures": {"events": kinds, "final_ratio": final_ratio}, "rows": rows, "checks": checks}
 
