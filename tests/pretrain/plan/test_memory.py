@@ -65,6 +65,27 @@ def test_fp32_gradient_accumulation_shows_its_cost():
     assert estimate_memory(replace(shape, zero_stage=2)).term("gradient accumulation") == 0
 
 
+def activation_shape(precision: str, chunk: int, policy: str, changes: dict, compile_mode: str) -> MemoryShape:
+    """The probe's model (4 x 512 tokens) as the plan sees it; on the CPU the attention kernels need K/V repeated
+    per query head (pretrain/model/layers.py)."""
+    model = ModelConfig(**{**dict(vocab_size=8192, hidden_size=256, intermediate_size=704, num_layers=4, num_heads=8,
+                                  num_kv_heads=2, max_seq_len=512, loss_chunk_tokens=chunk, compile=compile_mode),
+                           **changes})
+    return MemoryShape(model, 4, 512, precision, 0, 1, checkpointing=policy, gqa_kernel=False)
+
+
+def measure_activations(cases: list[tuple]) -> tuple[list[int], dict[str, float]]:
+    """What memory_probe.py measures a forward keeping, per case, and the plan's figure over it, by case."""
+    shapes = [activation_shape(*case) for case in cases]
+    probe_cases = [{"model": asdict(s.model), "precision": s.precision, "policy": s.checkpointing, "micro_batch": 4,
+                    "seq_len": 512, "compile": case[-1]} for case, s in zip(cases, shapes)]
+    done = subprocess.run([sys.executable, str(PROBE), json.dumps(probe_cases)], capture_output=True, text=True,
+                          cwd=REPO, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    measured = [json.loads(line)["kept"] for line in done.stdout.splitlines()]
+    return measured, {"/".join(map(str, c)): activation_bytes(s) / m for c, s, m in zip(cases, shapes, measured)}
+
+
 CASES = [  # (precision, loss chunk, checkpointing, model changes)
     ("fp32", 0, "none", {}), ("bf16", 256, "none", {}), ("fp32", 256, "full", {}), ("bf16", 0, "attention", {}),
     ("fp32", 256, "mlp", {}), ("bf16", 256, "every_2", {}), ("fp32", 256, "none", {"qk_norm": True}),
@@ -76,18 +97,7 @@ def test_activations_match_measured_cpu_memory():
     """What a forward keeps for backward, measured by glibc's accounting in a fresh process, against the
     activation term: within 3% for every precision, loss head and checkpointing policy (the whole-vocab fp32
     log-probabilities included: vocab 8k is most of the plain head's figure)."""
-    cases, shapes = [], []
-    for precision, chunk, policy, changes in CASES:
-        model = ModelConfig(**{**dict(vocab_size=8192, hidden_size=256, intermediate_size=704, num_layers=4, num_heads=8,
-                                      num_kv_heads=2, max_seq_len=512, loss_chunk_tokens=chunk), **changes})
-        cases.append({"model": asdict(model), "precision": precision, "policy": policy, "micro_batch": 4, "seq_len": 512})
-        # On the CPU the attention kernels need K/V repeated per query head (pretrain/model/layers.py).
-        shapes.append(MemoryShape(model, 4, 512, precision, 0, 1, checkpointing=policy, gqa_kernel=False))
-    done = subprocess.run([sys.executable, str(PROBE), json.dumps(cases)], capture_output=True, text=True, cwd=REPO,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    measured = [json.loads(line)["kept"] for line in done.stdout.splitlines()]
-    ratios = {f"{c[0]}/{c[1]}/{c[2]}/{c[3]}": activation_bytes(s) / m for c, s, m in zip(CASES, shapes, measured)}
+    measured, ratios = measure_activations([(*case, "off") for case in CASES])
     assert all(0.97 <= r <= 1.03 for r in ratios.values()), ratios
     # The policies order as they should: full keeps least, none most.
     assert measured[2] < measured[4] < measured[0]
@@ -101,19 +111,9 @@ def test_compiled_blocks_keep_what_the_plan_says():
     """model.compile=blocks: inductor recomputes the norms' fp32 steps and silu(gate) in backward, so a block keeps
     less than in eager mode. Measured as above, within 3%, and below the eager figure. (bf16 kept the same
     tensors in a measurement on this CPU, 9 minutes without native bf16: fp32 here.)"""
-    cases, shapes = [], []
-    for precision, chunk, policy in COMPILED_CASES:
-        model = ModelConfig(vocab_size=8192, hidden_size=256, intermediate_size=704, num_layers=4, num_heads=8,
-                            num_kv_heads=2, max_seq_len=512, loss_chunk_tokens=chunk, compile="blocks")
-        cases.append({"model": asdict(model), "precision": precision, "policy": policy, "micro_batch": 4,
-                      "seq_len": 512, "compile": "blocks"})
-        shapes.append(MemoryShape(model, 4, 512, precision, 0, 1, checkpointing=policy, gqa_kernel=False))
-    done = subprocess.run([sys.executable, str(PROBE), json.dumps(cases)], capture_output=True, text=True, cwd=REPO,
-                          timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    measured = [json.loads(line)["kept"] for line in done.stdout.splitlines()]
-    ratios = {f"{c[0]}/{c[1]}/{c[2]}": activation_bytes(s) / m for c, s, m in zip(COMPILED_CASES, shapes, measured)}
+    _, ratios = measure_activations([(*case, {}, "blocks") for case in COMPILED_CASES])
     assert all(0.97 <= r <= 1.03 for r in ratios.values()), ratios
+    shapes = [activation_shape(*case, {}, "blocks") for case in COMPILED_CASES]
     eager = [activation_bytes(replace(s, model=replace(s.model, compile="off"))) for s in shapes]
     assert all(c < e for c, e in zip(map(activation_bytes, shapes), eager))
 
