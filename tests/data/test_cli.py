@@ -96,8 +96,10 @@ def test_ctrl_c_with_worker_processes_stops_cleanly(tmp_path, tokenizer_dir, en_
     args = [sys.executable, "-m", "pretrain.tools.cli", "data", "prepare", f"tokenizer_dir={tokenizer_dir}", f"data.root={root}",
             "workers=2", "progress=false", "chunk_mb=0.25", f"data.domains.en.inputs=['{tmp_path}/en/*.jsonl']",
             "~data.domains.ja"]
+    # Ctrl-C reaches a command whose SIGINT is at its default, as in a terminal: the suite itself may run with
+    # SIGINT ignored (started in the background), and a child would inherit that and never see the signal.
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     for line in proc.stderr:  # the domain's writer opens when its first chunk comes back from a worker
         if "en: 1 input files" in line:
             break
