@@ -56,6 +56,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.result_form import machine_line, result_line  # noqa: E402  (first: it reads the load at the start)
+from bench.gpu_speed import MEMORY_BAND, TARGET_MFU_1B as MFU_TARGET  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -95,8 +96,6 @@ FP32_TOLERANCE = 0.03
 """The same between a bf16 run and the fp32 run."""
 PEAK_GEMM_TARGET = 0.70
 """The measured GEMM against the datasheet's dense bf16 peak: below this the machine itself is slow."""
-MFU_TARGET = 0.45
-MEMORY_BAND = (0.90, 1.10)
 ASYNC_TARGET = 0.10
 
 
@@ -309,17 +308,13 @@ def check(name: str, ok: bool, detail: str) -> dict:
     return {"name": name, "ok": bool(ok), "detail": detail}
 
 
-def fmt(x: float, digits: int = 4) -> str:
-    return f"{x:.{digits}g}"
-
-
 # -- a. environment ----------------------------------------------------------------------------------
 def worker_env(args, work: Path) -> dict:
     import importlib.metadata as md
 
     import torch
 
-    from pretrain.model.flops import PEAK_BF16_FLOPS
+    from pretrain.model.flops import peak_flops_of
 
     cuda = torch.cuda.is_available() and not args.cpu_smoke
     figures = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
@@ -332,7 +327,7 @@ def worker_env(args, work: Path) -> dict:
     n, dtype = (8192, torch.bfloat16) if cuda else (256, torch.float32)
     device = "cuda" if cuda else "cpu"
     tflops = gemm_tflops(n, dtype, device)
-    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in figures.get("gpu", "")), None)
+    peak = peak_flops_of(figures["gpu"]) if cuda else None
     figures.update(gemm_n=n, gemm_dtype=str(dtype), gemm_tflops=tflops, peak_tflops=peak / 1e12 if peak else None)
     rows = [["GPU", f"{figures.get('gpu', 'cpu')} ({figures.get('gpu_memory_gib', '-')} GiB)", "", None],
             ["versions", f"driver {figures.get('driver', '-')}, CUDA {figures['cuda']}, torch {figures['torch']}, "
@@ -441,9 +436,10 @@ TINY_MODEL = ["model=debug", "model.vocab_size=512", "model.max_seq_len=64"]
 def corpus(work: Path) -> Path:
     """Byte tokens of the repository's own text (bench/step_overhead.py): the same on every machine."""
     from bench.step_overhead import write_corpus
+    from data.manifest import MANIFEST_NAME
 
     root = work / "corpus"
-    if not (root / "manifest.json").is_file():
+    if not (root / MANIFEST_NAME).is_file():
         write_corpus(root, 512, min_tokens=2_000_000)
     return root
 
@@ -463,13 +459,19 @@ def start_training(overrides: list[str], log: Path) -> subprocess.Popen:
 
 
 def losses(run_dir: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {r["step"]: r["train/loss"] for r in records if "train/loss" in r}
+    """step -> train/loss of a run, read as the run report reads metrics.jsonl."""
+    from pretrain.metrics import METRICS_FILE
+    from pretrain.tools.report.timeline import read_jsonl
+
+    return {r["step"]: r["train/loss"] for r in read_jsonl(run_dir / METRICS_FILE).rows if "train/loss" in r}
 
 
 def events(run_dir: Path) -> list[dict]:
-    path = run_dir / "events.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    """A run's events.jsonl records ([] when it has none)."""
+    from pretrain.metrics import EVENTS_FILE
+    from pretrain.tools.report.timeline import read_jsonl
+
+    return read_jsonl(run_dir / EVENTS_FILE).rows
 
 
 def wait_all(procs: dict[str, subprocess.Popen], work: Path) -> None:
@@ -703,7 +705,7 @@ def worker_demo_train(args, work: Path) -> dict:
     proc = subprocess.run(cmd, cwd=REPO)
     seconds = time.perf_counter() - start
     run_dir = work / "runs" / "demo"
-    got = losses(run_dir) if (run_dir / "metrics.jsonl").is_file() else {}
+    got = losses(run_dir)
     kinds = [e["event"] for e in events(run_dir)]
     rows = [["demo training (wall, launcher to exit)", f"{seconds:.0f} s, {len(got)} steps logged", "", proc.returncode == 0],
             ["final train loss", f"{got[max(got)]:.3f}" if got else "-", "", None],
@@ -716,10 +718,11 @@ def worker_demo_train(args, work: Path) -> dict:
 
 def demo_like_corpus(work: Path) -> Path:
     """The demo's five domains (train and val) as byte tokens of the repository's text."""
+    from data.manifest import MANIFEST_NAME
     from data.token_root import TokenRoot
 
     root = work / "demo_like"
-    if (root / "manifest.json").is_file():
+    if (root / MANIFEST_NAME).is_file():
         return root
     files = sorted(p for p in REPO.glob("*/*.py") if p.is_file())
     with TokenRoot(root, vocab_size=512, eos_id=256, name="demo_like") as out:

@@ -146,42 +146,33 @@ def main(argv: list[str]) -> int:
 
 
 # -- worker side: one combination, one process, one GPU ------------------------------------------
+def plan_fits(overrides: list[str], micro: int, seq: int, policy: str, gpu_bytes: int) -> bool:
+    """Whether the memory plan fits `micro` samples of `seq` tokens with checkpointing `policy` in one GPU."""
+    from pretrain.config import compose_config, to_object
+    from pretrain.plan.memory import estimate_memory, memory_shape
+
+    cfg = to_object(compose_config([*overrides, f"train.micro_batch_size={micro}", f"train.seq_len={seq}",
+                                    f"deepspeed.activation_checkpointing={policy}"]))
+    return estimate_memory(memory_shape(cfg, 1)).required <= gpu_bytes
+
+
 def pick_micro_batch(overrides: list[str], requested: str, seq: int, gpu_bytes: int | None) -> int:
     """The pinned micro batch, or the largest power of two <= 16 whose plan fits without checkpointing."""
     if requested != "auto":
         return int(requested)
     if not gpu_bytes:
         return 2
-    from pretrain.config import compose_config, to_object
-    from pretrain.plan.memory import estimate_memory, memory_shape
-
-    best = 1
-    for micro in (1, 2, 4, 8, 16):
-        cfg = to_object(compose_config([*overrides, f"train.micro_batch_size={micro}", f"train.seq_len={seq}",
-                                        "deepspeed.activation_checkpointing=none"]))
-        if estimate_memory(memory_shape(cfg, 1)).required <= gpu_bytes:
-            best = micro
-    return best
-
-
-PLAN_POLICIES = ("none", "mlp", "attention", "every_2", "full")
-"""Activation-checkpointing policies from the least recompute to the most (the memory plan's own order)."""
+    return max((m for m in (2, 4, 8, 16) if plan_fits(overrides, m, seq, "none", gpu_bytes)), default=1)
 
 
 def plan_choice(overrides: list[str], seq: int, micro: int, gpu_bytes: int | None) -> str:
     """The least-recompute policy whose plan fits `micro` samples (the `plan` checkpointing of this benchmark:
     twice the micro batch that fits without checkpointing, and what the plan needs to make it fit)."""
+    from pretrain.plan.memory import RECOMPUTE_ORDER
+
     if not gpu_bytes:
         return "full"
-    from pretrain.config import compose_config, to_object
-    from pretrain.plan.memory import estimate_memory, memory_shape
-
-    for policy in PLAN_POLICIES:
-        cfg = to_object(compose_config([*overrides, f"train.micro_batch_size={micro}", f"train.seq_len={seq}",
-                                        f"deepspeed.activation_checkpointing={policy}"]))
-        if estimate_memory(memory_shape(cfg, 1)).required <= gpu_bytes:
-            return policy
-    return "full"
+    return next((p for p in ("none", *RECOMPUTE_ORDER) if plan_fits(overrides, micro, seq, p, gpu_bytes)), "full")
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -203,11 +194,11 @@ def worker(args: argparse.Namespace) -> int:
     gpu_bytes = torch.cuda.get_device_properties(0).total_memory if cuda else None
     base = [*SHAPES[shape], f"model.max_seq_len={max(seq, 64)}", "deepspeed=zero1",
             "deepspeed.precision=" + ("bf16" if cuda else "fp32")]
-    micro = pick_micro_batch(base, args.micro_batch, seq, gpu_bytes)
+    micro = pick_micro_batch([*base, *args.set], args.micro_batch, seq, gpu_bytes)
     policy = spec["checkpointing"]
     if policy == "plan":  # twice the micro batch, with the checkpointing the plan says it needs
         micro *= 2
-        policy = plan_choice(base, seq, micro, gpu_bytes)
+        policy = plan_choice([*base, *args.set], seq, micro, gpu_bytes)
     cfg0 = to_object(compose_config(base))
     data_root = write_corpus(work / f"corpus_{cfg0.model.vocab_size}", cfg0.model.vocab_size,
                              min_tokens=(args.warmup + args.steps) * micro * args.grad_accum * (seq + 1) + 10**5)
@@ -244,9 +235,8 @@ def worker(args: argparse.Namespace) -> int:
                 raise RuntimeError(f"the run rolled back or stopped at step {trainer.state.step}: {outcome}")
         return times
 
-    warmup_times = steps(args.warmup)
+    warmup_times = steps(args.warmup)  # each step ends synchronised
     if cuda:
-        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     step_times = steps(args.steps)
     seconds = sum(step_times)
@@ -277,7 +267,6 @@ def worker(args: argparse.Namespace) -> int:
 
 def write_profile(path: Path, run_steps, cuda: bool) -> None:
     """torch.profiler over `run_steps()`: the top kernels by device time, then the top CPU ops, as text."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -293,8 +282,6 @@ def write_profile(path: Path, run_steps, cuda: bool) -> None:
             f"sorted by {sort}", averages.table(sort_by=sort, row_limit=45, max_name_column_width=90),
             "# by CPU time (self)", averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=90)]
     path.write_text("\n".join(text))
-    if cuda:
-        torch.cuda.synchronize()
 
 
 if __name__ == "__main__":

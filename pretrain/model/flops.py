@@ -71,8 +71,9 @@ def peak_flops(device) -> float | None:
         return None
     import torch
 
-    name = torch.cuda.get_device_name(device)
-    for key, flops in PEAK_BF16_FLOPS.items():
-        if key in name:
-            return flops
-    return None
+    return peak_flops_of(torch.cuda.get_device_name(device))
+
+
+def peak_flops_of(gpu_name: str) -> float | None:
+    """Dense bf16 peak FLOP/s of the GPU named `gpu_name` (as torch names it); None for an unknown one."""
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in gpu_name), None)

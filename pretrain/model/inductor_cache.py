@@ -43,18 +43,19 @@ def use_isa_keyed_cache() -> str:
     """Points TORCHINDUCTOR_CACHE_DIR at this process's ISA-keyed folder unless the user chose a folder; returns
     the folder inductor will use. Torch's own default (torch writes it into the environment once it used it, so
     child processes inherit it) and a keyed folder inherited from a parent count as not chosen."""
-    try:  # private torch modules: where a torch lacks them, inductor's own folder is used as before
-        from torch._inductor.cpu_vec_isa import pick_vec_isa  # noqa: F401  (isa_folder_name needs it)
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-    except ImportError:
-        return os.environ.get(CACHE_VARIABLE, "")
-    default = os.path.abspath(default_cache_dir())
     current = os.environ.get(CACHE_VARIABLE)  # read before isa_folder_name: picking the ISA sets it
+    try:  # private torch modules: where a torch lacks them, inductor's own folder is used as before
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        default = os.path.abspath(default_cache_dir())
+        name = isa_folder_name()
+    except ImportError:
+        return current or ""
     if current:
         current = os.path.abspath(current)
         ours = os.path.dirname(current) == default and os.path.basename(current).startswith(PREFIX)
         if current != default and not ours:
             return current
-    folder = os.path.join(default, isa_folder_name())
+    folder = os.path.join(default, name)
     os.environ[CACHE_VARIABLE] = folder
     return folder

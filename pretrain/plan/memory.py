@@ -9,21 +9,25 @@ What one GPU holds at the peak of a step (the start of backward), in bytes:
 - **model states**: parameters, gradients, the fp32 master copy and Adam's two moments, as DeepSpeed
   0.19 keeps them per ZeRO stage, precision and offload. Mixed precision (bf16/fp16), P parameters,
   D data-parallel ranks: stage 0: 2P + 2P + 4P + 8P + 4P (fp32 gradients at the step); stage 1: 2P + 2P
-  + 16P/D; stage 2: 2P + 18P/D; stage 3: 18P/D + 4 x the largest layer (gathered for compute). Stages 2
-  and 3 are exactly DeepSpeed's own `estimate_zero2/zero3_model_states_mem_needs` (tested), offload
-  included (the optimizer states, fp32 master and fp32 gradients move to the CPU).
+  + 12P/D, its fp32 gradient partition (4P/D) existing only during the optimizer step, after backward freed
+  the activations (`step_bytes`; measured at rest at 1, 2 and 4 ranks); stage 2: 2P + 18P/D; stage 3: 18P/D
+  + 4 x the largest layer (gathered for compute). Stages 2 and 3 are exactly DeepSpeed's own
+  `estimate_zero2/zero3_model_states_mem_needs` (tested), offload included (the optimizer states, fp32
+  master and fp32 gradients move to the CPU).
 - **gradient accumulation** in fp32 (`deepspeed.grad_accum_dtype`, bf16 runs with more than one micro
   batch per step): ZeRO 0-1 sum in ayumi's own fp32 buffers (pretrain/engine/grad_accum.py), 4 bytes per
   parameter on every rank; ZeRO 2-3 accumulate into the fp32 gradient partition that the step needs
   anyway, so the cost there is none.
 - **communication buckets**: ZeRO 1-2 allocate `reduce_bucket_size` elements per buffer, two with
   `overlap_comm`; ZeRO-3 one reduce bucket; stage 0 flattens up to 5e8 gradient elements per all-reduce.
+  One rank reduces nothing and allocates none (measured on one GPU).
 - **activations** kept for backward, per block, from the tensors autograd saves in
   pretrain/model/layers.py (see `block_activation_bytes`), under the activation-checkpointing policy;
   the final norm and what the loss keeps (the plain head keeps fp32 log-probabilities [tokens x vocab],
   the chunked head only the hidden states and one float per token). Checked against measured CPU
-  memory on small models (tests/pretrain/plan/test_memory.py). With model.compile inductor usually keeps
-  less (it recomputes cheap pointwise ops in backward): the eager figure is an upper bound there.
+  memory on small models (tests/pretrain/plan/test_memory.py). Compiled blocks (model.compile blocks or
+  full; auto on a GPU) keep less: inductor recomputes the norms' fp32 steps and silu(gate) in backward
+  (`MemoryShape.compiled`, measured the same way).
 - **transients**: the largest short-lived buffer of the step, either the loss's (plain: fp32 logits,
   log-softmax and their gradient; chunked: one chunk's fp32 logits plus fp32 copies of the head's
   weight and its gradient) or a recomputed block's activations with its gradients.
@@ -85,7 +89,7 @@ class MemoryShape:
     def compiled(self) -> bool:
         """Inductor compiles the blocks (model.compile blocks or full; auto on a GPU plan, i.e. gqa_kernel): it
         recomputes cheap pointwise ops in backward and keeps fewer activations (`block_activation_bytes`)."""
-        mode = getattr(self.model, "compile", "off")
+        mode = self.model.compile
         return mode in ("blocks", "full") or (mode == "auto" and self.gqa_kernel)
 
     @property
@@ -327,11 +331,15 @@ def memory_shape(cfg: Any, data_parallel: int, gqa_kernel: bool = True) -> Memor
 
 
 # -- when it does not fit -------------------------------------------------------------------------
+RECOMPUTE_ORDER = ("mlp", "attention", "every_2", "full")
+"""Activation-checkpointing policies from the least recompute (and memory saved) to the most."""
+
+
 def _alternatives(shape: MemoryShape, global_batch: int) -> list[list[tuple[str, MemoryShape]]]:
     """Single-knob changes by family, each family ordered from the least costly in speed: activation
     checkpointing, micro batch (the global batch kept), the chunked loss, ZeRO stage, optimizer offload."""
     policies = [(f"deepspeed.activation_checkpointing={p}", replace(shape, checkpointing=p))
-                for p in ("mlp", "attention", "every_2", "full") if p != shape.checkpointing]
+                for p in RECOMPUTE_ORDER if p != shape.checkpointing]
     micro_batches, micro = [], shape.micro_batch // 2
     while micro >= 1:
         if global_batch % (micro * shape.data_parallel) == 0:
