@@ -53,14 +53,16 @@ from data.domains import open_run_data
 from data.manifest import MANIFEST_NAME, ManifestError, check_manifest_tokenizer, load_manifest
 from data.packed import CorruptShardError, DataChangedError, PackedSamples, ShuffledDomains
 from data.shards import ShardFormatError, TokenizerMismatchError
-from pretrain.checkpoint.checkpointer import META, CheckpointError, Checkpointer, CheckpointWriteFailed, start_checkpoint
+from pretrain.checkpoint.checkpointer import CheckpointError, Checkpointer, CheckpointWriteFailed, start_checkpoint
+from pretrain.checkpoint.integrity import read_meta
+from pretrain.checkpoint.trust import resume_start
 from pretrain.config import (
     CHECKED_BY_LAUNCHER_ENV, EXIT_CONFIG_ERROR, AyumiConfig, ConfigError, async_checkpoints, check_config, config_as_yaml,
     config_from_args, data_parallel_grad_accum, default_run_notice, print_config_error, total_steps,
 )
 from pretrain.engine.train_engine import DistInfo, TrainEngine, build_model
 from pretrain.engine.distributed import (
-    all_reduce_tensor, any_rank, barrier, broadcast_object, finalize_distributed, init_distributed,
+    all_reduce_tensor, any_rank, barrier, broadcast_object, finalize_distributed, first_problem, init_distributed,
 )
 from pretrain.engine.ds_config import save_ds_config
 from pretrain.job.exit_status import record_exit
@@ -208,12 +210,16 @@ def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict,
                                 dist.world_size, cfg.deepspeed.zero_stage, any_rank,
                                 expected_bytes=checkpoint_shape(cfg, count_parameters(cfg.model)).size,
                                 async_writes=async_checkpoints(cfg, dist.device),
-                                write_delay_s=cfg.checkpoint.inject_write_delay_s, tensor_parallel=dist.tensor_parallel)
+                                write_delay_s=cfg.checkpoint.inject_write_delay_s, tensor_parallel=dist.tensor_parallel,
+                                first_problem=first_problem)
     # Each rank gets its own stream of randomness (dropout-free today, but user code may add it).
     torch.manual_seed(cfg.train.seed + 1000 * dist.rank)
-
-    # Metrics files are cut back to the step a resume of this run starts from (not another run's).
-    resume_step = None if cfg.checkpoint.load_from else start.get("step")
+    # Verified, loaded (each rank's RNG restored) and its state checked, or a damaged one set aside for an older one
+    # (checkpoint.on_corrupt): before the metrics files are opened, which are cut back to the step it starts from.
+    ckpt = cfg.checkpoint
+    resumed = resume_start(ckpt.load_from, ckpt.resume, ckpt.on_corrupt, checkpointer, engine)
+    # Only a resume of this run cuts its metrics back (another run's checkpoint starts this run's files afresh).
+    resume_step = None if cfg.checkpoint.load_from or resumed is None else resumed.step
     if dist.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_text_atomic(run_dir / "config.yaml", config_as_yaml(OmegaConf.create(resolved)))
@@ -231,7 +237,7 @@ def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict,
                 "precision_reason": precision.reason, **tokenizer}
     trainer = Trainer(cfg, dist, engine, loader, val_sets, logger, checkpointer, total_steps(cfg.train), run_meta,
                       watchdog=watchdog)
-    trainer.resume_if_possible()
+    trainer.resume_if_possible(resumed)
     return trainer, logger
 
 
@@ -315,12 +321,16 @@ def settle_precision(cfg: AyumiConfig, dist: DistInfo, saved: str | None = None)
 
 
 def _checkpoint_meta(cfg: AyumiConfig) -> dict:
-    """ayumi.json of the checkpoint this run will start from ({} for a fresh run)."""
+    """ayumi.json of the checkpoint this run will start from ({} for a fresh run). A record that cannot be read
+    still means a resume ({"unreadable": ...}): the load verifies it and says what is damaged."""
     start = start_checkpoint(cfg.checkpoint.load_from, cfg.checkpoint.resume, Path(cfg.checkpoint.dir))
     if start is None:
         return {}
     root, tag = start
-    return json.loads((root / tag / META).read_text())
+    try:
+        return read_meta(root / tag)
+    except ValueError as err:
+        return {"unreadable": str(err)}
 
 
 def lock_run_dir(cfg: AyumiConfig, dist: DistInfo) -> RunDirLock | None:
