@@ -283,20 +283,21 @@ class Checkpointer:
                 if newest is None or step_of(path.name) < step_of(newest):
                     shutil.rmtree(path, ignore_errors=True)
 
-    def load(self, engine, tag: str, root: Path | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    def load(self, engine, tag: str, root: Path | None = None,
+             verdict: integrity.Verdict | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
         """Load engine state and return (shared state, meta); restores this rank's RNG last.
 
         meta["resharded_from"] is set when the checkpoint came from another number of ranks
         through the universal form; meta["verified"] says whether its files were checked against
         checksums (False: saved before they were recorded). Ranks the checkpoint had no RNG file for
         keep their seed. Raises CheckpointCorrupt on every rank, before anything is read, when a file
-        does not match its checksum.
+        does not match its checksum. `verdict`: the folder was just verified (not hashed again).
         """
         root = Path(root or self.root)
         tag_dir = root / tag
         if not is_complete(tag_dir):
             raise CheckpointError(f"{tag_dir} is not a complete ayumi checkpoint (no {META})")
-        verdict = self.verify(tag_dir)
+        verdict = verdict or self.verify(tag_dir)
         if verdict.status == integrity.DAMAGED:
             raise CheckpointCorrupt(tag_dir, verdict.problem)
         meta = integrity.read_meta(tag_dir)

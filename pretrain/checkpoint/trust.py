@@ -1,6 +1,8 @@
 """Which checkpoint a run builds on: verified before use, so a damaged one never becomes the run's future.
 
-- `resume_start`: the checkpoint a run starts from (`latest`, or `checkpoint.load_from`);
+- `choose_start`: the checkpoint a run starts from (`latest`, or `checkpoint.load_from`), its files verified
+  before the model is even built (a refusal costs seconds, and the run's precision comes from the checkpoint
+  it will really load); `resume_start` then loads it;
 - `load_trusted`: the walk both a resume and a rollback take over their candidates, newest first. Each is
   verified against its checksums before anything is read (Checkpointer.load), then loaded, then its state
   checked (finite weights and Adam moments, non-negative second moments: TrainEngine.state_problem), since a
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from common.files import write_text_atomic
+from pretrain.checkpoint import integrity
 from pretrain.checkpoint.checkpointer import (
     LATEST, Checkpointer, CheckpointCorrupt, CheckpointError, complete_tags, latest_tag, resolve_checkpoint, step_of,
 )
@@ -65,34 +68,60 @@ class Loaded:
         return self.root / self.tag
 
 
+@dataclass
+class Start:
+    """The checkpoint a run starts from, chosen before the model is built (choose_start)."""
+
+    candidates: list[tuple[Path, str]]
+    """(root, tag) newest first: the first verified (or without checksums), older ones to fall back to."""
+    verdict: integrity.Verdict
+    """The first candidate's verdict (its load does not hash it again)."""
+    meta: dict[str, Any]
+    """The first candidate's ayumi.json (its precision, model, world size)."""
+    fallback: bool
+    fix: str
+    notes: list[Note]
+    """Checkpoints set aside on the way."""
+
+
+def _refuse_or_set_aside(checkpointer: Checkpointer, err: CheckpointCorrupt, fallback: bool, fix: str) -> Note:
+    """A damaged checkpoint: refused (one line with the fix), or set aside (the note says as what)."""
+    if not fallback:
+        raise CheckpointError(f"{err}. Fix: {fix}") from None
+    aside = checkpointer.set_aside(err.tag_dir)
+    return Note(CORRUPT_EVENT, f"{err}; set aside as {aside.name} (kept, never loaded again)",
+                {"checkpoint": str(err.tag_dir), "set_aside_as": str(aside), "problem": err.problem})
+
+
+def _none_left(notes: list[Note]) -> CheckpointError:
+    set_aside = ", ".join(Path(note.fields["set_aside_as"]).name for note in notes if note.kind == CORRUPT_EVENT)
+    return CheckpointError(f"no checkpoint to load verifies: {set_aside or 'none was left'} set aside as damaged. Fix: "
+                           "start afresh with checkpoint.resume=false (the damaged folders stay for a look), or put an "
+                           "intact copy of one back")
+
+
 def load_trusted(checkpointer: Checkpointer, engine, candidates: list[tuple[Path, str]], fallback: bool,
-                 fix: str) -> Loaded:
+                 fix: str, first_verdict: integrity.Verdict | None = None) -> Loaded:
     """Load the first of `candidates` ((root, tag), newest first) that verifies and whose state is sound.
 
     A damaged one is set aside when `fallback` (a CORRUPT_EVENT note) and the next is tried; otherwise the run is
-    refused with the damage and `fix` in one line. Raises CheckpointError when none is left."""
+    refused with the damage and `fix` in one line. Raises CheckpointError when none is left. `first_verdict`: the
+    first candidate was verified already (choose_start)."""
     notes: list[Note] = []
-    for root, tag in candidates:
+    for index, (root, tag) in enumerate(candidates):
         try:
-            shared, meta = checkpointer.load(engine, tag, root=root)
+            shared, meta = checkpointer.load(engine, tag, root=root, verdict=first_verdict if index == 0 else None)
             problem = checkpointer.first_problem(engine.state_problem())
             if problem:
                 raise CheckpointCorrupt(root / tag, f"the state it loads cannot be trained from: {problem}")
         except CheckpointCorrupt as err:
-            if not fallback:
-                raise CheckpointError(f"{err}. Fix: {fix}") from None
-            aside = checkpointer.set_aside(root / tag)
-            notes.append(Note(CORRUPT_EVENT, f"{err}; set aside as {aside.name} (kept, never loaded again)",
-                              {"checkpoint": str(root / tag), "set_aside_as": str(aside), "problem": err.problem}))
+            notes.append(_refuse_or_set_aside(checkpointer, err, fallback, fix))
             continue
         if not meta.get("verified"):
             notes.append(Note(NOTICE, f"note: {root / tag} records no checksums (saved before ayumi recorded them): "
                                       "loaded without verifying its files"))
         return Loaded(root, tag, shared, meta, notes)
-    set_aside = ", ".join(Path(note.fields["set_aside_as"]).name for note in notes if note.kind == CORRUPT_EVENT)
-    raise CheckpointError(f"no checkpoint to load verifies: {set_aside or 'none was left'} set aside as damaged. Fix: "
-                          "start afresh with checkpoint.resume=false (the damaged folders stay for a look), or put an "
-                          "intact copy of one back")
+    raise _none_left(notes)
 
 
 def newest_first(root: Path) -> list[str]:
@@ -103,19 +132,34 @@ def newest_first(root: Path) -> list[str]:
     return [latest] + [tag for tag in reversed(complete_tags(root)) if step_of(tag) < step_of(latest)]
 
 
-def resume_start(load_from: str | None, resume: bool, on_corrupt: str, checkpointer: Checkpointer,
-                 engine) -> Loaded | None:
-    """Load the checkpoint a run starts from (checkpoint.load_from, else the run's own newest when
-    checkpoint.resume); None for a fresh start. After a fallback, `latest` names the checkpoint loaded."""
+def choose_start(load_from: str | None, resume: bool, on_corrupt: str, checkpointer: Checkpointer) -> Start | None:
+    """The checkpoint a run starts from (checkpoint.load_from, else the run's own newest when checkpoint.resume),
+    its files verified: damaged ones are set aside or refused first. None for a fresh start. Needs no model."""
     if load_from:
-        root, tag = resolve_checkpoint(load_from)
-        return load_trusted(checkpointer, engine, [(root, tag)], fallback=False, fix=LOAD_FROM_FIX)
-    tags = newest_first(checkpointer.root) if resume else []
-    if not tags:
+        candidates, fallback, fix = [resolve_checkpoint(load_from)], False, LOAD_FROM_FIX
+    else:
+        tags = newest_first(checkpointer.root) if resume else []
+        candidates, fallback, fix = [(checkpointer.root, tag) for tag in tags], on_corrupt == "fallback", OWN_FIX
+    if not candidates:
         return None
-    loaded = load_trusted(checkpointer, engine, [(checkpointer.root, tag) for tag in tags],
-                          fallback=on_corrupt == "fallback", fix=OWN_FIX)
-    if checkpointer.rank == 0 and any(note.kind == CORRUPT_EVENT for note in loaded.notes):
+    notes: list[Note] = []
+    for index, (root, tag) in enumerate(candidates):
+        verdict = checkpointer.verify(root / tag)
+        if verdict.status != integrity.DAMAGED:
+            return Start(candidates[index:], verdict, integrity.read_meta(root / tag), fallback, fix, notes)
+        notes.append(_refuse_or_set_aside(checkpointer, CheckpointCorrupt(root / tag, verdict.problem), fallback, fix))
+    raise _none_left(notes)
+
+
+def resume_start(start: Start | None, checkpointer: Checkpointer, engine) -> Loaded | None:
+    """Load the checkpoint choose_start chose (or, when its state cannot be trained from, an older one); None for a
+    fresh start. After a fallback, `latest` names the checkpoint loaded."""
+    if start is None:
+        return None
+    loaded = load_trusted(checkpointer, engine, start.candidates, start.fallback, start.fix, start.verdict)
+    loaded.notes[:0] = start.notes
+    own = loaded.root == checkpointer.root
+    if own and checkpointer.rank == 0 and any(note.kind == CORRUPT_EVENT for note in loaded.notes):
         write_text_atomic(checkpointer.root / LATEST, loaded.tag + "\n")
     return loaded
 

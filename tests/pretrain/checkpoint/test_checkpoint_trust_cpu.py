@@ -26,20 +26,21 @@ import torch
 from pretrain.checkpoint import integrity
 from pretrain.checkpoint.checkpointer import complete_tags
 from pretrain.checkpoint.integrity import VERIFIED, verify
+from pretrain.tools.cli import main
 from tests.helpers import read_jsonl, run_training, tiny_overrides, train_losses, write_tiny_corpus
 from tests.pretrain.tools.test_train_exit_status import ayumi, ranks_said
 
 pytestmark = pytest.mark.slow
 
 COMMON = ["train.eval_interval=0", "deepspeed.precision=fp32", "checkpoint.keep_last=3"]
-# A detector that judges from the first steps (the default waits 100), and a recovery scaled to 48-step runs.
+# A detector that judges from the first steps (the default waits 100), and a recovery scaled to 24-step runs.
 QUICK_DETECTOR = ["stability.detector.warmup_steps=4", "stability.detector.min_history=4"]
-RING = ["stability.recovery.ring_interval=8", "stability.recovery.rollback_steps=20",
+RING = ["stability.recovery.ring_interval=4", "stability.recovery.rollback_steps=10",
         "stability.recovery.skip_batches=4", "stability.recovery.lr_cooldown_steps=8"]
-BASE = {  # each stage's run: checkpoints every 8 steps (ZeRO 2: every 16, the ring in between)
+BASE = {  # each stage's run: checkpoints every 8 steps (ZeRO 2: the ring's every 4 in between)
     0: ["deepspeed=zero0", "train.max_steps=24", "checkpoint.interval=8"],
     1: ["deepspeed=zero1", "train.max_steps=24", "checkpoint.interval=8"],
-    2: ["deepspeed=zero2", "train.max_steps=48", "checkpoint.interval=16", *RING],
+    2: ["deepspeed=zero2", "train.max_steps=24", "checkpoint.interval=8", *RING],
     3: ["deepspeed=zero3", "train.max_steps=24", "checkpoint.interval=8", "checkpoint.async_save=true"],
 }
 MODEL = "mp_rank_00_model_states.pt"
@@ -89,6 +90,27 @@ def without_checksums(tag_dir: Path) -> None:
 
 def events(run_dir: Path, kind: str) -> list[dict]:
     return [event for event in read_jsonl(run_dir / "events.jsonl") if event["event"] == kind]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_checkpoint_verify_finds_every_file_of_every_checkpoint_recorded_at_each_zero_stage(base_run, stage, capsys):
+    """Each rank's files (DeepSpeed's shards, its RNG file) and rank 0's are in ayumi.json's record, the ring's too,
+    synchronous saves and background ones (ZeRO 3) alike; `ayumi checkpoint verify` passes the run."""
+    run = base_run(stage) / "cpu_tiny"
+    assert main(["checkpoint", "verify", str(run)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in out[1:-1]]
+    folders = [run / row[0] for row in rows]
+    ring = [f"checkpoints/recovery/step_{s:07d}" for s in (4, 12, 20)] if stage == 2 else []
+    assert sorted(row[0] for row in rows) == sorted([f"checkpoints/step_{s:07d}" for s in (8, 16, 24)] + ring)
+    assert all(row[-1] == "verified" for row in rows), out
+    for folder in folders:
+        recorded = json.loads((folder / "ayumi.json").read_text())[integrity.RECORD_KEY]["files"]
+        on_disk = sorted(p.name for p in folder.iterdir() if p.name != "ayumi.json" and not p.name.startswith("."))
+        assert sorted(recorded) == on_disk, folder
+        assert {"ayumi_rank00000.pt", "ayumi_rank00001.pt", "ayumi_state.pt"} <= set(recorded)
+        if stage:
+            assert {f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" for rank in (0, 1)} <= set(recorded)
 
 
 def test_zero0_damaged_files_and_a_bad_state_fall_back_and_the_resume_is_exact(base_run, tmp_path, corpus):
@@ -147,20 +169,20 @@ def test_zero2_a_rollback_verifies_its_ring_checkpoint_and_takes_an_older_one(ba
     runs = copy_of(base_run(2), tmp_path)
     run = runs / "cpu_tiny"
     ring = run / "checkpoints" / "recovery"
-    assert complete_tags(ring) == ["step_0000008", "step_0000024", "step_0000040"]
-    overwrite_runs(ring / "step_0000024" / "ayumi_rank00001.pt", runs=2)
-    spike = "+stability.inject.lr_multiply={48:50.0,49:50.0,50:50.0}"  # right after the resume at 48
-    proc = run_training(tiny_overrides(corpus, runs, *COMMON, *BASE[2], *QUICK_DETECTOR, spike, "train.max_steps=52"))
+    assert complete_tags(ring) == ["step_0000004", "step_0000012", "step_0000020"]
+    overwrite_runs(ring / "step_0000012" / "ayumi_rank00001.pt", runs=2)
+    spike = "+stability.inject.lr_multiply={24:50.0,25:50.0,26:50.0}"  # right after the resume at 24
+    proc = run_training(tiny_overrides(corpus, runs, *COMMON, *BASE[2], *QUICK_DETECTOR, spike, "train.max_steps=30"))
     assert proc.returncode == 0, proc.stdout[-6000:]
     [rollback] = events(run, "rollback")
-    assert rollback["to_step"] == 24  # the newest checkpoint >= 20 steps before the spike: the damaged ring one
+    assert rollback["to_step"] == 12  # the newest checkpoint >= 10 steps before the spike: the damaged ring one
     [corrupt] = events(run, "checkpoint_corrupt")
-    assert corrupt["checkpoint"] == str(ring / "step_0000024")
+    assert corrupt["checkpoint"] == str(ring / "step_0000012")
     assert corrupt["problem"] == "ayumi_rank00001.pt does not match the xxh3_128 checksum recorded at save"
     [recovered] = events(run, "recovered")
-    assert recovered["to_step"] == 16  # the newest older checkpoint that verifies (a long-term one)
-    # Kept aside; the step_0000024 there now is the replay's own ring checkpoint, written after the rollback.
-    assert (ring / "step_0000024.corrupt").is_dir() and verify(ring / "step_0000024").status == VERIFIED
+    assert recovered["to_step"] == 8  # the newest older checkpoint that verifies (a long-term one)
+    # Kept aside; the step_0000012 there now is the replay's own ring checkpoint, written after the rollback.
+    assert (ring / "step_0000012.corrupt").is_dir() and verify(ring / "step_0000012").status == VERIFIED
 
 
 def test_zero3_a_divergence_right_after_a_fallback_resume_saves_nothing_and_blames_the_checkpoint(base_run, tmp_path,
@@ -171,9 +193,9 @@ def test_zero3_a_divergence_right_after_a_fallback_resume_saves_nothing_and_blam
     expected = train_losses(run)
     overwrite_runs(ckpts / "step_0000024" / "ayumi_state.pt", runs=1, length=1)
     spike = "+stability.inject.lr_multiply={16:50.0,17:50.0,18:50.0}"  # at once after the resume from 16
-    proc = ayumi("train", *tiny_overrides(corpus, runs, *COMMON, *BASE[3], *QUICK_DETECTOR, spike,
-                                          "stability.action=stop", "checkpoint.interval=2", "train.max_steps=32"))
-    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_training(tiny_overrides(corpus, runs, *COMMON, *BASE[3], *QUICK_DETECTOR, spike,
+                                       "stability.action=stop", "checkpoint.interval=2", "train.max_steps=32"))
+    assert proc.returncode == 1 and "exitcode  : 3" in proc.stdout, proc.stdout[-3000:]  # torchrun: the ranks' 3
     assert Path(events(run, "checkpoint_corrupt")[0]["checkpoint"]).name == "step_0000024"
     assert train_losses(run)[17] == expected[17]  # the resume from 16 is exact up to the injected fault
     [stop] = events(run, "stop")

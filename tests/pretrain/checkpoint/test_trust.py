@@ -9,7 +9,7 @@ from pretrain.checkpoint import integrity
 from pretrain.checkpoint.checkpointer import LATEST, META, CheckpointError, Checkpointer, complete_tags, tag_for
 from pretrain.checkpoint.layout import quarantined
 from pretrain.checkpoint.ring import RunCheckpoints
-from pretrain.checkpoint.trust import CORRUPT_EVENT, NOTICE, report, resume_start
+from pretrain.checkpoint.trust import CORRUPT_EVENT, NOTICE, choose_start, report, resume_start
 from pretrain.stability.config import DetectorConfig, RecoveryConfig, StabilityConfig
 from pretrain.stability.recovery import StabilityMonitor
 
@@ -41,18 +41,28 @@ def saved_run(tmp_path, steps=(10, 20, 30), keep=0):
     return saver
 
 
+def resume(saver, engine, on_corrupt="fallback", load_from=None):
+    """What a run's start does: choose (verify) before the model is built, then load."""
+    return resume_start(choose_start(load_from, True, on_corrupt, saver), saver, engine)
+
+
 def damage(tag_dir, name=MODEL):
     data = bytearray((tag_dir / name).read_bytes())
     data[len(data) // 2] ^= 0xFF
     (tag_dir / name).write_bytes(bytes(data))
 
 
-def test_a_damaged_newest_checkpoint_is_set_aside_and_the_next_one_loads(tmp_path):
+def test_a_damaged_newest_checkpoint_is_set_aside_and_the_next_one_loads(tmp_path, monkeypatch):
     saver = saved_run(tmp_path)
     root = saver.root
     damage(root / tag_for(30))
     engine = Engine()
-    loaded = resume_start(None, True, "fallback", saver, engine)
+    hashed = []
+    hash_file = integrity.hash_file
+    monkeypatch.setattr(integrity, "hash_file", lambda path: hashed.append(path) or hash_file(path))
+    loaded = resume(saver, engine)
+    assert sorted(p.name for p in hashed if p.parent.name == tag_for(20)) == sorted(
+        ["ayumi_rank00000.pt", "ayumi_state.pt", MODEL]), "verified once, before the model is built, not again at load"
     assert loaded.tag == tag_for(20) and engine.loads == [tag_for(20)] and loaded.shared == {"train": {"step": 20}}
     assert [note.kind for note in loaded.notes] == [CORRUPT_EVENT]
     assert loaded.notes[0].message == (f"checkpoint {root / tag_for(30)} is damaged: {MODEL} does not match the xxh3_128 "
@@ -67,7 +77,7 @@ def test_refuse_stops_in_one_line_naming_the_checkpoint_and_file_and_renames_not
     damage(saver.root / tag_for(30), "ayumi_state.pt")
     engine = Engine()
     with pytest.raises(CheckpointError) as refused:
-        resume_start(None, True, "refuse", saver, engine)
+        resume(saver, engine, "refuse")
     message = str(refused.value)
     assert message.startswith(f"checkpoint {saver.root / tag_for(30)} is damaged: ayumi_state.pt does not match the "
                               "xxh3_128 checksum recorded at save. Fix: resume from the newest checkpoint that verifies "
@@ -78,13 +88,13 @@ def test_refuse_stops_in_one_line_naming_the_checkpoint_and_file_and_renames_not
 def test_a_state_that_cannot_be_trained_from_is_set_aside_like_damaged_files(tmp_path):
     saver = saved_run(tmp_path)
     engine = Engine(bad_state={tag_for(30)})
-    loaded = resume_start(None, True, "fallback", saver, engine)
+    loaded = resume(saver, engine)
     assert engine.loads == [tag_for(30), tag_for(20)] and loaded.tag == tag_for(20)
     assert loaded.notes[0].fields["problem"] == ("the state it loads cannot be trained from: Adam exp_avg_sq of "
                                                  "lm_head.weight holds non-finite values")
     with pytest.raises(CheckpointError, match=r"step_0000020 is damaged: the state it loads cannot be trained from: "
                                               r"Adam exp_avg_sq of lm_head.weight .*\. Fix: "):
-        resume_start(None, True, "refuse", saver, Engine(bad_state={tag_for(20)}))
+        resume(saver, Engine(bad_state={tag_for(20)}), "refuse")
 
 
 def test_when_no_checkpoint_verifies_the_run_is_refused_not_started_afresh(tmp_path):
@@ -93,7 +103,7 @@ def test_when_no_checkpoint_verifies_the_run_is_refused_not_started_afresh(tmp_p
         damage(saver.root / tag_for(step))
     with pytest.raises(CheckpointError, match=r"no checkpoint to load verifies: step_0000020.corrupt, "
                                               r"step_0000010.corrupt set aside as damaged. Fix: start afresh"):
-        resume_start(None, True, "fallback", saver, Engine())
+        resume(saver, Engine())
 
 
 def test_another_runs_checkpoint_is_refused_when_damaged_never_renamed(tmp_path):
@@ -102,7 +112,7 @@ def test_another_runs_checkpoint_is_refused_when_damaged_never_renamed(tmp_path)
     mine = Checkpointer(tmp_path / "mine", keep_last=2, rank=0, barrier=lambda: None)
     with pytest.raises(CheckpointError, match=r"step_0000030 is damaged: .* Fix: name another checkpoint in "
                                               r"checkpoint.load_from"):
-        resume_start(str(other.root), True, "fallback", mine, Engine())
+        resume(mine, Engine(), load_from=str(other.root))
     assert complete_tags(other.root) == [tag_for(10), tag_for(20), tag_for(30)]
 
 
@@ -112,7 +122,7 @@ def test_a_checkpoint_without_checksums_loads_with_a_notice(tmp_path):
     meta = json.loads(meta_path.read_text())
     del meta[integrity.RECORD_KEY]
     meta_path.write_text(json.dumps(meta))
-    loaded = resume_start(None, True, "fallback", saver, Engine())
+    loaded = resume(saver, Engine())
     assert [(note.kind, note.message) for note in loaded.notes] == [
         (NOTICE, f"note: {saver.root / tag_for(10)} records no checksums (saved before ayumi recorded them): loaded "
                  "without verifying its files")]
@@ -162,7 +172,7 @@ def test_keep_last_deletes_nothing_while_a_stop_would_blame_the_resumed_checkpoi
     saver = saved_run(tmp_path, steps=(10, 20), keep=2)
     stability = monitor(ring_interval=10, sustained_window=10)
     checkpoints = run_checkpoints(saver, stability, ring_interval=10)
-    loaded = resume_start(None, True, "fallback", saver, Engine())
+    loaded = resume(saver, Engine())
     checkpoints.note_resume(loaded)
     checkpoints.save(Engine(), 25, {}, {})  # 5 steps after the resume: the way back is kept
     assert complete_tags(saver.root) == [tag_for(10), tag_for(20), tag_for(25)]
@@ -188,7 +198,7 @@ def test_a_stop_right_after_a_resume_keeps_nothing_of_that_state_and_blames_the_
     saver = saved_run(tmp_path, steps=(10, 20), keep=2)
     stability = monitor(sustained_window=10)
     checkpoints = run_checkpoints(saver, stability)
-    loaded = resume_start(None, True, "fallback", saver, Engine())
+    loaded = resume(saver, Engine())
     checkpoints.note_resume(loaded)
     checkpoints.save(Engine(), 22, {}, {})  # an interval save from the suspect state
     message = stability.policy.stop_message(23, "spike at 23", "stability.action=stop: stopping at the first spike.")
