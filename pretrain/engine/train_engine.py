@@ -387,19 +387,19 @@ class TrainEngine:
             if local.numel() and not bool(torch.isfinite(local).all()):
                 return f"weight {name} holds non-finite values"
         optimizer = self.client_optimizer or getattr(self.optimizer, "optimizer", self.optimizer)
-        for index, group in enumerate(optimizer.param_groups):
-            for param in group["params"]:
-                what = names.get(id(param)) or f"param group {index}'s fp32 partition on rank {self.dist.rank}"
-                if param.numel() and not bool(torch.isfinite(param).all()):
-                    return f"fp32 weights of {what} hold non-finite values"
-                state = optimizer.state.get(param, {})
-                for key in ("exp_avg", "exp_avg_sq"):
-                    moment = state.get(key)
-                    if torch.is_tensor(moment) and moment.numel() and not bool(torch.isfinite(moment).all()):
-                        return f"Adam {key} of {what} holds non-finite values"
-                second = state.get("exp_avg_sq")
-                if torch.is_tensor(second) and bool((second < 0).any()):
-                    return f"Adam exp_avg_sq of {what} holds negative values (a second moment never is)"
+        # The optimizer's state is keyed by the tensors it updates: the module's own under ZeRO-0 fp32, else the fp32
+        # partitions ZeRO keeps (under ZeRO-3 not all of them sit in param_groups at once: the state has every one).
+        for param, state in optimizer.state.items():
+            what = names.get(id(param)) or f"an fp32 partition of {param.numel()} values on rank {self.dist.rank}"
+            if param.numel() and not bool(torch.isfinite(param).all()):
+                return f"fp32 weights of {what} hold non-finite values"
+            for key in ("exp_avg", "exp_avg_sq"):
+                moment = state.get(key)
+                if torch.is_tensor(moment) and moment.numel() and not bool(torch.isfinite(moment).all()):
+                    return f"Adam {key} of {what} holds non-finite values"
+            second = state.get("exp_avg_sq")
+            if torch.is_tensor(second) and bool((second < 0).any()):
+                return f"Adam exp_avg_sq of {what} holds negative values (a second moment never is)"
         return None
 
     def load(self, root: Path, tag: str, universal: bool = False) -> dict[str, Any]:
