@@ -14,6 +14,10 @@ How a save records them (pretrain/checkpoint/checkpointer.py drives it, synchron
 3. rank 0 merges every rank's sums, hashes from disk any file no rank reported (DeepSpeed's copied helper
    scripts), and writes them into ayumi.json before `latest` moves (`checksum_record`).
 
+The files carry no zip CRC32 of their own (`torch.save`'s, off for these saves): torch.load never checks it, it
+costs about a third of a save's time on a CPU, and the record covers every byte of every file and is checked before
+every load. Hashing in its place makes a save faster than it was without checksums (bench/checkpoint_async.py).
+
 Verification (`verify`) compares sizes first (a stat per file, so a truncated file is named before anything is
 read), then streams each file through the same hash. Ranks can split the files between them (`share`).
 A checkpoint saved before checksums were recorded is UNVERIFIABLE: it still loads, with a notice.
@@ -22,8 +26,10 @@ Imports no torch (only `save_hashed` does, to serialise): `ayumi checkpoint veri
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -93,20 +99,51 @@ def hash_file(path: Path) -> FileSum:
     return FileSum(size, digest.hexdigest())
 
 
+_crc_lock = threading.Lock()
+_crc_off = 0  # saves under way without torch's CRC32 (the training thread's and the background writer's)
+
+
+@contextlib.contextmanager
+def _without_torch_crc32():
+    """torch.save computes no zip CRC32 inside: torch.load never checks it, and the checksum recorded for the whole
+    file replaces it. torch's switch is process-wide: it is off while any of these saves runs, and back as it was
+    after the last (another thread's torch.save meanwhile merely writes no CRC32, which torch.load does not mind)."""
+    global _crc_off
+    import torch
+
+    with _crc_lock:
+        if _crc_off == 0:
+            _without_torch_crc32.kept = torch.serialization.get_crc32_options()
+            torch.serialization.set_crc32_options(False)
+        _crc_off += 1
+    try:
+        yield
+    finally:
+        with _crc_lock:
+            _crc_off -= 1
+            if _crc_off == 0:
+                torch.serialization.set_crc32_options(_without_torch_crc32.kept)
+
+
 def save_hashed(obj: Any, path: Path, *, durable: bool = False, atomic: bool = False, zipfile: bool = True) -> FileSum:
-    """`torch.save(obj, path)`, returning the written file's size and hash. `durable`: fsync it; `atomic`: write
-    under a temporary name beside it and rename (readers see no half file). `zipfile`: torch's format (DeepSpeed's
-    `checkpoint_serialization`)."""
+    """`torch.save(obj, path)` (without torch's zip CRC32), returning the written file's size and hash. `durable`:
+    fsync it; `atomic`: write under a temporary name beside it and rename (readers see no half file). `zipfile`:
+    torch's format (DeepSpeed's `checkpoint_serialization`)."""
     import torch
 
     path = Path(path)
     target = path.with_name(f".{path.name}.tmp{os.getpid()}") if atomic else path
-    with open(target, "wb") as handle:
-        hashing = HashingFile(handle)
-        torch.save(obj, hashing, _use_new_zipfile_serialization=zipfile)
-        handle.flush()
-        if durable:
-            os.fsync(handle.fileno())
+    try:
+        with open(target, "wb") as handle, _without_torch_crc32():
+            hashing = HashingFile(handle)
+            torch.save(obj, hashing, _use_new_zipfile_serialization=zipfile)
+            handle.flush()
+            if durable:
+                os.fsync(handle.fileno())
+    except BaseException:
+        if atomic:  # a half file under the final name is the caller's to remove (it removes the whole folder)
+            target.unlink(missing_ok=True)
+        raise
     if atomic:
         os.replace(target, path)
     return hashing.sum()

@@ -42,6 +42,18 @@ def test_the_sum_taken_while_writing_is_the_files_own(tmp_path, zipfile):
     assert written == hash_file(tmp_path / "x.pt") and written.size == (tmp_path / "x.pt").stat().st_size
     loaded = torch.load(tmp_path / "x.pt", weights_only=False)
     assert torch.equal(loaded["a"], obj["a"]) and loaded["view"].tolist() == [2, 3, 4]
+    assert torch.serialization.get_crc32_options() is True, "torch's own switch is back as it was"
+
+
+def test_torch_crc32_is_off_only_during_the_save_even_when_it_fails(tmp_path):
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError("cannot pickle")
+
+    with pytest.raises(RuntimeError, match="cannot pickle"):
+        save_hashed({"x": Unpicklable()}, tmp_path / "bad.pt", atomic=True)
+    assert torch.serialization.get_crc32_options() is True
+    assert list(tmp_path.iterdir()) == [], "the half-written temporary file is removed"
 
 
 @pytest.mark.parametrize("async_writes", [False, True])
