@@ -14,7 +14,7 @@ training step so the optimizer state exists, then in each round:
   waits for (staging the tensors in host memory); the background write (files + hashing + fsync +
   publication) is then waited for outside the timing, as the next save would after many steps;
 * async without hashing (the writer's hashing file swapped for a plain one): the same blocked time,
-  to show the checksums add none to it.
+  to show the checksums add none to it (the two async saves alternate which goes first as well).
 
 Medians over --repeats rounds. Each round saves to a fresh step, so every side writes the same
 bytes; plain and sync alternate which goes first, and their ratio is the median of each round's
@@ -151,11 +151,18 @@ def main(argv: list[str]) -> int:
         else:
             size = sync_save(step)
             unhashed_save(step)
-        blocked, written = async_save(step)
+        # The two async saves alternate too: the first after the synchronous ones meets their dirty pages' writeback.
+        if round_ % 2:
+            with unhashed_writes(integrity):
+                unhashed.append(async_save(step)[0])
+            step += 1
+            blocked, written = async_save(step)
+        else:
+            blocked, written = async_save(step)
+            step += 1
+            with unhashed_writes(integrity):
+                unhashed.append(async_save(step)[0])
         writes.append(written)
-        step += 1
-        with unhashed_writes(integrity):
-            unhashed.append(async_save(step)[0])
         if round_ == 0:
             first_async = blocked  # allocates the host buffers
         else:
