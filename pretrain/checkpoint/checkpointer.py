@@ -388,16 +388,6 @@ def _check_room_for_universal(tag_dir: Path, universal: Path) -> None:
         )
 
 
-def start_checkpoint(load_from: str, resume: bool, own_root: Path) -> tuple[Path, str] | None:
-    """(root, tag) of the checkpoint a run starts from: `checkpoint.load_from` when set, else the run's own
-    `latest` when `checkpoint.resume`; None for a fresh start."""
-    if load_from:
-        return resolve_checkpoint(load_from)
-    if resume and (tag := latest_tag(Path(own_root))) is not None:
-        return Path(own_root), tag
-    return None
-
-
 def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
     """(root, tag) from a tag folder, a checkpoint root (uses latest) or a run dir."""
     path = Path(path)

@@ -100,7 +100,7 @@ class RunCheckpoints:
 
     def load(self, engine, step: int) -> Loaded:
         """Load checkpoint `step` for a rollback, verified and checked. A damaged one is set aside and the newest
-        older one that verifies and is no rollback target's exception (taken during an outlier episode) is loaded
+        older one that verifies (and was not taken during an outlier episode: never a rollback target) is loaded
         instead (checkpoint.on_corrupt=fallback), or the run refused (refuse)."""
         bad = self.stability.policy.is_bad_checkpoint if self.stability is not None else (lambda older: False)
         steps = [step] + [older for older in reversed(self.steps) if older < step and not bad(older)]
