@@ -14,7 +14,7 @@ py=${2:-3.12}
 pip=(.venv/bin/python -m pip)
 version() { .venv/bin/python -c "import importlib.metadata as m; print(m.version('$1'))"; }
 mkdir -p "$out"
-binary=(hjson pydantic pydantic_core annotated-types typing-inspection hydra-core omegaconf zstandard)
+binary=(hjson pydantic pydantic_core annotated-types typing-inspection hydra-core omegaconf zstandard xxhash)
 specs=()
 for name in "${binary[@]}"; do specs+=("$name==$(version "$name")"); done
 platforms=()

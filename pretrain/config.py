@@ -246,11 +246,19 @@ class CheckpointConfig:
     Keeps one host-memory copy of the rank's checkpoint from save to save (two with the recovery ring)."""
     inject_write_delay_s: float = 0.0
     """Fault drill: the background writer sleeps this long before writing (tests kill a run mid-write)."""
+    on_corrupt: str = "fallback"
+    """What a resume (or a rollback) does when the checkpoint it would load is damaged: its files do not match the
+    checksums recorded at save, or the state it loads holds non-finite weights or Adam moments.
+    fallback: set the folder aside as `step_XXXXXXX.corrupt` (kept, never chosen again), write a `checkpoint_corrupt`
+    event, and load the newest checkpoint that verifies. refuse: stop before any rank trains, exit status 2, one
+    line naming the checkpoint and the file. A `load_from` checkpoint (another run's) is always refused, never
+    renamed."""
 
-    RANGES: ClassVar[dict[str, Range]] = {
+    RANGES: ClassVar[dict[str, Rule]] = {
         "interval": at_least(0, "0 = only on signals and at the end"),
         "keep_last": at_least(0, "0 = keep every checkpoint"),
         "inject_write_delay_s": at_least(0),
+        "on_corrupt": one_of("fallback", "refuse", note="fallback: set it aside and load the newest that verifies"),
     }
     """Allowed values, checked before any rank starts (pretrain/ranges.py)."""
 

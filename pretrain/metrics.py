@@ -23,7 +23,7 @@ EVENTS_FILE = "events.jsonl"
 WANDB_ID_FILE = "wandb_run_id"
 # Events worth a W&B alert (an e-mail/Slack ping when the run is online).
 ALERT_EVENTS = {"spike": "WARN", "rollback": "WARN", "recovered": "INFO", "loss_scale_reset": "WARN",
-                "loss_scale_alarm": "WARN", "stop": "ERROR", "stability_stop": "ERROR"}
+                "loss_scale_alarm": "WARN", "stop": "ERROR", "stability_stop": "ERROR", "checkpoint_corrupt": "WARN"}
 EVENT_COLUMNS = ["step", "tokens", "event", "message"]
 
 

@@ -53,14 +53,15 @@ from data.domains import open_run_data
 from data.manifest import MANIFEST_NAME, ManifestError, check_manifest_tokenizer, load_manifest
 from data.packed import CorruptShardError, DataChangedError, PackedSamples, ShuffledDomains
 from data.shards import ShardFormatError, TokenizerMismatchError
-from pretrain.checkpoint.checkpointer import META, CheckpointError, Checkpointer, CheckpointWriteFailed, start_checkpoint
+from pretrain.checkpoint.checkpointer import CheckpointError, Checkpointer, CheckpointWriteFailed
+from pretrain.checkpoint.trust import choose_start, resume_start
 from pretrain.config import (
     CHECKED_BY_LAUNCHER_ENV, EXIT_CONFIG_ERROR, AyumiConfig, ConfigError, async_checkpoints, check_config, config_as_yaml,
     config_from_args, data_parallel_grad_accum, default_run_notice, print_config_error, total_steps,
 )
 from pretrain.engine.train_engine import DistInfo, TrainEngine, build_model
 from pretrain.engine.distributed import (
-    all_reduce_tensor, any_rank, barrier, broadcast_object, finalize_distributed, init_distributed,
+    all_reduce_tensor, any_rank, barrier, broadcast_object, finalize_distributed, first_problem, init_distributed,
 )
 from pretrain.engine.ds_config import save_ds_config
 from pretrain.job.exit_status import record_exit
@@ -194,8 +195,15 @@ def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict,
     """Everything the loop needs, in data-flow order: data, model, engine, checkpoints, metrics."""
     grad_accum = data_parallel_grad_accum(cfg.train, dist.dp_size)
     run_dir = Path(cfg.run_dir)
-    start = _checkpoint_meta(cfg)  # the checkpoint this run starts from ({} for a fresh run)
-    precision = settle_precision(cfg, dist, start.get("precision"))
+    ckpt = cfg.checkpoint
+    checkpointer = Checkpointer(Path(ckpt.dir), ckpt.keep_last, dist.rank, barrier, dist.world_size,
+                                cfg.deepspeed.zero_stage, any_rank, async_writes=async_checkpoints(cfg, dist.device),
+                                write_delay_s=ckpt.inject_write_delay_s, tensor_parallel=dist.tensor_parallel,
+                                first_problem=first_problem)
+    # The checkpoint this run starts from, its files verified before anything is built: a damaged one is set aside
+    # for an older one or the run refused (checkpoint.on_corrupt). None for a fresh run.
+    start = choose_start(ckpt.load_from, ckpt.resume, ckpt.on_corrupt, checkpointer)
+    precision = settle_precision(cfg, dist, start.meta.get("precision") if start else None)
     tokenizer = load_tokenizer_identity(cfg.data.tokenizer_dir)
     register_declared_data(cfg, dist)
     source, val_sets = build_data(cfg, tokenizer, job_hardware(dist))
@@ -204,16 +212,14 @@ def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict,
     model = build_model(lambda init_weights: Llama(cfg.model, init_weights=init_weights), cfg, dist,
                         initial=None if start else hf_initial_weights(cfg))
     engine = TrainEngine(model, cfg, dist)
-    checkpointer = Checkpointer(Path(cfg.checkpoint.dir), cfg.checkpoint.keep_last, dist.rank, barrier,
-                                dist.world_size, cfg.deepspeed.zero_stage, any_rank,
-                                expected_bytes=checkpoint_shape(cfg, count_parameters(cfg.model)).size,
-                                async_writes=async_checkpoints(cfg, dist.device),
-                                write_delay_s=cfg.checkpoint.inject_write_delay_s, tensor_parallel=dist.tensor_parallel)
+    checkpointer.expected_bytes = checkpoint_shape(cfg, count_parameters(cfg.model)).size  # the precision is settled
     # Each rank gets its own stream of randomness (dropout-free today, but user code may add it).
     torch.manual_seed(cfg.train.seed + 1000 * dist.rank)
-
-    # Metrics files are cut back to the step a resume of this run starts from (not another run's).
-    resume_step = None if cfg.checkpoint.load_from else start.get("step")
+    # Loaded (each rank's RNG restored) and its state checked (an older one if that state cannot be trained from),
+    # before the metrics files are opened: they are cut back to the step the run really starts from.
+    resumed = resume_start(start, checkpointer, engine)
+    # Only a resume of this run cuts its metrics back (another run's checkpoint starts this run's files afresh).
+    resume_step = None if cfg.checkpoint.load_from or resumed is None else resumed.step
     if dist.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_text_atomic(run_dir / "config.yaml", config_as_yaml(OmegaConf.create(resolved)))
@@ -231,7 +237,7 @@ def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict,
                 "precision_reason": precision.reason, **tokenizer}
     trainer = Trainer(cfg, dist, engine, loader, val_sets, logger, checkpointer, total_steps(cfg.train), run_meta,
                       watchdog=watchdog)
-    trainer.resume_if_possible()
+    trainer.resume_if_possible(resumed)
     return trainer, logger
 
 
@@ -312,15 +318,6 @@ def settle_precision(cfg: AyumiConfig, dist: DistInfo, saved: str | None = None)
         if choice.warning:
             print(f"WARNING: {choice.warning}", file=sys.stderr, flush=True)
     return choice
-
-
-def _checkpoint_meta(cfg: AyumiConfig) -> dict:
-    """ayumi.json of the checkpoint this run will start from ({} for a fresh run)."""
-    start = start_checkpoint(cfg.checkpoint.load_from, cfg.checkpoint.resume, Path(cfg.checkpoint.dir))
-    if start is None:
-        return {}
-    root, tag = start
-    return json.loads((root / tag / META).read_text())
 
 
 def lock_run_dir(cfg: AyumiConfig, dist: DistInfo) -> RunDirLock | None:

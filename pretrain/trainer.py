@@ -22,8 +22,9 @@ import torch
 
 from curriculum.mixer import Mixer
 from data.packed import PackedSamples
-from pretrain.checkpoint.checkpointer import Checkpointer, resharded_note, start_checkpoint
+from pretrain.checkpoint.checkpointer import Checkpointer, resharded_note
 from pretrain.checkpoint.ring import RunCheckpoints
+from pretrain.checkpoint.trust import Loaded, report
 from pretrain.config import AyumiConfig, advisable_settings, tokens_per_step
 from pretrain.engine.distributed import DistInfo, all_reduce_tensor, barrier, broadcast_object
 from pretrain.engine.optimizer import lr_at
@@ -113,7 +114,7 @@ class Trainer:
                                           knobs=advisable_settings(cfg))
         ring_interval = stab.recovery.ring_interval if stab.enabled and stab.action == "recover" else 0
         self.checkpoints = RunCheckpoints(checkpointer, dist.is_main, barrier, broadcast_object, ring_interval,
-                                          on_change=self.stability.set_checkpoints)
+                                          self.stability, cfg.checkpoint.on_corrupt)
         self.evaluator = Evaluator(cfg, dist, engine, val_sets, logger, self.watchdog, total_steps)
         self.drills = FaultDrills(cfg, dist, self.stability.injector, logger, self.tokens_per_step)
         stragglers = StragglerMonitor(cfg.hang, self._gather_per_rank)
@@ -149,18 +150,16 @@ class Trainer:
         if with_stability and "stability" in shared:
             self.stability.load_state_dict(shared["stability"])
 
-    def resume_if_possible(self) -> int | None:
-        """Load `latest` (or checkpoint.load_from); returns the resumed step, None for a fresh start."""
-        start = start_checkpoint(self.cfg.checkpoint.load_from, self.cfg.checkpoint.resume,
-                                 self.checkpoints.long_term.root)
-        if start is None:
+    def resume_if_possible(self, resumed: Loaded | None) -> int | None:
+        """Take over what pretrain.checkpoint.trust.resume_start loaded; the resumed step, None for a fresh start."""
+        if resumed is None:
             return None
-        root, tag = start
-        shared, meta = self.checkpoints.long_term.load(self.engine, tag, root=root)
-        self.load_shared_state(shared)
+        self.load_shared_state(resumed.shared)
         self.apply_optimizer_overrides()
-        self.logger.info(f"resumed from {root / tag} at step {self.state.step} ({format_count(self.state.tokens)} tokens)"
-                         f"{resharded_note(meta, self.dist.world_size, self.dist.tensor_parallel)}")
+        self.checkpoints.note_resume(resumed)
+        report(resumed.notes, self.logger, self.state.step, self.state.tokens)
+        self.logger.info(f"resumed from {resumed.path} at step {self.state.step} ({format_count(self.state.tokens)} "
+                         f"tokens){resharded_note(resumed.meta, self.dist.world_size, self.dist.tensor_parallel)}")
         return self.state.step
 
     def _gather_per_rank(self, value: float) -> list[float]:
@@ -249,7 +248,8 @@ class Trainer:
             return outcome
         if action.kind == "stop":
             self.logger.info(f"STOPPING: {action.message}")
-            self.save("stability stop")
+            if not self.checkpoints.discard_if_blamed(step):  # right after a resume: nothing of this state is kept
+                self.save("stability stop")
             outcome.stability_stop = action.message
             return outcome
         if self.evaluator.due(step):
@@ -415,19 +415,18 @@ class Trainer:
 
     # -- recovery -------------------------------------------------------------------------------
     def roll_back(self, action: Action) -> None:
-        """Load checkpoint `to_step`, skip the batches around the spike, cool the LR, carry on.
-
-        The stability history (recovery count, bad steps, cool-down) stays as it is in memory:
-        the checkpoint predates the spike and must not make the run forget it. Checkpoints of
-        the abandoned timeline are deleted and the recovered state is saved at once, so a crash
-        from here on resumes after the skip, never before it.
-        """
+        """Load checkpoint `to_step` (verified; the newest older one that verifies if it is damaged), skip the
+        batches around the spike, cool the LR, carry on. The stability history (recovery count, bad steps, cool-down)
+        stays as it is in memory: the checkpoint predates the spike and must not make the run forget it. Checkpoints
+        of the abandoned timeline are deleted and the recovered state is saved at once, so a crash from here on
+        resumes after the skip, never before it."""
         began = time.perf_counter()
-        to_step = int(action.to_step)
         self.drain_checkpoints(prune=False)  # nothing in flight while folders are loaded and dropped
         with self.watchdog.phase(self.state.step, "checkpoint load"):
-            root, shared = self.checkpoints.load(self.engine, to_step)
-        self.load_shared_state(shared, with_stability=False)
+            loaded = self.checkpoints.load(self.engine, int(action.to_step))  # an older one if that one is damaged
+        report(loaded.notes, self.logger, self.state.step, self.state.tokens)
+        to_step = loaded.step
+        self.load_shared_state(loaded.shared, with_stability=False)
         self.checkpoints.drop_after(to_step)
         self.skip_batches(action.skip_batches)
         if action.reset_loss_scale is not None:
@@ -437,7 +436,7 @@ class Trainer:
         self.save("after rollback")
         latency = time.perf_counter() - began  # detection -> training again, the save included
         self.logger.event("recovered", to_step, self.state.tokens,
-                          f"rolled back to step {to_step} ({root.name}), skipped {action.skip_batches} batches, "
+                          f"rolled back to step {to_step} ({loaded.root.name}), skipped {action.skip_batches} batches, "
                           f"LR x{action.lr_factor:g} cooling over {action.cooldown_steps} steps; "
                           f"training again after {latency:.1f}s", latency_s=latency, to_step=to_step,
                           skip_batches=action.skip_batches)

@@ -10,10 +10,12 @@ How a save goes (pretrain.checkpoint.checkpointer.Checkpointer drives it; all ra
    a *copy* of each tensor instead of writing (training goes on mutating the originals in place).
    DeepSpeed's own collectives in ``save_checkpoint`` (barriers, tag validation) run here, on
    the training thread, as in a synchronous save.
-2. ``BackgroundWriter.start`` writes the staged files, fsyncs each and the folder, then leaves a
-   ``.written_rankNNNNN`` marker (fsynced too). The thread does no collective: gloo and NCCL do
-   not allow one concurrent with the training's on the same group.
-3. Rank 0's thread publishes (``ayumi.json``, then ``latest``, via the caller's ``publish``) once
+2. ``BackgroundWriter.start`` writes the staged files, hashing each from the bytes it writes
+   (pretrain/checkpoint/integrity.py: the checksums cost the training nothing), fsyncs each and the
+   folder, then leaves a ``.written_rankNNNNN`` marker holding the files' sums (fsynced, renamed into
+   place whole). The thread does no collective: gloo and NCCL do not allow one concurrent with the
+   training's on the same group.
+3. Rank 0's thread publishes (``ayumi.json`` with every rank's sums, then ``latest``, via the caller's ``publish``) once
    every rank's marker is there, or once the ranks agreed at the next save or a drain that all
    writes are done (``peers_done``: for checkpoint folders that are not one shared file system).
    A crash or kill -9 before that leaves the previous ``latest`` and its folder as they were.
@@ -40,8 +42,11 @@ import numpy as np
 import torch
 
 from common.files import fsync_dir
+from pretrain.checkpoint.integrity import relative_sums, save_hashed, write_sums
 
 WRITTEN = ".written_rank{:05d}"
+"""A rank's marker: its files are durable; it holds their sums (integrity.write_sums)."""
+WRITTEN_GLOB = ".written_rank*"
 FAILED = ".failed_rank{:05d}"
 
 
@@ -154,14 +159,6 @@ class StagingCollector:
         pass
 
 
-def write_durable(obj: Any, path: Path) -> None:
-    """torch.save obj to path and fsync it."""
-    with open(path, "wb") as handle:
-        torch.save(obj, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
 class BackgroundWriter:
     """One rank's background writes of one checkpoint root, one checkpoint at a time."""
 
@@ -192,16 +189,14 @@ class BackgroundWriter:
             folders = {tag_dir} | {path.parent for path, _ in files}
             if self.delay_s > 0:
                 time.sleep(self.delay_s)
+            sums = {}
             for path, obj in files:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                write_durable(obj, path)
+                sums[path] = save_hashed(obj, path, durable=True)
             files.clear()  # let the staged copies go as soon as they are on disk
             for folder in folders:
                 fsync_dir(folder)
-            marker = tag_dir / WRITTEN.format(self.rank)
-            with open(marker, "w") as handle:
-                handle.flush()
-                os.fsync(handle.fileno())
+            write_sums(tag_dir / WRITTEN.format(self.rank), relative_sums(tag_dir, sums))
         except BaseException as err:  # noqa: BLE001 - reported at the next agreement
             self.error = err
             try:
@@ -229,7 +224,7 @@ class BackgroundWriter:
                 self.error = RuntimeError("another rank could not write its part: "
                                           + "; ".join(p.read_text().strip() for p in tag_dir.glob(".failed_rank*")))
                 return False
-            if sum(1 for _ in tag_dir.glob(".written_rank*")) >= self.world_size:
+            if sum(1 for _ in tag_dir.glob(WRITTEN_GLOB)) >= self.world_size:
                 return True
             self._peers_done.wait(0.05)
         return False

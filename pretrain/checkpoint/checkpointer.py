@@ -8,6 +8,12 @@ Layout under the checkpoint root::
         ayumi.json                written last by rank 0: marks the folder complete, describes it
     latest                        the newest complete tag, replaced atomically after ayumi.json
     universal/step_0000100/       only while a checkpoint of another data-parallel size is loaded
+    step_0000040.corrupt/         a damaged checkpoint a run set aside (pretrain/checkpoint/trust.py)
+
+`ayumi.json` records every file's size and checksum (pretrain/checkpoint/integrity.py): each rank hashes
+what it writes as it writes it, and rank 0 merges the ranks' sums into the record before `latest` moves.
+Every load verifies the folder against that record first (resumes, rollbacks, and so the universal
+conversion too), all ranks sharing the hashing and agreeing on the verdict.
 
 A crash mid-save leaves a folder without `ayumi.json` and `latest` still naming the previous
 checkpoint; such folders are never loaded and are removed by the next save. With `async_writes`
@@ -26,25 +32,39 @@ import random
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from curriculum.plan import directory_bytes, existing_parent, human_bytes
-from pretrain.checkpoint.async_writer import BackgroundWriter, HostBuffers, StagingCollector, finish_staging, stage
+from pretrain.checkpoint import integrity
+from pretrain.checkpoint.async_writer import (
+    WRITTEN, WRITTEN_GLOB, BackgroundWriter, HostBuffers, StagingCollector, finish_staging, stage,
+)
+from pretrain.checkpoint.layout import (  # noqa: F401 - the folder names, re-exported for the checkpointer's users
+    LATEST, META, QUARANTINE_SUFFIX, SHARED_STATE, TAG_PREFIX, complete_tags, is_complete, is_tag, latest_tag,
+    rank_state_name, step_of, tag_for,
+)
 from pretrain.model.config import ModelConfig
 from common.files import write_text_atomic
 
-LATEST = "latest"
-META = "ayumi.json"
-SHARED_STATE = "ayumi_state.pt"
-TAG_PREFIX = "step_"
 UNIVERSAL_DIR = "universal"  # under a checkpoint root: converted copies, while they are being loaded
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, or does not fit this run."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A checkpoint's files do not match the checksums recorded at save, or the state it loads cannot be trained
+    from (non-finite weights or Adam moments). Raised on every rank alike; the message is one line naming the
+    checkpoint and the file or tensor."""
+
+    def __init__(self, tag_dir: Path, problem: str):
+        super().__init__(integrity.damaged_line(tag_dir, problem))
+        self.tag_dir = Path(tag_dir)
+        self.problem = problem
 
 
 class CheckpointDiskFull(CheckpointError):
@@ -70,47 +90,6 @@ def _looks_like_a_full_disk(err: BaseException, root: Path, needed: int) -> bool
         _free_bytes(root) < max(needed, 1 << 20)
 
 
-def tag_for(step: int) -> str:
-    return f"{TAG_PREFIX}{step:07d}"
-
-
-def step_of(tag: str) -> int:
-    return int(tag[len(TAG_PREFIX):])
-
-
-def rank_state_name(rank: int) -> str:
-    return f"ayumi_rank{rank:05d}.pt"
-
-
-def atomic_torch_save(obj: Any, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def is_complete(tag_dir: Path) -> bool:
-    return (tag_dir / META).is_file()
-
-
-def complete_tags(root: Path) -> list[str]:
-    """Complete checkpoint tags under root, oldest first."""
-    if not root.is_dir():
-        return []
-    tags = [p.name for p in root.iterdir() if p.is_dir() and p.name.startswith(TAG_PREFIX) and is_complete(p)]
-    return sorted(tags, key=step_of)
-
-
-def latest_tag(root: Path) -> str | None:
-    """The tag `latest` names, if that checkpoint is complete; else the newest complete one."""
-    pointer = root / LATEST
-    if pointer.is_file():
-        tag = pointer.read_text().strip()
-        if tag and is_complete(root / tag):
-            return tag
-    tags = complete_tags(root)
-    return tags[-1] if tags else None
-
-
 def capture_rng() -> dict[str, Any]:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -134,11 +113,15 @@ class Checkpointer:
     (converted by rank 0 under `<root>/universal/`, removed after loading; DeepSpeed 0.19 merges and
     re-cuts AutoTP shards there). `any_rank(flag)` is True on every rank when the
     flag is on any one (pretrain.engine.distributed.any_rank); it carries a failed conversion to all ranks.
+    `first_problem(text)` gives every rank the problem of the lowest rank that has one
+    (pretrain.engine.distributed.first_problem): the ranks verify a checkpoint's files together and
+    all take the same decision, naming the same file.
     """
 
     def __init__(self, root: Path, keep_last: int, rank: int, barrier, world_size: int = 1, zero_stage: int = 0,
                  any_rank=lambda flag: flag, expected_bytes: int = 0, async_writes: bool = False,
-                 write_delay_s: float = 0.0, tensor_parallel: int = 1):
+                 write_delay_s: float = 0.0, tensor_parallel: int = 1,
+                 first_problem: Callable[[str | None], str | None] = lambda problem: problem):
         self.expected_bytes = expected_bytes
         """About what one checkpoint of this run takes on disk (curriculum.plan.checkpoint_size); 0 = unknown."""
         self.root = Path(root)
@@ -149,6 +132,9 @@ class Checkpointer:
         self.zero_stage = zero_stage
         self.tensor_parallel = tensor_parallel
         self._any_rank = any_rank
+        self.first_problem = first_problem
+        self.protect: Callable[[int, list[int]], set[int]] = lambda step, steps: set()
+        """Steps keep_last must not delete after a save at `step` (set by pretrain.checkpoint.ring.RunCheckpoints)."""
         self.async_writes = async_writes
         """Stage in host memory and write in the background (checkpoint.async_save)."""
         self._write_delay_s = write_delay_s
@@ -160,7 +146,7 @@ class Checkpointer:
         """A checkpointer for another folder of the same run (the rollback ring): same ranks, stage, writes."""
         return Checkpointer(root, keep_last, self.rank, self._barrier, self.world_size, self.zero_stage,
                             self._any_rank, self.expected_bytes, self.async_writes, self._write_delay_s,
-                            self.tensor_parallel)
+                            self.tensor_parallel, self.first_problem)
 
     @property
     def pending_step(self) -> int | None:
@@ -188,7 +174,7 @@ class Checkpointer:
             raise CheckpointWriteFailed(f"saving {tag_dir} failed on another rank (its log says why); "
                                         f"{self._full_disk_advice(step)}")
         if self.rank == 0 and prune:
-            self._prune()
+            self._prune(step)
         return tag_dir
 
     def save(self, engine, step: int, shared_state: dict[str, Any], meta: dict[str, Any]) -> Path:
@@ -204,23 +190,35 @@ class Checkpointer:
         if self.async_writes:
             return self._save_async(engine, step, tag_dir, shared_state, meta)
         try:
-            engine.save(self.root, tag, client_state={"ayumi_step": step})
-            atomic_torch_save(capture_rng(), tag_dir / rank_state_name(self.rank))
+            hashing = integrity.HashingEngine()  # DeepSpeed's files, hashed as they are written
+            engine.save(self.root, tag, client_state={"ayumi_step": step}, collector=hashing)
+            sums = hashing.sums
+            sums[tag_dir / rank_state_name(self.rank)] = integrity.save_hashed(
+                capture_rng(), tag_dir / rank_state_name(self.rank), atomic=True)
             if self.rank == 0:
-                atomic_torch_save(shared_state, tag_dir / SHARED_STATE)
+                sums[tag_dir / SHARED_STATE] = integrity.save_hashed(shared_state, tag_dir / SHARED_STATE, atomic=True)
+            integrity.write_sums(tag_dir / WRITTEN.format(self.rank), integrity.relative_sums(tag_dir, sums))
         except (OSError, RuntimeError) as err:
             raise self._write_failed(tag_dir, step, err) from err
-        self._barrier()  # every rank's files are on disk before the folder is declared complete
+        self._barrier()  # every rank's files and sums are on disk before the folder is declared complete
         if self.rank == 0:
-            meta = {**meta, "step": step, "tag": tag, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
             try:
-                write_text_atomic(tag_dir / META, json.dumps(meta, indent=2, default=str) + "\n")
-                write_text_atomic(self.root / LATEST, tag + "\n")
+                self._publish(tag_dir, step, meta)
             except OSError as err:
                 raise self._write_failed(tag_dir, step, err) from err
-            self._prune()
+            self._prune(step)
         self._barrier()
         return tag_dir
+
+    def _publish(self, tag_dir: Path, step: int, meta: dict[str, Any]) -> None:
+        """Rank 0, once every rank's files are written: ayumi.json with every file's checksum, then `latest`."""
+        markers = sorted(tag_dir.glob(WRITTEN_GLOB))
+        meta = {**meta, "step": step, "tag": tag_dir.name, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                integrity.RECORD_KEY: integrity.checksum_record(tag_dir, markers)}
+        write_text_atomic(tag_dir / META, json.dumps(meta, indent=2, default=str) + "\n")
+        write_text_atomic(self.root / LATEST, tag_dir.name + "\n")
+        for marker in markers:
+            marker.unlink(missing_ok=True)
 
     def _save_async(self, engine, step: int, tag_dir: Path, shared_state: dict[str, Any],
                     meta: dict[str, Any]) -> Path:
@@ -235,11 +233,8 @@ class Checkpointer:
             raise self._write_failed(tag_dir, step, err) from err
         publish = None
         if self.rank == 0:
-            meta = {**meta, "step": step, "tag": tag_dir.name, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
-
-            def publish() -> None:  # on rank 0's writer thread, once every rank's files are durable
-                write_text_atomic(tag_dir / META, json.dumps(meta, indent=2, default=str) + "\n")
-                write_text_atomic(self.root / LATEST, tag_dir.name + "\n")
+            def publish() -> None:  # on rank 0's writer thread, once every rank's files and sums are durable
+                self._publish(tag_dir, step, meta)
         self._writer.start(tag_dir, files, publish)
         self._pending = (tag_dir, step)
         return tag_dir
@@ -274,29 +269,39 @@ class Checkpointer:
                 f"on rank {self.rank}; {self._full_disk_advice(step)}")
         return CheckpointWriteFailed(f"saving {tag_dir} failed on rank {self.rank}: {err}; {self._full_disk_advice(step)}")
 
-    def _prune(self) -> None:
-        """Drop old complete checkpoints beyond keep_last and any incomplete leftovers."""
+    def _prune(self, step: int) -> None:
+        """Drop old complete checkpoints beyond keep_last (but those `protect` names) and incomplete leftovers.
+        Folders set aside as damaged (`.corrupt`) are no tags: never counted, never deleted."""
         tags = complete_tags(self.root)
         newest = tags[-1] if tags else None
+        kept = self.protect(step, [step_of(tag) for tag in tags])
         for tag in tags[:-self.keep_last] if self.keep_last > 0 else []:
-            if tag != newest:
+            if tag != newest and step_of(tag) not in kept:
                 shutil.rmtree(self.root / tag, ignore_errors=True)
         for path in self.root.iterdir():
-            if path.is_dir() and path.name.startswith(TAG_PREFIX) and not is_complete(path):
+            if path.is_dir() and is_tag(path.name) and not is_complete(path):
                 if newest is None or step_of(path.name) < step_of(newest):
                     shutil.rmtree(path, ignore_errors=True)
 
-    def load(self, engine, tag: str, root: Path | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    def load(self, engine, tag: str, root: Path | None = None,
+             verdict: integrity.Verdict | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
         """Load engine state and return (shared state, meta); restores this rank's RNG last.
 
         meta["resharded_from"] is set when the checkpoint came from another number of ranks
-        through the universal form. Ranks the checkpoint had no RNG file for keep their seed.
+        through the universal form; meta["verified"] says whether its files were checked against
+        checksums (False: saved before they were recorded). Ranks the checkpoint had no RNG file for
+        keep their seed. Raises CheckpointCorrupt on every rank, before anything is read, when a file
+        does not match its checksum. `verdict`: the folder was just verified (not hashed again).
         """
         root = Path(root or self.root)
         tag_dir = root / tag
         if not is_complete(tag_dir):
             raise CheckpointError(f"{tag_dir} is not a complete ayumi checkpoint (no {META})")
-        meta = json.loads((tag_dir / META).read_text())
+        verdict = verdict or self.verify(tag_dir)
+        if verdict.status == integrity.DAMAGED:
+            raise CheckpointCorrupt(tag_dir, verdict.problem)
+        meta = integrity.read_meta(tag_dir)
+        meta["verified"] = verdict.status == integrity.VERIFIED
         if self._needs_universal(tag_dir, meta):
             self._load_universal(engine, tag_dir)
             meta["resharded_from"] = meta["world_size"]
@@ -308,6 +313,26 @@ class Checkpointer:
         if rank_file.exists():
             restore_rng(torch.load(rank_file, map_location="cpu", weights_only=False))
         return shared, meta
+
+    def verify(self, tag_dir: Path) -> integrity.Verdict:
+        """The folder against its recorded checksums: each rank hashes its share of the files, and every rank
+        gets the same verdict (the problem the lowest rank found, naming the file)."""
+        verdict = integrity.verify(tag_dir, share=(self.rank, self.world_size))
+        problem = self.first_problem(verdict.problem if verdict.status == integrity.DAMAGED else None)
+        return integrity.Verdict(integrity.DAMAGED, verdict.files, problem) if problem else verdict
+
+    def set_aside(self, tag_dir: Path) -> Path:
+        """Rename a damaged checkpoint folder to `<name>.corrupt` (rank 0, then a barrier) so it is never chosen,
+        listed or pruned again, and kept for a person to look at. Returns the new path."""
+        aside = tag_dir.with_name(tag_dir.name + QUARANTINE_SUFFIX)
+        number = 1
+        while aside.exists():  # the same step damaged twice (a re-save of it, damaged again)
+            number += 1
+            aside = tag_dir.with_name(f"{tag_dir.name}{QUARANTINE_SUFFIX}{number}")
+        if self.rank == 0 and tag_dir.exists():
+            tag_dir.rename(aside)
+        self._barrier()
+        return aside
 
     def _needs_universal(self, tag_dir: Path, meta: dict[str, Any]) -> bool:
         """Whether DeepSpeed cannot load this checkpoint directly on this run's ranks."""
@@ -363,16 +388,6 @@ def _check_room_for_universal(tag_dir: Path, universal: Path) -> None:
         )
 
 
-def start_checkpoint(load_from: str, resume: bool, own_root: Path) -> tuple[Path, str] | None:
-    """(root, tag) of the checkpoint a run starts from: `checkpoint.load_from` when set, else the run's own
-    `latest` when `checkpoint.resume`; None for a fresh start."""
-    if load_from:
-        return resolve_checkpoint(load_from)
-    if resume and (tag := latest_tag(Path(own_root))) is not None:
-        return Path(own_root), tag
-    return None
-
-
 def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
     """(root, tag) from a tag folder, a checkpoint root (uses latest) or a run dir."""
     path = Path(path)
@@ -393,13 +408,19 @@ def model_config_from_meta(meta: dict[str, Any]) -> ModelConfig:
 
 
 def load_for_export(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelConfig, dict[str, Any]]:
-    """Consolidated fp32 weights, the model config, and tokenizer facts of a checkpoint."""
+    """Consolidated fp32 weights, the model config, and tokenizer facts of a checkpoint, once its files are verified
+    against their checksums (CheckpointCorrupt otherwise). extra["verified"] is False for a checkpoint saved
+    before checksums were recorded."""
     from pretrain.engine.checkpoint_formats import consolidated_state_dict
 
     root, tag = resolve_checkpoint(path)
-    meta = json.loads((root / tag / META).read_text())
+    verdict = integrity.verify(root / tag)
+    if verdict.status == integrity.DAMAGED:
+        raise CheckpointCorrupt(root / tag, verdict.problem)
+    meta = integrity.read_meta(root / tag)
     state = consolidated_state_dict(root, tag)
     extra = {key: meta.get(key) for key in ("tokenizer_dir", "bos_id", "eos_id", "pad_id")}
+    extra["verified"] = verdict.status == integrity.VERIFIED
     return state, model_config_from_meta(meta), extra
 
 

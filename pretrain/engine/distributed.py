@@ -177,6 +177,16 @@ def any_rank(flag: bool) -> bool:
     return bool(all_reduce_tensor(torch.tensor([1.0 if flag else 0.0]), op="max").item() > 0)
 
 
+def first_problem(problem: str | None) -> str | None:
+    """The problem of the lowest rank that has one, on every rank (None when no rank has one): ranks that each
+    checked a share (a checkpoint's files, their own partitions) take the same decision and name the same thing."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return problem
+    world = dist.get_world_size()
+    first = int(all_reduce_tensor(torch.tensor([float(dist.get_rank() if problem else world)]), op="min").item())
+    return None if first == world else broadcast_object(problem, src=first)
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()

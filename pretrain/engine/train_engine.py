@@ -357,10 +357,11 @@ class TrainEngine:
     def save(self, root: Path, tag: str, client_state: dict[str, Any], collector=None) -> None:
         """Every rank writes its DeepSpeed shards under root/tag (no `latest`: the caller owns it).
 
-        With a `collector` (pretrain.checkpoint.async_writer.StagingCollector) nothing is written: it
-        stands in for DeepSpeed's checkpoint engine for this one call, every file DeepSpeed would
-        write goes through its `save(state_dict, path)`, on every ZeRO stage (DeepSpeed 0.19.8
-        `save_checkpoint` -> `_save_checkpoint` / `_save_zero_checkpoint`), and it stages a copy.
+        A `collector` stands in for DeepSpeed's checkpoint engine for this one call: every file DeepSpeed
+        would write goes through its `save(state_dict, path)`, on every ZeRO stage (DeepSpeed 0.19.8
+        `save_checkpoint` -> `_save_checkpoint` / `_save_zero_checkpoint`). The checkpointer passes
+        pretrain.checkpoint.async_writer.StagingCollector (stages a copy, writes nothing) or
+        pretrain.checkpoint.integrity.HashingEngine (writes each file and hashes it on the way).
         """
         if collector is None:
             self.engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
@@ -372,6 +373,34 @@ class TrainEngine:
             self.engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
         finally:
             self.engine.checkpoint_engine = real
+
+    def state_problem(self) -> str | None:
+        """The first tensor of this rank's model or optimizer state that no step should start from, named: non-finite
+        weights (the module's, or the optimizer's fp32 copy) or Adam moments, or a negative second moment. None when
+        all are sound. Local: under ZeRO each rank checks its own partitions (pretrain.checkpoint.trust agrees).
+
+        Checked after a checkpoint is loaded, before the first step: a checkpoint can match its checksums and still
+        hold such a state (damaged before it was saved, or saved before checksums were recorded)."""
+        names = {id(param): name for name, param in self.engine.module.named_parameters()}
+        for name, param in self.engine.module.named_parameters():
+            local = getattr(param, "ds_tensor", param)  # ZeRO-3: this rank's partition of it
+            if local.numel() and not bool(torch.isfinite(local).all()):
+                return f"weight {name} holds non-finite values"
+        optimizer = self.client_optimizer or getattr(self.optimizer, "optimizer", self.optimizer)
+        # The optimizer's state is keyed by the tensors it updates: the module's own under ZeRO-0 fp32, else the fp32
+        # partitions ZeRO keeps (under ZeRO-3 not all of them sit in param_groups at once: the state has every one).
+        for param, state in optimizer.state.items():
+            what = names.get(id(param)) or f"an fp32 partition of {param.numel()} values on rank {self.dist.rank}"
+            if param.numel() and not bool(torch.isfinite(param).all()):
+                return f"fp32 weights of {what} hold non-finite values"
+            for key in ("exp_avg", "exp_avg_sq"):
+                moment = state.get(key)
+                if torch.is_tensor(moment) and moment.numel() and not bool(torch.isfinite(moment).all()):
+                    return f"Adam {key} of {what} holds non-finite values"
+            second = state.get("exp_avg_sq")
+            if torch.is_tensor(second) and bool((second < 0).any()):
+                return f"Adam exp_avg_sq of {what} holds negative values (a second moment never is)"
+        return None
 
     def load(self, root: Path, tag: str, universal: bool = False) -> dict[str, Any]:
         """Load root/tag into this engine; `universal` for a folder made by `convert_to_universal`.

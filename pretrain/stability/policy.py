@@ -18,6 +18,10 @@ NaN update loses the model.
 The policy is a plain object with `state_dict`: events, recoveries, the steps flagged as bad
 (never rollback targets), the cool-down window and the optimizer overrides survive a restart.
 It decides only; the trainer acts, after all ranks fed the detector the same numbers.
+
+Right after a resume the checkpoint is the likeliest cause of a divergence (`note_resume`,
+`blames_checkpoint`): a stop then says so, and the checkpoints keep nothing of the state
+(pretrain/checkpoint/ring.py asks `protected_checkpoints` before keep_last deletes any).
 """
 from __future__ import annotations
 
@@ -172,6 +176,7 @@ class RecoveryPolicy:
         self._new_events = 0
         self._logged_episode: int | None = None  # log_only: one spike event per episode
         self._skip_episode: tuple[int, int] | None = None  # action=skip: (episode start, skips)
+        self.resumed: tuple[int, str] | None = None  # (step, checkpoint) this session resumed from; never saved
 
     # -- decisions -------------------------------------------------------------------------------
     def decide(self, verdict: Verdict, step: int, checkpoints: Iterable[int],
@@ -283,14 +288,24 @@ class RecoveryPolicy:
         return text + (f"; note: {action.message}" if action.message else "")
 
     def stop_message(self, step: int, reason: str, headline: str) -> str:
-        """What happened, what was tried, and which knobs to change (docs/stability.md)."""
+        """What happened, what was tried, and which knobs to change (docs/stability.md). Right after a resume
+        (blames_checkpoint) it names the checkpoint as the likely cause and what to do about it first."""
         lines = [f"stopping at step {step}: {reason}", headline]
+        blamed = self.blames_checkpoint(step)
+        if blamed:
+            at, checkpoint = self.resumed
+            lines.append(f"this began {step - at + 1} step(s) after resuming from {checkpoint}: that checkpoint is the "
+                         "likely cause, not the data or the settings. Nothing was saved from this state and `latest` "
+                         "still names that checkpoint")
         if self.recoveries:
             lines.append("recoveries tried:")
             lines += [f"  - spike at step {r['step']} (began {r['spike_start']}): rolled back to step "
                       f"{r['to_step']}, skipped {r['skip_batches']} batches" for r in self.recoveries]
             lines.append(f"  each with: {self._recovery_settings()}")
-        lines.append("what to change, then resume (the run's state is saved):")
+        lines.append("what to do, then resume:" if blamed else "what to change, then resume (the run's state is saved):")
+        if blamed:
+            lines.append(f"  - check it (`ayumi checkpoint verify {self.resumed[1]}`) and resume from an earlier "
+                         "checkpoint (checkpoint.load_from=<an earlier step folder>); if that diverges too:")
         lines += [f"  - {advice}" for advice in self._advice()]
         lines.append("  see docs/stability.md for the evidence behind each knob")
         return "\n".join(lines)
@@ -351,6 +366,30 @@ class RecoveryPolicy:
         if rec.adam_beta1 is not None:
             out["beta1"] = rec.adam_beta1
         return out
+
+    # -- right after a resume ------------------------------------------------------------------------
+    def note_resume(self, step: int, checkpoint: str) -> None:
+        """This session resumed at `step` from `checkpoint` (not saved: the next session has its own)."""
+        self.resumed = (step, checkpoint)
+
+    def blames_checkpoint(self, step: int) -> bool:
+        """Whether a stop at `step` (0-based) blames the checkpoint resumed from: within detector.sustained_window
+        steps of it, and no rollback since (a rollback replaced that state). A state that cannot be trained from
+        shows from the first step after the resume (non-finite gradients at once; a spike that begins there is
+        confirmed within the window); a run that trained longer from it had a sound start."""
+        return self.resumed is not None and 0 <= step - self.resumed[0] < self.cfg.detector.sustained_window
+
+    def protected_checkpoints(self, step: int, steps: Iterable[int], ring: bool) -> set[int]:
+        """Checkpoints keep_last must not delete after a save at `step` (steps done): all of them while a stop in a
+        step still to come would blame the checkpoint resumed from (it may be bad: the older ones are the way back),
+        and, when no recovery ring keeps rollback targets, the one a rollback would need if a spike began now."""
+        steps = sorted(set(steps))
+        if self.blames_checkpoint(step):
+            return set(steps)
+        if ring or not self.cfg.enabled or self.cfg.action != "recover":
+            return set()
+        target = choose_rollback_checkpoint(steps, step, self.cfg.recovery.rollback_steps, self.bad_steps).step
+        return set() if target is None else {target}
 
     def is_bad_checkpoint(self, step: int) -> bool:
         """True when checkpoint `step` was taken during an outlier episode (never a rollback target)."""

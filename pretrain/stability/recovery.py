@@ -121,9 +121,11 @@ class StabilityMonitor:
 
     # -- rollback -----------------------------------------------------------------------------------
     def rewound(self, to_step: int) -> None:
-        """After loading checkpoint `to_step`: forget the abandoned timeline's statistics."""
+        """After loading checkpoint `to_step`: forget the abandoned timeline's statistics (and the resume: the
+        state it loaded is gone)."""
         self.detector.rewind(to_step)
         self.watchdog.rewind()
+        self.policy.resumed = None
 
     def in_episode(self, step: int) -> bool:
         return self.detector.in_episode(step)

@@ -163,7 +163,8 @@ def main(argv: list[str]) -> int:
     hf = sub.add_parser("hf", help="a transformers LlamaForCausalLM folder (config, safetensors, tokenizer)",
                         description="A transformers LlamaForCausalLM folder (config, safetensors, tokenizer).",
                         epilog=reads)
-    hf.add_argument("checkpoint", type=Path, help="a checkpoint folder of a training run")
+    hf.add_argument("checkpoint", type=Path, help="a checkpoint folder of a training run (verified against the "
+                    "checksums recorded at save first: a damaged one is refused, exit 2)")
     hf.add_argument("out_dir", type=Path, help="folder to create")
     hf.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
     hf.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weight dtype on disk (default fp32)")
@@ -185,6 +186,9 @@ def main(argv: list[str]) -> int:
         # Bad input (a folder that holds no checkpoint, an OUT_DIR in the way): one line, exit 2.
         print(f"ayumi export hf: {err}", file=sys.stderr)
         return BAD_INPUT
+    if not extra.get("verified"):
+        print(f"note: {args.checkpoint} records no checksums (saved before ayumi recorded them): exported without "
+              "verifying its files", file=sys.stderr)
     has_tokenizer = args.tokenizer_dir or extra.get("tokenizer_dir")
     tokenizer_note = "" if has_tokenizer else " (no tokenizer: none recorded or given)"
     print(f"wrote {out}: {cfg.name}, {count_parameters(cfg):,} parameters, {args.dtype}{tokenizer_note}")

@@ -64,13 +64,14 @@ def preflight_init_from(cfg) -> None:
     (pretrain.train.hf_initial_weights), from the safetensors headers: no torch, no tensor read.
 
     Skipped when the ranks will resume from a checkpoint (they then never read the folder): `load_from`, or
-    `resume` with a complete checkpoint in the run's checkpoint dir (a step folder with its ayumi.json, as
-    pretrain.checkpoint.checkpointer.latest_tag finds it; that module imports torch).
+    `resume` with a complete checkpoint in the run's checkpoint dir (a step folder with its ayumi.json, not one
+    set aside as damaged: pretrain.checkpoint.layout, which imports no torch).
     """
+    from pretrain.checkpoint.layout import complete_tags
     from pretrain.model.hf_import import check_init_from
 
     ckpt = cfg.checkpoint
-    resumes = bool(ckpt.load_from) or (ckpt.resume and any(Path(ckpt.dir).glob("step_*/ayumi.json")))
+    resumes = bool(ckpt.load_from) or (ckpt.resume and bool(complete_tags(Path(ckpt.dir))))
     if not resumes:
         check_init_from(cfg.model)
 

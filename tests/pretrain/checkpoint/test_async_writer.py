@@ -58,10 +58,10 @@ def test_rank0_publishes_when_every_ranks_marker_is_there(tmp_path):
     assert not (tag_dir / META).exists(), "rank 1 has not written yet"
     (tag_dir / ".written_rank00001").touch()
     deadline = time.time() + 5
-    while not (tag_dir / META).exists():
+    while not (tmp_path / "ckpt" / LATEST).exists():  # written after ayumi.json: the publication's last step
         assert time.time() < deadline
         time.sleep(0.02)
-    assert (tmp_path / "ckpt" / LATEST).read_text().strip() == tag_for(10)
+    assert (tag_dir / META).exists() and (tmp_path / "ckpt" / LATEST).read_text().strip() == tag_for(10)
     ckpt.wait()
     assert not list(tag_dir.glob(".written_rank*"))
 

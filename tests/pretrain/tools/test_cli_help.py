@@ -35,6 +35,8 @@ CASES: list[tuple[list[str], str]] = [
     (["demo", "corpus"], NO_CONF),
     (["export"], NO_CONF + ": the checkpoint's ayumi.json"),
     (["export", "hf"], NO_CONF + ": the checkpoint's ayumi.json"),
+    (["checkpoint"], NO_CONF + ": each checkpoint's ayumi.json (the checksums recorded at save)"),
+    (["checkpoint", "verify"], NO_CONF + ": each checkpoint's ayumi.json (the checksums recorded at save)"),
     (["tokenizer"], "conf/tokenizer_build.yaml"),
     (["tokenizer", "build"], "config: reads conf/tokenizer_build.yaml + tokenizer=NAME from conf/tokenizer/"),
     (["tokenizer", "sweep"], "config: reads conf/tokenizer_build.yaml + tokenizer=NAME from conf/tokenizer/"),

@@ -1,0 +1,133 @@
+"""`ayumi checkpoint verify PATH`: every checkpoint of a run (or one) against the checksums recorded when it was saved.
+
+PATH is a run dir, its `checkpoints/` folder, or one `step_XXXXXXX` folder. For a run, the long-term checkpoints and
+the rollback ring's are checked, and the folders a run set aside as damaged are listed. One row per checkpoint:
+
+    checkpoint                          step  files  verdict
+    checkpoints/step_0000016              16      4  verified
+    checkpoints/step_0000024              24      4  damaged: mp_rank_00_model_states.pt does not match ...
+    checkpoints/step_0000008               8      -  unverifiable: no checksums (saved before ayumi recorded them)
+    checkpoints/step_0000024.corrupt      24      -  set aside: a run found it damaged; never loaded again
+
+Exit status (common/status.py): 0 when no checkpoint a run could load is damaged (verified, unverifiable, set aside
+or incomplete ones do not count), 1 (the verdict is no) when one is, 2 with one line when PATH holds no checkpoint.
+Hashes with the same streaming xxh3_128 as the save (pretrain/checkpoint/integrity.py); imports no torch or DeepSpeed.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.conf import config_help
+from common.status import BAD_INPUT, DONE, REFUSED
+from pretrain.checkpoint import integrity
+from pretrain.checkpoint.layout import RING_DIR, TAG_PREFIX, is_complete, is_tag, quarantined, step_of
+
+PROG = "ayumi checkpoint verify"
+READS = "no config from conf/: each checkpoint's ayumi.json (the checksums recorded at save)"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the table."""
+
+    folder: Path
+    step: int
+    files: int | None
+    """Files the record lists (None: no record to count from)."""
+    verdict: str
+    """verified | damaged | unverifiable | set aside | incomplete."""
+    detail: str = ""
+
+    @property
+    def counts_against(self) -> bool:
+        """A damaged checkpoint a run could still load: the only verdict that makes the command say no."""
+        return self.verdict == integrity.DAMAGED
+
+
+def checkpoint_folders(path: Path) -> list[Path]:
+    """The checkpoint folders PATH names: itself (a step folder), or every step folder of a run's checkpoint root and
+    its ring, set-aside ones included, oldest step first. Empty when PATH holds none."""
+    if is_complete(path):
+        return [path]
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    folders: list[Path] = []
+    for folder in (root, root / RING_DIR):
+        if folder.is_dir():
+            folders += [p for p in folder.iterdir() if p.is_dir() and is_tag(p.name)]
+            folders += quarantined(folder)
+    return sorted(folders, key=lambda p: (step_of(p.name.split(".")[0]), p.parent.name != root.name, p.name))
+
+
+def check(folder: Path) -> Row:
+    """Verify one folder (a set-aside or incomplete one is listed, not hashed: nothing will load it)."""
+    step = step_of(folder.name.split(".")[0])
+    if not is_tag(folder.name):
+        return Row(folder, step, None, "set aside", "a run found it damaged; never loaded again")
+    if not is_complete(folder):
+        return Row(folder, step, None, "incomplete", "no ayumi.json: a save that did not finish; never loaded")
+    verdict = integrity.verify(folder)
+    if verdict.status == integrity.UNVERIFIABLE:
+        return Row(folder, step, None, verdict.status, "no checksums (saved before ayumi recorded them)")
+    return Row(folder, step, verdict.files, verdict.status, verdict.problem)
+
+
+def table(rows: list[Row], base: Path) -> str:
+    """The rows as aligned text, folders relative to what the user named."""
+    def name(folder: Path) -> str:
+        try:
+            return folder.relative_to(base).as_posix() or folder.name
+        except ValueError:
+            return str(folder)
+
+    names = [name(row.folder) for row in rows]
+    width = max(len("checkpoint"), *map(len, names))
+    lines = [f"{'checkpoint':<{width}}  {'step':>8}  {'files':>5}  verdict"]
+    for row, shown in zip(rows, names):
+        verdict = f"{row.verdict}: {row.detail}" if row.detail else row.verdict
+        files = "-" if row.files is None else str(row.files)
+        lines.append(f"{shown:<{width}}  {row.step:>8}  {files:>5}  {verdict}")
+    return "\n".join(lines)
+
+
+def summary(rows: list[Row], seconds: float) -> str:
+    counts = {verdict: sum(row.verdict == verdict for row in rows)
+              for verdict in (integrity.VERIFIED, integrity.DAMAGED, integrity.UNVERIFIABLE, "set aside", "incomplete")}
+    said = ", ".join(f"{count} {verdict}" for verdict, count in counts.items() if count)
+    return f"{len(rows)} checkpoint folder(s): {said} ({seconds:.1f}s)"
+
+
+def verify_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog=PROG, epilog=config_help(READS, overrides=False),
+        description="Check every file of a run's checkpoints (or of one) against the size and xxh3_128 checksum "
+                    "recorded when it was saved. Exit status: 0 none damaged, 1 a damaged checkpoint, 2 no checkpoint "
+                    "at PATH.")
+    parser.add_argument("path", type=Path, help="a run dir, its checkpoints/ folder, or one step_XXXXXXX folder")
+    args = parser.parse_args(argv)
+    folders = checkpoint_folders(args.path) if args.path.is_dir() else []
+    if not folders:
+        print(f"{PROG}: no ayumi checkpoint at {args.path}: give a run dir, its checkpoints/ folder, or a "
+              f"{TAG_PREFIX}XXXXXXX folder", file=sys.stderr)
+        return BAD_INPUT
+    start = time.perf_counter()
+    rows = [check(folder) for folder in folders]
+    base = args.path.parent if is_complete(args.path) else args.path
+    print(table(rows, base))
+    print(summary(rows, time.perf_counter() - start))
+    return REFUSED if any(row.counts_against for row in rows) else DONE
+
+
+def main(argv: list[str]) -> int:
+    """Entry of `ayumi checkpoint ...` (called by pretrain/tools/cli.py)."""
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(f"usage: ayumi checkpoint verify PATH\n\n{__doc__.split(chr(10) + chr(10))[0]}\n\n"
+              f"{config_help(READS, overrides=False)}\n`ayumi checkpoint verify --help` says more.")
+        return DONE
+    if argv[0] == "verify":
+        return verify_main(argv[1:])
+    print(f"ayumi checkpoint: unknown command {argv[0]!r}\nusage: ayumi checkpoint verify PATH", file=sys.stderr)
+    return BAD_INPUT
