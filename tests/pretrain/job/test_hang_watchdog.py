@@ -52,7 +52,7 @@ def test_a_stopped_rank_ends_the_job_with_a_report_and_a_restart_resumes_exactly
         in (tmp_path / "log").read_text()
     report = (run_dir / "hang" / "report.txt").read_text()
     assert "did not arrive: rank 1\n" in report
-    row = next(line for line in report.splitlines() if line.startswith(f"1     ") and str(ranks[1].pid) in line)
+    row = next(line for line in report.splitlines() if line.startswith("1     ") and str(ranks[1].pid) in line)
     assert row.endswith("stopped")
     stack = report.split("--- stack of rank 1 (from stack_rank00001.txt)")[1].split("--- stack of rank")[0]
     assert f'File "{REPO / "pretrain"}' in stack  # where the stopped rank was, in ayumi's own code
