@@ -25,6 +25,7 @@ from pretrain.engine.optimizer import param_groups
 from pretrain.model.tensor_parallel import shard_dim
 from pretrain.engine.distributed import DistInfo, deepspeed_mpu, tensor_parallel_group
 from pretrain.engine.ds_config import render_ds_config
+from pretrain.engine.op_build import prepare_ops
 from pretrain.engine.optimizer import SkippableAdamW, build_optimizer
 
 
@@ -117,6 +118,7 @@ class TrainEngine:
         self.compiled = model.compile_for(cfg.model.compile, dist_info.device.type)
         self.grad_accum = self.ds_config["gradient_accumulation_steps"]
         self.tensor_parallel = dist_info.tensor_parallel
+        prepare_ops(cfg.deepspeed.offload_optimizer)  # before DeepSpeed builds them, maybe behind a dead lock
         optimizer = build_optimizer(model, cfg, dist_info.device)
         self.client_optimizer = optimizer  # ours (SkippableAdamW), under DeepSpeed's wrapper
         model_parameters = None

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,7 +29,11 @@ GRAD_ACCUM_8 = ["deepspeed.precision=bf16", "train.micro_batch_size=1", "train.g
 
 def test_each_stage_hands_the_optimizer_an_fp32_sum(tmp_path):
     """One step of 8 micro-batches per rank, fp32 vs bf16 accumulation, same weights and batches,
-    under ZeRO 0-3 and ZeRO-Offload (DeepSpeed's CPU Adam, built once on first use).
+    under ZeRO 0-3 and ZeRO-Offload (DeepSpeed's CPU Adam, built on first use).
+
+    CPU Adam is built into a folder of this test's own, where a killed build's lock is waiting (an
+    hour old): the ranks remove it with one line and build, instead of waiting on it forever. A shared
+    folder would also make the test depend on what earlier runs left there (a dead lock hung CI).
 
     ZeRO 0-1 (ayumi sums in fp32, rounds once, DeepSpeed all-reduces in bf16): every element within
     2^-8 (|S_0| + |S_1|) of the exact mean. ZeRO 2-3 (DeepSpeed reduces each micro-batch in bf16 into
@@ -38,9 +44,13 @@ def test_each_stage_hands_the_optimizer_an_fp32_sum(tmp_path):
     cmd = [str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), str(REPO / "tests" / "pretrain" / "engine" / "grad_accum_check.py"),
            str(tmp_path), setups]
-    proc = subprocess.run(cmd, cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=600)
+    extensions = tmp_path / "torch_extensions"
+    dead_lock = leave_a_dead_build_lock(extensions / "cpu_adam", age_s=3600)
+    proc = subprocess.run(cmd, cwd=REPO, env=cpu_env(TORCH_EXTENSIONS_DIR=str(extensions)), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:]
+    assert f"removed {dead_lock}, the build lock of DeepSpeed's cpu_adam left by a build that was killed" in proc.stdout
+    assert (extensions / "cpu_adam" / "cpu_adam.so").exists() and not dead_lock.exists()
     results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert results[0] == results[1]  # the ranks agree on the gradient
     for setup in setups.split(","):
@@ -50,6 +60,17 @@ def test_each_stage_hands_the_optimizer_an_fp32_sum(tmp_path):
         assert fp32[bound] == 0, (setup, fp32)
         assert bf16[bound] > 0, (setup, bf16)  # the bound is tight enough to catch bf16 sums
         assert fp32["rel_err"] < 0.8 * bf16["rel_err"], (setup, fp32, bf16)
+
+
+def leave_a_dead_build_lock(folder: Path, age_s: float) -> Path:
+    """What a build killed `age_s` ago leaves: torch's lock file in the op's folder, nothing since."""
+    folder.mkdir(parents=True)
+    lock = folder / "lock"
+    lock.touch()
+    then = time.time() - age_s
+    for path in (lock, folder):
+        os.utime(path, (then, then))
+    return lock
 
 
 @pytest.mark.parametrize("stage", [1, 2])
