@@ -101,6 +101,22 @@ def run_training(overrides: list[str], nproc: int = 2, launcher: str = "torchrun
                           text=True, timeout=timeout, **popen)
 
 
+def run_one_rank_script(script: str, timeout: int = 300) -> object:
+    """Run `script` (Python source) as rank 0 of a 1-rank process group on CPU and return the JSON of its last
+    `RESULT ` line; fails the test with the output's tail when it exits non-zero or prints none."""
+    import json
+    import subprocess
+    import sys
+
+    env = cpu_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=str(free_port()))
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-4000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
 def free_port() -> int:
     import socket
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, cpu_env, free_port, read_jsonl, run_whole_and_resumed, write_tiny_corpus
+from tests.helpers import REPO, cpu_env, free_port, read_jsonl, run_one_rank_script, run_whole_and_resumed, write_tiny_corpus
 
 pytestmark = pytest.mark.slow
 
@@ -127,11 +127,6 @@ def test_zero_optimizers_know_the_step_boundary_during_backward():
     """DeepSpeed mirrors the accumulation boundary into its ZeRO optimizer from a hook on the forward's
     output tensors, which it does not find inside LlamaOutput; TrainEngine.backward sets it. Every
     gradient hook of a micro-batch must see that micro-batch's answer (1 rank, grad accum 4, 2 steps)."""
-    env = cpu_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                  MASTER_PORT=str(free_port()))
-    proc = subprocess.run([sys.executable, "-c", BOUNDARY_CHECK.format(repo=str(REPO))], cwd=REPO, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-4000:]
+    result = run_one_rank_script(BOUNDARY_CHECK.format(repo=str(REPO)))
     expected = [[micro % 4 == 3, [micro % 4 == 3]] for micro in range(8)]
-    assert json.loads(lines[-1][len("RESULT "):]) == {str(stage): expected for stage in (1, 2, 3)}
+    assert result == {str(stage): expected for stage in (1, 2, 3)}

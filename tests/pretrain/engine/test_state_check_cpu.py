@@ -1,13 +1,10 @@
 """TrainEngine.state_problem, the check a loaded state passes before the first step (pretrain/checkpoint/trust.py):
 under each ZeRO layout a sound state passes, and a non-finite weight, a non-finite Adam moment or a negative second
 moment is found and named. One process, one rank, an engine per stage."""
-import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.helpers import REPO, cpu_env, free_port
+from tests.helpers import REPO, run_one_rank_script
 
 pytestmark = pytest.mark.slow
 
@@ -51,13 +48,8 @@ finalize_distributed()
 
 
 def test_a_sound_state_passes_and_each_kind_of_damage_is_named_under_each_zero_layout():
-    env = cpu_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                  MASTER_PORT=str(free_port()))
-    proc = subprocess.run([sys.executable, "-c", CHECK.format(repo=str(REPO))], cwd=REPO, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-4000:]
-    for stage, found in json.loads(lines[-1][len("RESULT "):]).items():
+    result = run_one_rank_script(CHECK.format(repo=str(REPO)))
+    for stage, found in result.items():
         sound, weight, moment, second = found["said"]
         assert sound is None, (stage, sound)
         assert weight == f"weight {found['name']} holds non-finite values", (stage, weight)
