@@ -10,3 +10,16 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+# Under pytest-xdist (./ayumi test runs one worker per core) each worker gets a temp folder of its own, kept
+# between runs, and so its own inductor cache (torch keeps it in the temp folder, keyed by ISA inside:
+# pretrain/model/inductor_cache.py). Two workers compiling the same kernel into one cache at once were seen
+# to load each other's half-written .so ("file too short").
+_worker = os.environ.get("PYTEST_XDIST_WORKER")
+if _worker:
+    import tempfile
+
+    _folder = os.path.join(tempfile.gettempdir(), f"ayumi-tests-{_worker}")
+    os.makedirs(_folder, exist_ok=True)
+    os.environ["TMPDIR"] = _folder
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
