@@ -639,7 +639,12 @@ def shape_from_hf_folder(composed: DictConfig, overrides: list[str]) -> None:
         if pieces and pieces > fields["vocab_size"]:
             fields["vocab_size"] = padded_vocab(pieces)
     for key, value in fields.items():
-        OmegaConf.update(composed, f"model.{key}", value, merge=False)
+        if key == "rope_scaling":  # field by field: a context extension may set some on the command line
+            for name, setting in value.items():
+                if f"rope_scaling.{name}" not in explicit:
+                    OmegaConf.update(composed, f"model.rope_scaling.{name}", setting, merge=False)
+        elif key not in explicit or key == "vocab_size":  # what the command line sets (no contradiction) stays
+            OmegaConf.update(composed, f"model.{key}", value, merge=False)
 
 
 def print_config_error(prog: str, err: Exception, file: TextIO | None = None) -> None:

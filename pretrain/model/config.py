@@ -6,13 +6,66 @@ checks them before any rank starts, and the model checks them again when it is b
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from pretrain.ranges import Range, above, at_least, between, range_problems
 
 ATTENTION_KERNELS = ("sdpa", "eager")
 COMPILE_MODES = ("auto", "off", "blocks", "full")
+
+
+SCALING_TYPES = ("none", "linear", "dynamic", "yarn", "llama3")
+"""RoPE scalings ayumi computes; "none" is plain RoPE (transformers' "default")."""
+
+
+@dataclass
+class RopeScaling:
+    """RoPE scaling for context extension (transformers' `rope_scaling` fields); type none = plain RoPE."""
+
+    type: str = "none"
+    """none, linear, dynamic, yarn or llama3 (pretrain/model/rope.py says what each computes)."""
+    factor: float = 1.0
+    """How many times the original length the model is stretched to (Llama 3.1: 8)."""
+    original_max_seq_len: int = 0
+    """The length the model was pretrained at (transformers' original_max_position_embeddings; Llama 3.1: 8192);
+    dynamic: the length past which theta grows. 0 = model.max_seq_len."""
+    low_freq_factor: float = 1.0
+    """llama3: wavelengths beyond original_max_seq_len / this are fully interpolated (Llama 3.1: 1)."""
+    high_freq_factor: float = 4.0
+    """llama3: wavelengths below original_max_seq_len / this are kept as they are (Llama 3.1: 4)."""
+    beta_fast: float = 32.0
+    """yarn: dimensions turning more than this many times over the original length are kept (extrapolated)."""
+    beta_slow: float = 1.0
+    """yarn: dimensions turning fewer than this many times are fully interpolated."""
+    attention_factor: float = 0.0
+    """yarn: what the cos/sin tables are multiplied by; 0 = from factor (0.1 ln(factor) + 1, or with mscale)."""
+    mscale: float = 0.0
+    """yarn: with mscale_all_dim, the default attention factor is mscale'(factor, mscale) / mscale'(factor,
+    mscale_all_dim), mscale'(f, m) = 0.1 m ln(f) + 1; 0 = unused."""
+    mscale_all_dim: float = 0.0
+    """yarn: see mscale; 0 = unused."""
+    truncate: bool = True
+    """yarn: round the ramp's dimension bounds outward to whole dimensions (transformers' default)."""
+
+
+def scaling_problems(scaling: RopeScaling, prefix: str = "model.rope_scaling.") -> list[str]:
+    """One line per value of `scaling` that cannot work."""
+    if scaling.type not in SCALING_TYPES:
+        return [f"{prefix}type={scaling.type!r}: choose one of {', '.join(SCALING_TYPES)}"]
+    problems = []
+    if scaling.type != "none" and not scaling.factor > 0:
+        problems.append(f"{prefix}factor={scaling.factor}: must be > 0 (how many times the original length)")
+    if scaling.original_max_seq_len < 0:
+        problems.append(f"{prefix}original_max_seq_len={scaling.original_max_seq_len}: must be >= 0 "
+                        "(0 = model.max_seq_len)")
+    if scaling.type == "llama3" and not 0 < scaling.low_freq_factor < scaling.high_freq_factor:
+        problems.append(f"{prefix}low_freq_factor={scaling.low_freq_factor} and {prefix}high_freq_factor="
+                        f"{scaling.high_freq_factor}: need 0 < low_freq_factor < high_freq_factor (Llama 3.1: 1 and 4)")
+    if scaling.type == "yarn" and not 0 < scaling.beta_slow <= scaling.beta_fast:
+        problems.append(f"{prefix}beta_slow={scaling.beta_slow} and {prefix}beta_fast={scaling.beta_fast}: need "
+                        "0 < beta_slow <= beta_fast (YaRN: 1 and 32)")
+    return problems
 
 
 @dataclass
@@ -36,7 +89,9 @@ class ModelConfig:
     max_seq_len: int = 128
     """Longest sequence the RoPE tables are built for."""
     rope_theta: float = 10000.0
-    """RoPE base frequency θ (Llama-2: 1e4; long-context variants raise it)."""
+    """RoPE base frequency θ (Llama-2: 1e4, Llama-3: 5e5; raising it is one way to extend the context)."""
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    """RoPE scaling for context extension (linear, dynamic, yarn, llama3), as transformers' rope_scaling."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
     tie_embeddings: bool = False
@@ -66,6 +121,11 @@ class ModelConfig:
     """Rows of a grown vocabulary: base_mean (mean of the base rows of the base tokenizer's split of the new piece,
     as Swallow), mean (mean of all base rows) or random (normal, init_std)."""
 
+    def __post_init__(self):
+        # A config read back from JSON (a checkpoint's record, dataclasses.asdict) holds the scaling as a dict.
+        if isinstance(self.rope_scaling, dict):
+            self.rope_scaling = RopeScaling(**self.rope_scaling)
+
     RANGES: ClassVar[dict[str, Range]] = {
         **{size: at_least(1) for size in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                                           "num_heads", "num_kv_heads", "max_seq_len")},
@@ -90,6 +150,7 @@ def shape_problems(cfg: ModelConfig, prefix: str = "model.") -> list[str]:
         problems.append(f"{prefix}compile={cfg.compile!r}: choose one of {', '.join(COMPILE_MODES)}")
     if cfg.attention not in ATTENTION_KERNELS:
         problems.append(f"{prefix}attention={cfg.attention!r}: choose one of {', '.join(ATTENTION_KERNELS)}")
+    problems += scaling_problems(cfg.rope_scaling, f"{prefix}rope_scaling.")
     if cfg.num_heads < 1 or cfg.num_kv_heads < 1 or cfg.hidden_size < 1:
         return problems  # the divisions below need positive sizes; the range check says what to fix
     if cfg.hidden_size % cfg.num_heads:

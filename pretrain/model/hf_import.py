@@ -17,13 +17,15 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pretrain.model.config import RopeScaling
+
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 MODEL_TYPES = ("llama", "mistral")
 """config.json model types with Llama's architecture (Mistral only without a sliding window)."""
-ROPE_TYPES = ("default", None)
-"""RoPE variants ayumi computes: plain RoPE with a base θ (no linear/dynamic/yarn/llama3 scaling)."""
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+"""transformers' RoPE types ayumi computes (pretrain/model/rope.py); "default" is plain RoPE."""
 NEW_TOKEN_INITS = ("base_mean", "mean", "random")
 """How rows of a grown vocabulary start (pretrain/model/resize.py)."""
 VOCAB_MULTIPLE = 64
@@ -70,6 +72,7 @@ def model_fields(hf: dict[str, Any], folder: str | Path) -> dict[str, Any]:
         "num_kv_heads": int(hf.get("num_key_value_heads") or heads),
         "max_seq_len": int(hf["max_position_embeddings"]),
         "rope_theta": float(rope_settings(hf).get("rope_theta", 10000.0)),
+        "rope_scaling": scaling_from_hf(rope_settings(hf), int(hf["max_position_embeddings"])),
         "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "init_std": float(hf.get("initializer_range", 0.02)),
@@ -78,18 +81,61 @@ def model_fields(hf: dict[str, Any], folder: str | Path) -> dict[str, Any]:
 
 
 def rope_settings(hf: dict[str, Any]) -> dict[str, Any]:
-    """RoPE parameters: transformers 5 keeps them in `rope_parameters`, 4.x in `rope_theta` + `rope_scaling`.
+    """RoPE parameters in one dict, as transformers 5 keeps them (`rope_parameters`: rope_type, rope_theta and the
+    scaling's parameters); transformers 4.x writes `rope_theta` and `rope_scaling` (with `type` in early files).
 
-    A scaling type in either place wins over "default" in the other (any scaling is then refused).
-    """
+    A scaling in either place wins over "default" in the other."""
     settings = dict(hf.get("rope_parameters") or {})
+    scaling = dict(hf.get("rope_scaling") or {})
+    if scaling.get("rope_type", scaling.get("type")) not in (None, "default") or not settings:
+        settings.update(scaling)
     if "rope_theta" in hf:
         settings.setdefault("rope_theta", hf["rope_theta"])
-    scaling = hf.get("rope_scaling") or {}
-    scaled = scaling.get("rope_type", scaling.get("type"))
-    if scaled not in ROPE_TYPES:
-        settings["rope_type"] = scaled
+    settings["rope_type"] = settings.pop("rope_type", None) or settings.pop("type", None) or "default"
     return settings
+
+
+HF_ROPE_KEYS = {"factor": "factor", "original_max_position_embeddings": "original_max_seq_len",
+                "low_freq_factor": "low_freq_factor", "high_freq_factor": "high_freq_factor", "beta_fast": "beta_fast",
+                "beta_slow": "beta_slow", "attention_factor": "attention_factor", "mscale": "mscale",
+                "mscale_all_dim": "mscale_all_dim", "truncate": "truncate"}
+"""transformers' RoPE parameter -> RopeScaling field."""
+
+
+def scaling_from_hf(parameters: dict[str, Any], max_position_embeddings: int) -> dict[str, Any]:
+    """RopeScaling's fields from transformers' RoPE parameters (type already checked to be one ayumi computes).
+
+    As transformers does: llama3 and yarn without original_max_position_embeddings take max_position_embeddings;
+    dynamic's original length is max_position_embeddings itself."""
+    kind = parameters["rope_type"]
+    if kind == "default":
+        return {"type": "none"}
+    values = {"type": kind}
+    for hf_key, field in HF_ROPE_KEYS.items():
+        if parameters.get(hf_key) is not None:
+            values[field] = type(getattr(RopeScaling, field))(parameters[hf_key])
+    if kind == "dynamic" or (kind in ("llama3", "yarn") and not values.get("original_max_seq_len")):
+        values["original_max_seq_len"] = int(max_position_embeddings)
+    return values
+
+
+def scaling_to_hf(scaling: RopeScaling, max_seq_len: int) -> dict[str, Any] | None:
+    """transformers' `rope_scaling` for `scaling` (None for plain RoPE): every parameter its type reads."""
+    if scaling.type == "none":
+        return None
+    out: dict[str, Any] = {"rope_type": scaling.type, "factor": float(scaling.factor)}
+    wanted = {"llama3": ("original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+              "yarn": ("original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "mscale",
+                       "mscale_all_dim", "truncate"),
+              "linear": (), "dynamic": ()}[scaling.type]
+    for hf_key in wanted:
+        value = getattr(scaling, HF_ROPE_KEYS[hf_key])
+        if hf_key == "original_max_position_embeddings":
+            value = scaling.original_max_seq_len or max_seq_len
+        if hf_key in ("attention_factor", "mscale", "mscale_all_dim") and not value:
+            continue  # 0 = unset: transformers derives it the same way
+        out[hf_key] = value
+    return out
 
 
 def unsupported(hf: dict[str, Any]) -> list[str]:
@@ -105,9 +151,13 @@ def unsupported(hf: dict[str, Any]) -> list[str]:
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             problems.append(f"{key}=true (ayumi's projections have no bias)")
-    rope_type = rope_settings(hf).get("rope_type")
-    if rope_type not in ROPE_TYPES:
-        problems.append(f"RoPE scaling {rope_type!r} (ayumi computes plain RoPE with rope_theta)")
+    rope = rope_settings(hf)
+    if rope["rope_type"] not in ROPE_TYPES:
+        problems.append(f"RoPE scaling {rope['rope_type']!r} (ayumi computes plain RoPE and the "
+                        f"{', '.join(ROPE_TYPES[1:])} scalings)")
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        problems.append(f"partial_rotary_factor={partial} (ayumi rotates every dimension of a head)")
     heads, hidden = hf.get("num_attention_heads"), hf.get("hidden_size")
     head_dim = hf.get("head_dim")
     if head_dim is not None and heads and hidden and head_dim != hidden // heads:
@@ -124,16 +174,18 @@ def unsupported(hf: dict[str, Any]) -> list[str]:
 def contradictions(fields: dict[str, Any], explicit: dict[str, Any]) -> list[str]:
     """`model.*` values set on the command line that disagree with the folder's config.json.
 
-    A larger vocab_size is not one: it grows the embedding for an expanded tokenizer.
+    A larger vocab_size is not one: it grows the embedding for an expanded tokenizer. Nor are the settings of a
+    context extension: a larger max_seq_len, rope_theta and model.rope_scaling.* (not a field here).
     """
     problems = []
     for key, value in sorted(explicit.items()):
-        if key not in fields or key == "name" or not _differs(value, fields[key]):
+        if key not in fields or key in ("name", "rope_theta") or not _differs(value, fields[key]):
             continue
-        if key == "vocab_size" and str(value).isdigit() and int(value) > fields[key]:
+        if key in ("vocab_size", "max_seq_len") and str(value).isdigit() and int(value) > fields[key]:
             continue
         problems.append(f"model.{key}={value} contradicts model.init_from's config.json ({key} = {fields[key]}); "
                         + ("the vocabulary can only grow" if key == "vocab_size" else
+                           "the context can only grow" if key == "max_seq_len" else
                            "drop the override (the shape comes from the folder)"))
     return problems
 

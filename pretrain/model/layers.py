@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from pretrain.model.config import ModelConfig
+from pretrain.model.config import ModelConfig, RopeScaling
+from pretrain.model.rope import inverse_frequencies, original_length
 
 # `enable_gqa` arrived in torch 2.5; older torch repeats K/V heads instead (same result).
 _SDPA_HAS_GQA = tuple(int(v) for v in re.findall(r"\d+", torch.__version__)[:2]) >= (2, 5)
@@ -36,32 +37,42 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for RoPE, fp32, shared by all layers; not saved (a pure function of the config)."""
+    """cos/sin tables for RoPE, fp32, shared by all layers; not saved (a pure function of the config).
 
-    def __init__(self, head_dim: int, max_seq_len: int, theta: float):
+    With a scaling (pretrain/model/rope.py) the frequencies are scaled, and under yarn the tables too; under
+    dynamic, a sequence longer than the original length gets tables made for its length."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float, scaling: RopeScaling | None = None):
         super().__init__()
         self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta
-        cos, sin = self._tables(torch.device("cpu"))
+        self.scaling = scaling or RopeScaling()
+        cos, sin = self._tables(torch.device("cpu"), max_seq_len)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def _tables(self, device: torch.device) -> tuple[Tensor, Tensor]:
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim
-        inv_freq = 1.0 / (self.theta**exponents)
-        angles = torch.outer(torch.arange(self.max_seq_len, device=device).float(), inv_freq)
+    def _tables(self, device: torch.device, positions: int, dynamic: bool = False) -> tuple[Tensor, Tensor]:
+        """Tables for positions 0 .. positions - 1; `dynamic`: with the frequencies dynamic scaling gives a
+        sequence of that many tokens (otherwise those of one within the original length)."""
+        inv_freq, magnitude = inverse_frequencies(self.head_dim, self.theta, self.scaling, self.max_seq_len,
+                                                  positions if dynamic else 0, device)
+        angles = torch.outer(torch.arange(positions, device=device).float(), inv_freq)
         angles = torch.cat((angles, angles), dim=-1)  # [T, head_dim], the rotate_half layout
-        return angles.cos(), angles.sin()
+        if magnitude == 1.0:
+            return angles.cos(), angles.sin()
+        return angles.cos() * magnitude, angles.sin() * magnitude
 
     def _apply(self, fn, recurse=True):
         # `model.bfloat16()` would round the tables to bf16 (~3 significant digits, bad at large
         # positions). Rebuild them in fp32 on the new device after any move or cast instead.
         super()._apply(fn, recurse)
-        self.cos, self.sin = self._tables(self.cos.device)
+        self.cos, self.sin = self._tables(self.cos.device, self.max_seq_len)
         return self
 
     def forward(self, seq_len: int) -> tuple[Tensor, Tensor]:
         if seq_len > self.max_seq_len:
             raise ValueError(f"sequence length {seq_len} > model.max_seq_len {self.max_seq_len}; raise max_seq_len")
+        if self.scaling.type == "dynamic" and seq_len > original_length(self.scaling, self.max_seq_len):
+            return self._tables(self.cos.device, seq_len, dynamic=True)  # theta grows with the length
         return self.cos[:seq_len], self.sin[:seq_len]
 
 

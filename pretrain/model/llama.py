@@ -48,7 +48,8 @@ class Decoder(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.rotary_emb = RotaryEmbedding(cfg.hidden_size // cfg.num_heads, cfg.max_seq_len, cfg.rope_theta)
+        self.rotary_emb = RotaryEmbedding(cfg.hidden_size // cfg.num_heads, cfg.max_seq_len, cfg.rope_theta,
+                                         cfg.rope_scaling)
 
 
 class Llama(nn.Module):

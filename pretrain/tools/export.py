@@ -41,6 +41,11 @@ def to_hf_config(cfg: ModelConfig, *, bos_id: int | None = None, eos_id: int | N
         )
     from transformers import LlamaConfig
 
+    from pretrain.model.hf_import import scaling_to_hf
+
+    # Dynamic scaling grows theta past max_position_embeddings in transformers: that must stay the original length.
+    positions = cfg.rope_scaling.original_max_seq_len or cfg.max_seq_len if cfg.rope_scaling.type == "dynamic" \
+        else cfg.max_seq_len
     hf = LlamaConfig(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
@@ -49,10 +54,11 @@ def to_hf_config(cfg: ModelConfig, *, bos_id: int | None = None, eos_id: int | N
         num_attention_heads=cfg.num_heads,
         num_key_value_heads=cfg.num_kv_heads,
         hidden_act="silu",
-        max_position_embeddings=cfg.max_seq_len,
+        max_position_embeddings=positions,
         initializer_range=cfg.init_std,
         rms_norm_eps=cfg.norm_eps,
         rope_theta=cfg.rope_theta,
+        rope_scaling=scaling_to_hf(cfg.rope_scaling, cfg.max_seq_len),
         tie_word_embeddings=cfg.tie_embeddings,
         attention_bias=False,
         mlp_bias=False,

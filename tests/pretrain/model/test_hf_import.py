@@ -15,11 +15,12 @@ SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_l
              num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=50000.0)
 
 
-def save_random_llama(folder: Path, tie: bool = False, seed: int = 0, **save) -> "torch.nn.Module":
+def save_random_llama(folder: Path, tie: bool = False, seed: int = 0, rope_scaling: dict | None = None,
+                      **save) -> "torch.nn.Module":
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**SHAPE, tie_word_embeddings=tie))
+    model = LlamaForCausalLM(LlamaConfig(**SHAPE, tie_word_embeddings=tie, rope_scaling=rope_scaling))
     model.save_pretrained(folder, **save)
     return model
 
@@ -39,8 +40,8 @@ def test_config_json_becomes_the_model_shape(tmp_path):
     ({"mlp_bias": True}, "mlp_bias=true"),
     ({"pretraining_tp": 2}, "pretraining_tp=2"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "RoPE scaling 'yarn'"),
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "RoPE scaling 'llama3'"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "RoPE scaling 'longrope'"),
+    ({"rope_parameters": {"rope_type": "proportional", "rope_theta": 5e5}}, "RoPE scaling 'proportional'"),
     ({"head_dim": 32}, "head_dim=32"),
     ({"sliding_window": 4096}, "sliding_window=4096"),
 ])

@@ -1,7 +1,8 @@
 """Continued pretraining's start: 2 ranks (torchrun) begin from a random transformers LlamaForCausalLM folder
-under ZeRO-0, 1, 2 and 3 (ZeRO-3 partitioned as built; ZeRO-2 from a folder saved in shards, with
-model.safetensors.index.json). The first step's loss equals transformers' loss on the same global batch
-(fp32, 1e-5 relative), and `ayumi export hf` of the step-0 checkpoint gives back its tensors."""
+under ZeRO-0, 1, 2 and 3 (ZeRO-3 partitioned as built, from a folder shaped like Llama 3.2's: llama3 RoPE
+scaling and tied embeddings; ZeRO-2 from a folder saved in shards, with model.safetensors.index.json). The
+first step's loss equals transformers' loss on the same global batch (fp32, 1e-5 relative), and `ayumi export
+hf` of the step-0 checkpoint gives back its tensors and its RoPE parameters."""
 from __future__ import annotations
 
 import subprocess
@@ -15,10 +16,14 @@ import torch.nn.functional as F
 from data.domains import open_run_data
 from data.packed import ShuffledDomains
 from pretrain.config import config_from_args
+from pretrain.model.hf_import import read_hf_config, rope_settings
 from tests.helpers import REPO, cpu_env, run_training, tiny_overrides, train_losses, write_tiny_corpus
 from tests.pretrain.model.test_hf_import import save_random_llama
 
 pytestmark = pytest.mark.slow
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+"""Llama 3.1-3.3's RoPE scaling, its original length cut to the tiny model's 128 positions so that it changes the loss."""
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +45,9 @@ def transformers_loss(model, corpus: Path, overrides: list[str]) -> float:
 @pytest.mark.parametrize("zero", ["zero0", "zero1", "zero2", "zero3"])
 def test_first_step_matches_transformers_and_step_0_exports_the_same_tensors(corpus, tmp_path, zero):
     sharded = {"max_shard_size": "100KB"} if zero == "zero2" else {}  # several files + an index, as large models ship
-    model = save_random_llama(tmp_path / "base", tie=(zero == "zero3"), seed=7, **sharded)
+    # ZeRO-3 starts from a folder shaped like Llama 3.2's: tied embeddings and llama3 RoPE scaling.
+    rope = LLAMA3_ROPE if zero == "zero3" else None
+    model = save_random_llama(tmp_path / "base", tie=(zero == "zero3"), seed=7, rope_scaling=rope, **sharded)
     files = sorted(p.name for p in (tmp_path / "base").glob("*.safetensors"))
     assert (len(files) > 1) == bool(sharded) == (tmp_path / "base" / "model.safetensors.index.json").is_file(), files
     overrides = tiny_overrides(corpus, tmp_path / "runs", f"deepspeed={zero}", "deepspeed.precision=fp32",
@@ -65,3 +72,4 @@ def test_first_step_matches_transformers_and_step_0_exports_the_same_tensors(cor
     assert set(exported) == set(original) and len(original) >= len(model.state_dict()) - 1  # a tied lm_head is dropped
     for name, tensor in original.items():
         assert torch.equal(exported[name], tensor), name
+    assert rope_settings(read_hf_config(out)) == rope_settings(read_hf_config(tmp_path / "base"))
