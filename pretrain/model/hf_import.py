@@ -148,6 +148,8 @@ def unsupported(hf: dict[str, Any]) -> list[str]:
         problems.append(f"sliding_window={hf['sliding_window']} (ayumi attends over the whole sequence)")
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={hf['hidden_act']!r} (ayumi's MLP is SwiGLU with silu)")
+    if hf.get("attention_dropout"):
+        problems.append(f"attention_dropout={hf['attention_dropout']} (ayumi's attention has no dropout)")
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             problems.append(f"{key}=true (ayumi's projections have no bias)")

@@ -44,6 +44,7 @@ def test_config_json_becomes_the_model_shape(tmp_path):
     ({"rope_parameters": {"rope_type": "proportional", "rope_theta": 5e5}}, "RoPE scaling 'proportional'"),
     ({"head_dim": 32}, "head_dim=32"),
     ({"sliding_window": 4096}, "sliding_window=4096"),
+    ({"attention_dropout": 0.1}, "attention_dropout=0.1"),
 ])
 def test_what_ayumi_would_compute_differently_is_refused_by_name(tmp_path, change, named):
     save_random_llama(tmp_path / "base")
