@@ -133,6 +133,7 @@ def build_data(cfg: AyumiConfig, tokenizer: dict,
     root = Path(cfg.data.root)
     manifest = load_manifest(root)
     check_vocabulary(cfg, manifest, tokenizer, root)
+    settle_document_end(cfg, manifest, root)
     _, train, val = open_run_data(root, cfg.data.domains or None, cfg.train.seq_len, cfg.model.vocab_size,
                                   cfg.data.verify, cfg.data.validation)
     # The same checks as `ayumi plan`: budgets vs run length, repetition, disk, GPU memory. Refuse before step 1.
@@ -163,6 +164,20 @@ def register_declared_data(cfg: AyumiConfig, dist: DistInfo) -> None:
             error = err
     if any_rank(error is not None):
         raise error or ShardFormatError("rank 0 refused the curriculum's declared domains (it says why)")
+
+
+def settle_document_end(cfg: AyumiConfig, manifest: dict, root: Path) -> None:
+    """model.document_end_id from the data (its manifest's end-of-document id) for document masking, unless set."""
+    if cfg.model.attention != "document" or cfg.model.document_end_id >= 0:
+        return
+    end = manifest["tokenizer"].get("eos_id")
+    if end is None:
+        raise ConfigError(f"model.attention=document: {root / MANIFEST_NAME} records no end-of-document id; set "
+                          "model.document_end_id to the token that ends each document")
+    cfg.model.document_end_id = int(end)
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"attention within documents: a document ends with token {end} (the data's end-of-document id)",
+              flush=True)
 
 
 def check_vocabulary(cfg: AyumiConfig, manifest: dict, tokenizer: dict, root: Path) -> None:

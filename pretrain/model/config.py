@@ -11,7 +11,7 @@ from typing import ClassVar
 
 from pretrain.ranges import Range, above, at_least, between, range_problems
 
-ATTENTION_KERNELS = ("sdpa", "eager")
+ATTENTION_KERNELS = ("sdpa", "eager", "document")
 COMPILE_MODES = ("auto", "off", "blocks", "full")
 
 
@@ -105,7 +105,13 @@ class ModelConfig:
     embedding_grad_alpha: float = 1.0
     """GLM-130B embedding-gradient shrink: emb = a*emb + (1-a)*emb.detach(); 1.0 = off, 0.1 as in GLM-130B."""
     attention: str = "sdpa"
-    """Attention kernel: sdpa (torch scaled_dot_product_attention; flash/efficient kernels on GPU) or eager."""
+    """Attention: sdpa (torch scaled_dot_product_attention, causal; flash/efficient kernels on GPU), eager (a
+    reference), or document: causal within each document of a packed sample, documents ending with
+    document_end_id (FlexAttention on CUDA, SDPA with a mask elsewhere; pretrain/model/documents.py)."""
+    document_end_id: int = -1
+    """attention=document: the token that ends a document; -1 = the data's end-of-document id (its manifest)."""
+    restart_positions: bool = False
+    """attention=document: each document's RoPE positions start at 0, as if it were alone in its sample."""
     compile: str = "auto"
     """torch.compile: blocks (each decoder block, static shapes), full (the whole model), off; auto = blocks on
     CUDA, off on CPU (where compiling costs more than it saves on small runs). A recompile happens only when a

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from pretrain.model.config import ModelConfig, RopeScaling
+from pretrain.model.documents import flex_attention
 from pretrain.model.rope import inverse_frequencies, original_length
 
 # `enable_gqa` arrived in torch 2.5; older torch repeats K/V heads instead (same result).
@@ -113,7 +114,9 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask=None) -> Tensor:
+        """`mask`: None (causal), or document masking's (pretrain/model/documents.py): a boolean [B, 1, T, T]
+        tensor for SDPA or FlexAttention's BlockMask."""
         b, t, _ = x.shape
         # Head counts come from the projections' widths, not the config: a tensor-parallel rank's
         # projections hold a whole-head slice of them (pretrain/model/tensor_parallel.py), and the same code runs.
@@ -124,7 +127,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # [B, heads, T, head_dim]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = self._sdpa(q, k, v) if self.kernel == "sdpa" else self._eager(q, k, v)
+        if mask is not None:
+            y = self._masked(q, k, v, mask)
+        else:
+            y = self._eager(q, k, v) if self.kernel == "eager" else self._sdpa(q, k, v)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
     def _sdpa(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -134,6 +140,12 @@ class Attention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         # The other fused kernels (memory-efficient, CPU flash) need equal head counts.
         return F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), is_causal=True)
+
+    def _masked(self, q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
+        if isinstance(mask, Tensor):
+            n_rep = q.shape[1] // k.shape[1]
+            return F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), attn_mask=mask)
+        return flex_attention(q, k, v, mask)
 
     def _eager(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Reference path: explicit scores, causal mask, fp32 softmax."""
@@ -169,10 +181,11 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, recompute: str = "") -> Tensor:
-        """`recompute` "attention" or "mlp": that half keeps no activations and is recomputed in backward."""
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, recompute: str = "", mask=None) -> Tensor:
+        """`recompute` "attention" or "mlp": that half keeps no activations and is recomputed in backward.
+        `mask`: document masking's (Attention.forward), else None."""
         def attention(y: Tensor) -> Tensor:
-            return self.self_attn(self.input_layernorm(y), cos, sin)
+            return self.self_attn(self.input_layernorm(y), cos, sin, mask)
 
         def mlp(y: Tensor) -> Tensor:
             return self.mlp(self.post_attention_layernorm(y))

@@ -16,7 +16,8 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from pretrain.model.chunked_loss import LMHead
-from pretrain.model.config import ModelConfig, checkpointing_plan, validate_config
+from pretrain.model.config import ModelConfig, ModelConfigError, checkpointing_plan, validate_config
+from pretrain.model.documents import attention_mask, document_ids, mask_kernel, positions_in_document
 from pretrain.model.inductor_cache import use_isa_keyed_cache
 from pretrain.model.layers import Block, RMSNorm, RotaryEmbedding
 
@@ -61,6 +62,9 @@ class Llama(nn.Module):
         pretrain.engine.train_engine.build_model gathers each one to apply `init_parameter`."""
         super().__init__()
         validate_config(cfg)
+        if cfg.attention == "document" and cfg.document_end_id < 0:
+            raise ModelConfigError("model.attention=document needs model.document_end_id, the token that ends a "
+                                   "document (training takes it from the data's manifest)")
         self.cfg = cfg
         self.model = Decoder(cfg)
         self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size)
@@ -118,11 +122,18 @@ class Llama(nn.Module):
             # GLM-130B's a*h + (1-a)*h.detach(), written so the forward value is bit-identical to h.
             h = h.detach() + alpha * (h - h.detach())
         cos, sin = self.model.rotary_emb(input_ids.shape[1])
+        mask = None
+        if self.cfg.attention == "document":
+            documents = document_ids(input_ids, self.cfg.document_end_id)
+            mask = attention_mask(documents, mask_kernel(input_ids.device))
+            if self.cfg.restart_positions:  # each document's positions from 0: [B, 1, T, head_dim] tables
+                positions = positions_in_document(documents)
+                cos, sin = cos[positions][:, None], sin[positions][:, None]
         for block, recompute in zip(self.model.layers, self.recompute):
             if recompute == "block" and self.training:
-                h = checkpoint(block, h, cos, sin, use_reentrant=False)
+                h = checkpoint(block, h, cos, sin, "", mask, use_reentrant=False)
             else:
-                h = block(h, cos, sin, recompute if self.training else "")
+                h = block(h, cos, sin, recompute if self.training else "", mask)
         h = self.model.norm(h)
         chunk = self.cfg.loss_chunk_tokens
         if labels is not None and chunk > 0 and not return_logits:
