@@ -36,6 +36,7 @@ from pretrain.job.hang_watchdog import HangWatchdog, StragglerMonitor
 from pretrain.job.signals import StopSignal
 from pretrain.loader import BatchLoader
 from pretrain.metrics import NullLogger, format_count
+from pretrain.model.documents import span_sum
 from pretrain.model.flops import flops_per_token, peak_flops
 from pretrain.stability.policy import Action, ring_checkpoints_to_delete
 from pretrain.skips import SkippedData
@@ -103,6 +104,9 @@ class Trainer:
         self.domain_names = list(loader.source.domain_names)
         self.tokens_per_step = tokens_per_step(cfg.train)
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
+        self.model_cfg = cfg.model
+        # Under document masking the attention's FLOPs follow each step's documents (step_metrics).
+        self.document_end = cfg.model.document_end_id if cfg.model.attention == "document" else None
         self.peak_flops = peak_flops(dist.device)
         self.stop = StopSignal()
         self.mixer = loader.source if isinstance(loader.source, Mixer) else None
@@ -327,7 +331,7 @@ class Trainer:
         # Per-domain [loss sum, sample count], the total loss sum and the stop flag: one all-reduce per step
         # carries everything the ranks must agree on or report. Kept on the device until then.
         device, num_domains = self.dist.device, len(self.domain_names)
-        sums = torch.zeros(2 + 2 * num_domains, dtype=torch.float64, device=device)
+        sums = torch.zeros(3 + 2 * num_domains, dtype=torch.float64, device=device)  # [-2]: document spans
         result = None
         for index, batch in enumerate(batches):
             forward_start = time.perf_counter()
@@ -339,6 +343,8 @@ class Trainer:
             sample_loss, domains = out.sample_loss.double(), batch.domains.to(device, non_blocking=True)
             sums[1:1 + num_domains].index_add_(0, domains, sample_loss)
             sums[1 + num_domains:1 + 2 * num_domains].index_add_(0, domains, torch.ones_like(sample_loss))
+            if self.document_end is not None:
+                sums[-2] += span_sum(batch.input_ids, self.document_end)
             if index == len(batches) - 1:
                 sums[-1] = 1.0 if self.stop.received is not None else 0.0
                 self.watchdog.beat(step, "all-reduce")
@@ -393,8 +399,14 @@ class Trainer:
             "perf/step_time": step_time,
             "tokens": self.state.tokens,
         }
+        flops = self.flops_per_token
+        if self.document_end is not None:
+            # Every rank of a tensor-parallel group added the same batch's spans.
+            span = float(reduced[-2]) / (self.tokens_per_step * self.dist.tensor_parallel)
+            metrics["perf/attention_span"] = span
+            flops = flops_per_token(self.model_cfg, self.model_cfg.max_seq_len, span)
         if self.peak_flops:
-            metrics["perf/mfu"] = tokens_per_s * self.flops_per_token / (self.peak_flops * self.dist.world_size)
+            metrics["perf/mfu"] = tokens_per_s * flops / (self.peak_flops * self.dist.world_size)
         metrics.update(self.stability.metrics(self.state.step - 1))
         num_domains = len(self.domain_names)
         counts = reduced[1 + num_domains:1 + 2 * num_domains]

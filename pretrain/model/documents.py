@@ -36,6 +36,18 @@ def positions_in_document(documents: Tensor) -> Tensor:
     return steps - start_of_own
 
 
+def span_sum(input_ids: Tensor, end_id: int) -> Tensor:
+    """Sum over the tokens of the length of each one's document (sum of squared document lengths per row), as a
+    float64 scalar on the tokens' device, with no host sync: the attention work under document masking, in
+    the units of flops_per_token's span (pretrain/model/flops.py)."""
+    documents = document_ids(input_ids, end_id)
+    rows, length = documents.shape
+    flat = (documents + torch.arange(rows, device=documents.device)[:, None] * length).flatten()
+    counts = torch.zeros(rows * length, dtype=torch.float64, device=documents.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float64))
+    return (counts * counts).sum()
+
+
 def dense_mask(documents: Tensor) -> Tensor:
     """[B, 1, T, T] True where query t may attend key s: s <= t and the same document (for SDPA)."""
     t = documents.shape[1]

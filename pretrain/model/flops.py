@@ -53,12 +53,14 @@ def matmul_parameters(cfg: ModelConfig) -> int:
     return matrices + (cfg.vocab_size * cfg.hidden_size if cfg.tie_embeddings else 0)
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+def flops_per_token(cfg: ModelConfig, seq_len: int, span: float | None = None) -> float:
     """Training FLOPs per token, PaLM appendix B convention (the one MFU is usually quoted in):
-    6 * N_matmul (forward 2N, backward 4N) + 12 * num_layers * hidden_size * seq_len for the
-    attention scores and the weighted sum of values (no discount for the causal mask).
+    6 * N_matmul (forward 2N, backward 4N) + 12 * num_layers * hidden_size * span for the
+    attention scores and the weighted sum of values, span being the keys a token's attention covers
+    with no discount for the causal mask: seq_len, or under document masking the length of the token's
+    own document (`span`: the mean over the step's tokens, pretrain/model/documents.py).
     Activation-checkpointing recompute is not counted: this is model FLOPs, not hardware FLOPs."""
-    return 6.0 * matmul_parameters(cfg) + 12.0 * cfg.num_layers * cfg.hidden_size * seq_len
+    return 6.0 * matmul_parameters(cfg) + 12.0 * cfg.num_layers * cfg.hidden_size * (seq_len if span is None else span)
 
 
 # Dense bf16 peak FLOP/s per GPU, for MFU (vendor datasheets; no sparsity).

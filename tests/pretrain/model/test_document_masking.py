@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from pretrain.model.config import ModelConfig, ModelConfigError
-from pretrain.model.documents import attention_mask, dense_mask, document_ids, positions_in_document
+from pretrain.model.documents import attention_mask, dense_mask, document_ids, positions_in_document, span_sum
+from pretrain.model.flops import flops_per_token
 from pretrain.model.llama import Llama
 
 END = 1
@@ -43,6 +44,9 @@ def test_documents_and_positions_are_found_from_the_end_tokens():
     assert positions_in_document(documents)[0].tolist() == [*range(5), *range(8), *range(3), *range(6)]
     mask = dense_mask(documents)[0, 0]
     assert mask[6, 5] and not mask[5, 4] and not mask[6, 7] and mask[12, 5]
+    # The attention work the MFU counts: each token covers its own document, 5^2 + 8^2 + 3^2 + 6^2 in all.
+    assert span_sum(inputs, END).item() == 25 + 64 + 9 + 36
+    assert flops_per_token(ModelConfig(), 22, span=134 / 22) < flops_per_token(ModelConfig(), 22)
 
 
 @pytest.mark.parametrize("restart", [True, False])
@@ -87,7 +91,7 @@ def test_a_model_without_its_end_token_is_refused():
 def test_two_ranks_train_with_document_masking_taking_the_end_token_from_the_data(tmp_path):
     """A 2-rank ZeRO-2 run of the tiny corpus (byte documents, each ending with the corpus's EOS) with
     model.attention=document and restart_positions: the end token comes from the data's manifest, and it trains."""
-    from tests.helpers import EOS, run_training, tiny_overrides, train_losses, write_tiny_corpus
+    from tests.helpers import EOS, read_jsonl, run_training, tiny_overrides, train_losses, write_tiny_corpus
 
     corpus = write_tiny_corpus(tmp_path / "corpus")
     proc = run_training(tiny_overrides(corpus, tmp_path / "runs", "deepspeed=zero2", "deepspeed.precision=fp32",
@@ -97,3 +101,7 @@ def test_two_ranks_train_with_document_masking_taking_the_end_token_from_the_dat
     assert f"attention within documents: a document ends with token {EOS} (the data's end-of-document id)" in proc.stdout
     losses = train_losses(tmp_path / "runs" / "cpu_tiny")
     assert sorted(losses) == list(range(1, 9)) and losses[8] < losses[1]
+    # The keys a token's attention covers (the MFU's attention term): its document's length, at most the sample's.
+    spans = [r["perf/attention_span"] for r in read_jsonl(tmp_path / "runs" / "cpu_tiny" / "metrics.jsonl")
+             if "perf/attention_span" in r]
+    assert len(spans) == 8 and all(0 < span <= 64 for span in spans) and min(spans) < 64, spans
