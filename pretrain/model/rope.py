@@ -24,12 +24,15 @@ transformers' own. The settings are `model.rope_scaling` (RopeScaling, pretrain/
 from __future__ import annotations
 
 import math
+
 import torch
 from torch import Tensor
 
 from pretrain.model.config import RopeScaling
 
+
 def original_length(scaling: RopeScaling, max_seq_len: int) -> int:
+    """The length the model was pretrained at (original_max_seq_len; 0 means model.max_seq_len)."""
     return scaling.original_max_seq_len or max_seq_len
 
 
