@@ -1,6 +1,7 @@
 """ayumi's own Llama: layers, the model, presets, parameter and FLOP counts, the HF import, vocabulary growth,
-and the tensor-parallel layout (which weights are cut, and how shards merge back); inductor's cache folder
-per CPU instruction-set setting (used when compiling).
+RoPE and its scalings (rope.py), document masking of packed samples (documents.py), and the tensor-parallel
+layout (which weights are cut, and how shards merge back); inductor's cache folder per CPU instruction-set
+setting (used when compiling).
 
 May import: `pretrain.ranges`, `tokenizer` (vocabulary growth reads SentencePiece models); never DeepSpeed.
 """
