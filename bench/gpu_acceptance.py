@@ -24,6 +24,9 @@ Parts, the most valuable figures first (letters as in docs/performance.md):
                    uninterrupted run's
   stability        (f) an injected spike (LR x50) is detected, rolled back and its batches skipped
                    (these three run side by side: small models, mostly process start-up)
+  long_context     (h) document masking through compiled FlexAttention: each packed document's losses equal it
+                   alone; a step's time against causal attention (1b-like layers, seq 4096, ~512-token
+                   documents); llama3 RoPE scaling's logits against transformers'
   speed_7b_layers  (b, c) Llama-2-7B's layers (4 of them), seq 2048
   checkpoint_save  (e) the asynchronous save's blocked time against a synchronous save, 1b model (bench/checkpoint_async.py)
   demo_train       (g) the demo's training phase (`ayumi train experiment=demo`) on the GPU, timed; needs
@@ -74,6 +77,7 @@ PARTS = {p.key: p for p in [
     Part("correctness", "d", "correctness on the GPU (small model, 30 steps)", 180),
     Part("checkpoint_kill", "e", "kill -9 during an asynchronous write, then resume", 180),
     Part("stability", "f", "an injected spike: detected, rolled back, batches skipped", 180),
+    Part("long_context", "h", "document masking (compiled FlexAttention) and llama3 RoPE against transformers", 150),
     Part("speed_7b_layers", "b", "Llama-2-7B layers (4), seq 2048, compiled blocks", 150),
     Part("checkpoint_save", "e", "asynchronous vs synchronous save of the 1b model", 150),
     Part("demo_train", "g", "the demo's training phase", 180),
@@ -82,7 +86,8 @@ PARTS = {p.key: p for p in [
     Part("profile_1b", "b", "1b, seq 2048: the kernels by GPU time over 2 profiled steps (for tuning)", 150),
     Part("speed_1b_plain_loss", "b", "1b, seq 2048, the loss in one pass (model.loss_chunk_tokens=0)", 150),
 ]}
-SCHEDULE = [["env"], ["speed_1b_2048"], ["correctness", "checkpoint_kill", "stability"], ["speed_7b_layers"],
+SCHEDULE = [["env"], ["speed_1b_2048"], ["correctness", "checkpoint_kill", "stability"], ["long_context"],
+            ["speed_7b_layers"],
             ["checkpoint_save"], ["demo_train"], ["speed_1b_plan"], ["speed_1b_4096"], ["profile_1b"],
             ["speed_1b_plain_loss"]]
 """Batches in order; the parts of one batch run at the same time (small models: the GPU is shared)."""
@@ -274,7 +279,8 @@ def markdown(report: dict) -> str:
 
 
 def result_lines(parts: dict) -> list[str]:
-    """RESULT lines for the figures with targets: the GEMM, each speed part's MFU and memory, the async save."""
+    """RESULT lines for the figures with targets: the GEMM, each speed part's MFU and memory, document masking's
+    step time against causal attention, the async save."""
     from bench.gpu_speed import result_lines as speed_lines
 
     lines = []
@@ -288,6 +294,11 @@ def result_lines(parts: dict) -> list[str]:
             # Named by the part as well: two parts can share a shape, a sequence length and a policy.
             lines += speed_lines(SPEED[key]["shape"], f"seq{figures['seq_len']}",
                                  f"{figures['checkpointing']}_{key}", figures)
+    documents = parts.get("long_context", {}).get("figures")
+    if documents and "document_step_ms" in documents:
+        # ~512-token documents in 4096-token samples: FlexAttention skips the masked blocks, so it should not be slower.
+        lines.append(result_line("gpu_acceptance_document_masking", documents["document_step_ms"],
+                                 documents["causal_step_ms"], "<=1.00", unit="ms"))
     save = parts.get("checkpoint_save", {}).get("figures")
     if save:
         lines.append(result_line("gpu_acceptance_checkpoint_async", save["ours_ms"], save["base_ms"],
@@ -737,9 +748,132 @@ def demo_like_corpus(work: Path) -> Path:
     return root
 
 
+# -- h. long context: document masking and RoPE scaling ------------------------------------------------
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+
+def worker_long_context(args, work: Path) -> dict:
+    """On the GPU: document masking through compiled FlexAttention gives each packed document the losses it has
+    alone; its step time against causal SDPA on a packed batch; llama3 RoPE scaling's logits against
+    transformers'. (On the CPU: the same checks through SDPA's dense mask, tiny shapes.)"""
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 comparisons below: no TF32 rounding in the matmuls
+    device = device_of(args)
+    checks, rows, figures = [], [], {}
+    gap = documents_alone_gap(device)
+    figures["documents_alone_max_gap"] = gap
+    rows.append(["packed documents vs each alone (fp32, restart positions)", f"max gap {gap:.2e}", "<=1e-4",
+                 gap <= 1e-4])
+    checks.append(check("documents_alone", gap <= 1e-4, f"largest per-token loss gap {gap:.2e}"))
+    rope_gap = llama3_logits_gap(device, work)
+    figures["llama3_logits_max_gap"] = rope_gap
+    rows.append(["llama3 RoPE logits vs transformers (fp32)", f"max gap {rope_gap:.2e}", "<=1e-5", rope_gap <= 1e-5])
+    checks.append(check("llama3_rope", rope_gap <= 1e-5, f"largest logit gap {rope_gap:.2e}"))
+    masked_ms, causal_ms = document_step_times(device, args.cpu_smoke)
+    figures.update(document_step_ms=masked_ms, causal_step_ms=causal_ms, document_over_causal=masked_ms / causal_ms)
+    rows.append(["a step with document masking / causal", f"{masked_ms:.1f} / {causal_ms:.1f} ms = "
+                 f"{masked_ms / causal_ms:.2f}", "", None])
+    return {"figures": figures, "rows": rows, "checks": checks}
+
+
+def documents_alone_gap(device: str) -> float:
+    """Largest per-token loss difference between a packed sample and its documents run alone."""
+    import torch
+    import torch.nn.functional as F
+
+    from pretrain.model.config import ModelConfig
+    from pretrain.model.llama import Llama
+
+    torch.manual_seed(0)
+    model = Llama(ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=352, num_layers=2, num_heads=4,
+                              num_kv_heads=2, max_seq_len=256, init_std=0.1, attention="document",
+                              document_end_id=1, restart_positions=True)).to(device).eval()
+    lengths = [37, 90, 12, 64, 53]  # 256 tokens, the last document cut off
+    tokens = torch.randint(2, 512, (257,), generator=torch.Generator().manual_seed(1))
+    for end in torch.tensor(lengths[:-1]).cumsum(0) - 1:
+        tokens[end] = 1
+    inputs, labels = tokens[None, :-1].to(device), tokens[None, 1:].to(device)
+
+    def per_token(x, y):
+        with torch.no_grad():
+            logits = model(x).logits.float()
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
+
+    packed, start, gap = per_token(inputs, labels), 0, 0.0
+    for length in lengths:
+        alone = per_token(inputs[:, start:start + length], labels[:, start:start + length])
+        gap = max(gap, (packed[start:start + length] - alone).abs().max().item())
+        start += length
+    return gap
+
+
+def llama3_logits_gap(device: str, work: Path) -> float:
+    """Largest logit difference between ayumi's Llama and transformers' on a llama3-scaled folder."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pretrain.model.config import ModelConfig
+    from pretrain.model.hf_import import model_fields, read_hf_config
+    from pretrain.model.llama import Llama
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      rope_theta=500000.0, rope_scaling=dict(LLAMA3_ROPE), initializer_range=0.1))
+    folder = work / "llama3"
+    hf.save_pretrained(folder)
+    ours = Llama(ModelConfig(**model_fields(read_hf_config(folder), folder)))
+    ours.load_state_dict(hf.state_dict(), strict=False)
+    hf, ours = hf.to(device).eval(), ours.to(device).eval()
+    ids = torch.randint(0, 512, (2, 256), generator=torch.Generator().manual_seed(2)).to(device)
+    with torch.no_grad():
+        return (ours(ids).logits.float() - hf(ids).logits.float()).abs().max().item()
+
+
+def document_step_times(device: str, cpu_smoke: bool) -> tuple[float, float]:
+    """Median ms of a forward+backward with document masking and with causal attention (same weights, a packed
+    batch of ~512-token documents): bf16 1b-like layers at seq 4096 on the GPU, tiny fp32 on the CPU."""
+
+    import torch
+
+    from bench.document_attention import packed_batch
+    from pretrain.model.config import ModelConfig
+    from pretrain.model.llama import Llama
+
+    if cpu_smoke:
+        shape, seq, batch, dtype, repeats = dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_layers=2,
+                                                  num_heads=4, num_kv_heads=2), 128, 2, torch.float32, 2
+    else:
+        shape, seq, batch, dtype, repeats = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                                                  num_layers=4, num_heads=16, num_kv_heads=4), 4096, 2, torch.bfloat16, 5
+    torch.manual_seed(0)
+    causal = Llama(ModelConfig(**shape, max_seq_len=seq)).to(device, dtype).train()
+    masked = Llama(ModelConfig(**shape, max_seq_len=seq, attention="document", document_end_id=1)).to(device, dtype)
+    masked.load_state_dict(causal.state_dict())
+    masked.train()
+    tokens = packed_batch(batch, seq, shape["vocab_size"]).to(device)
+
+    def step_ms(model) -> float:
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        model(tokens[:, :-1], tokens[:, 1:]).loss.backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1e3
+
+    for model in (causal, masked, causal, masked):  # warm-up: FlexAttention compiles, kernels are chosen
+        step_ms(model)
+    masked_ms = statistics.median(step_ms(masked) for _ in range(repeats))
+    causal_ms = statistics.median(step_ms(causal) for _ in range(repeats))
+    return masked_ms, causal_ms
+
+
 WORKERS = {"env": worker_env, "correctness": worker_correctness, "checkpoint_kill": worker_checkpoint_kill,
            "stability": worker_stability, "checkpoint_save": worker_checkpoint_save, "demo_train": worker_demo_train,
-           **{key: worker_speed for key in SPEED}}
+           "long_context": worker_long_context, **{key: worker_speed for key in SPEED}}
 
 
 if __name__ == "__main__":
