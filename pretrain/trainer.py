@@ -104,7 +104,7 @@ class Trainer:
         self.domain_names = list(loader.source.domain_names)
         self.tokens_per_step = tokens_per_step(cfg.train)
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
-        self.model_cfg = cfg.model
+        self.model_cfg, self.seq_len = cfg.model, cfg.train.seq_len
         # Under document masking the attention's FLOPs follow each step's documents (step_metrics).
         self.document_end = cfg.model.document_end_id if cfg.model.attention == "document" else None
         self.peak_flops = peak_flops(dist.device)
@@ -404,7 +404,7 @@ class Trainer:
             # Every rank of a tensor-parallel group added the same batch's spans.
             span = float(reduced[-2]) / (self.tokens_per_step * self.dist.tensor_parallel)
             metrics["perf/attention_span"] = span
-            flops = flops_per_token(self.model_cfg, self.model_cfg.max_seq_len, span)
+            flops = flops_per_token(self.model_cfg, self.seq_len, span)
         if self.peak_flops:
             metrics["perf/mfu"] = tokens_per_s * flops / (self.peak_flops * self.dist.world_size)
         metrics.update(self.stability.metrics(self.state.step - 1))

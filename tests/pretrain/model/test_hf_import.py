@@ -16,11 +16,13 @@ SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_l
 
 
 def save_random_llama(folder: Path, tie: bool = False, seed: int = 0, rope_scaling: dict | None = None,
-                      **save) -> "torch.nn.Module":
+                      config: dict | None = None, **save) -> "torch.nn.Module":
+    """A random transformers LlamaForCausalLM of SHAPE (with `config`'s changes), saved to `folder`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**SHAPE, tie_word_embeddings=tie, rope_scaling=rope_scaling))
+    model = LlamaForCausalLM(LlamaConfig(**{**SHAPE, **(config or {})}, tie_word_embeddings=tie,
+                                         rope_scaling=dict(rope_scaling) if rope_scaling else None))
     model.save_pretrained(folder, **save)
     return model
 

@@ -19,11 +19,11 @@ from pretrain.config import config_from_args
 from pretrain.model.hf_import import read_hf_config, rope_settings
 from tests.helpers import REPO, cpu_env, run_training, tiny_overrides, train_losses, write_tiny_corpus
 from tests.pretrain.model.test_hf_import import save_random_llama
+from tests.pretrain.model.test_rope_scaling import SCALINGS
 
 pytestmark = pytest.mark.slow
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 16}
-"""Llama 3.1-3.3's RoPE scaling, its original length cut to the tiny model's 128 positions so that it changes the loss."""
+LLAMA3_ROPE = SCALINGS["llama3"]
+"""Llama 3.1-3.3's RoPE scaling, its original length cut to 16 of the tiny model's 128 positions so that it matters."""
 
 
 @pytest.fixture(scope="module")

@@ -19,10 +19,10 @@ from pretrain.model.config import ModelConfig
 from pretrain.model.hf_import import HFImportError, model_fields, read_hf_config, rope_settings
 from pretrain.model.llama import Llama
 from pretrain.tools.export import export_hf
+from tests.pretrain.model.test_hf_import import SHAPE, save_random_llama
 
-SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=50000.0,
-             initializer_range=0.1)  # weights large enough for peaked attention: a small error in the tables shows
+PEAKED = {"initializer_range": 0.1}
+"""Weights large enough for peaked attention: a small error in the RoPE tables shows in the logits."""
 SCALINGS = {  # as each family's config.json has it, shrunk to the tiny model's 128 positions
     "linear": {"rope_type": "linear", "factor": 4.0},
     "dynamic": {"rope_type": "dynamic", "factor": 2.0},
@@ -35,13 +35,8 @@ SCALINGS = {  # as each family's config.json has it, shrunk to the tiny model's 
 TOLERANCE = 1e-5
 
 
-def save_hf_llama(folder: Path, scaling: dict | None, seed: int = 0, **changes):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**{**SHAPE, **changes}, rope_scaling=dict(scaling) if scaling else None))
-    model.save_pretrained(folder)
-    return model.eval()
+def save_hf_llama(folder: Path, scaling: dict | None, **changes):
+    return save_random_llama(folder, rope_scaling=scaling, config={**PEAKED, **changes}).eval()
 
 
 def ayumi_llama(folder: Path, hf_model, **changes) -> Llama:
