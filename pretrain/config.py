@@ -26,6 +26,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from curriculum.config import CurriculumConfig
 from curriculum.declared import tokenizer_missing
+from downstream.config import DownstreamConfig, config_problems as downstream_problems
 from pretrain.model.config import ModelConfig, checkpointing_plan, shape_problems
 from pretrain.job.hang_watchdog import HangConfig
 from pretrain.ranges import Range, Rule, above, at_least, between, one_of, range_problems
@@ -298,6 +299,14 @@ class LoggingConfig:
     """Allowed values, checked before any rank starts (pretrain/ranges.py)."""
 
 
+@dataclass
+class EvalConfig:
+    """Evaluation beyond the validation loss (the validation loss itself: train.eval_interval and friends)."""
+
+    downstream: DownstreamConfig = field(default_factory=DownstreamConfig)
+    """Downstream tasks scored in the loop and by `ayumi eval` (downstream/config.py, docs/downstream-eval.md)."""
+
+
 def async_checkpoints(cfg: "AyumiConfig", device) -> bool:
     """checkpoint.async_save resolved: auto = on when training on a GPU."""
     value = str(cfg.checkpoint.async_save).lower()
@@ -337,6 +346,8 @@ class AyumiConfig:
     """Staged data curriculum (conf/curriculum/); no stages = all domains shuffled together."""
     hang: HangConfig = field(default_factory=HangConfig)
     """The hang and straggler watchdog (pretrain/job/hang_watchdog.py)."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Downstream evaluation (eval.downstream)."""
 
 
 SCHEMA_NAME = "ayumi_schema"
@@ -508,6 +519,7 @@ def config_problems(cfg: AyumiConfig) -> list[str]:
     shape rules. check_config reports them all at once before its cross-field checks.
     """
     problems = name_problems(cfg.name) + range_problems(cfg) + shape_problems(cfg.model) + declared_data_problems(cfg)
+    problems += downstream_problems(cfg.eval.downstream)
     if not problems:  # the tensor-parallel rules divide by the sizes checked above
         problems = tensor_parallel_problems(cfg)
     return problems

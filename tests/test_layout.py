@@ -2,7 +2,8 @@
 
 - only `pretrain/engine/` imports DeepSpeed (`pretrain/tools/doctor.py` aside: it reports DeepSpeed's versions
   and ops), and only `pretrain/metrics.py` imports W&B;
-- the data flows one way: tokenizer -> data -> curriculum -> pretrain (`common` below all, `demo` above all);
+- the data flows one way: tokenizer -> data -> curriculum -> downstream -> pretrain (`common` below all, `demo`
+  above all; downstream evaluation sits below the trainer that calls it);
 - no import circles between files (a circle makes "where does this live?" unanswerable);
 - no product file names a document that is not in the repository, or a machine path.
 """
@@ -13,10 +14,10 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("common", "tokenizer", "data", "curriculum", "pretrain", "demo")
+PACKAGES = ("common", "tokenizer", "data", "curriculum", "downstream", "pretrain", "demo")
 PRODUCT_DIRS = (*PACKAGES, "bench", "conf", "launch", "docs")
 # Lower layers never import higher ones (the one-way data flow; demo drives them all).
-LAYER = {"common": 0, "tokenizer": 1, "data": 2, "curriculum": 3, "pretrain": 4, "demo": 5}
+LAYER = {"common": 0, "tokenizer": 1, "data": 2, "curriculum": 3, "downstream": 4, "pretrain": 5, "demo": 6}
 
 
 def product_modules() -> dict[str, Path]:
