@@ -81,14 +81,15 @@ def _requests(task: Task, tokenizer: Tokenizer, prefix: list[int], max_len: int,
 
 
 def score_tasks(prepared: list[PreparedTask], logits_fn: LogitsFn, tokenizer: Tokenizer, share: Share,
-                batch_size: int, device: torch.device, pad_id: int = 0,
-                end_ids: tuple[int, ...] = ()) -> list[TaskScores]:
-    """Every task's metrics (every rank calls this together and gets the same numbers)."""
-    return [_score(p, logits_fn, tokenizer, share, batch_size, device, pad_id, end_ids) for p in prepared]
+                batch_size: int, device: torch.device, pad_id: int = 0, end_ids: tuple[int, ...] = (),
+                vocab: int | None = None) -> list[TaskScores]:
+    """Every task's metrics (every rank calls this together and gets the same numbers). `vocab`: the tokenizer's
+    size, the ids greedy decoding may choose (a model's embedding is often padded beyond it)."""
+    return [_score(p, logits_fn, tokenizer, share, batch_size, device, pad_id, end_ids, vocab) for p in prepared]
 
 
 def _score(prepared: PreparedTask, logits_fn: LogitsFn, tokenizer: Tokenizer, share: Share, batch_size: int,
-           device: torch.device, pad_id: int, end_ids: tuple[int, ...]) -> TaskScores:
+           device: torch.device, pad_id: int, end_ids: tuple[int, ...], vocab: int | None) -> TaskScores:
     task = prepared.task
     per_example: list[dict[str, Any]] = []
     if task.kind == "qa":
@@ -96,16 +97,16 @@ def _score(prepared: PreparedTask, logits_fn: LogitsFn, tokenizer: Tokenizer, sh
             return ids[-1] in end_ids or cut_at_stop(tokenizer.decode(ids), task.stop) != tokenizer.decode(ids)
         contexts = [request.context for request in prepared.generate]
         outputs = greedy_continuations(logits_fn, contexts, task.max_new_tokens, finished, share, batch_size,
-                                       device, pad_id)
+                                       device, pad_id, vocab)
         for example, ids in zip(task.examples, outputs):
-            ids = [i for i in ids if i not in end_ids]
-            text = cut_at_stop(tokenizer.decode(ids), task.stop).strip()
-            per_example.append({"prediction": text, "answer": example.answer,
+            raw = tokenizer.decode([i for i in ids if i not in end_ids])
+            text = cut_at_stop(raw, task.stop).strip()
+            per_example.append({"prediction": text, "answer": example.answer, "generated": raw,
                                 "exact_match": exact_match(text, example.answer),
                                 "char_f1": char_f1(text, example.answer)})
     else:
         flat = [(r.context, r.continuation) for requests in prepared.loglik for r in requests]
-        scores = iter(loglikelihoods(logits_fn, flat, share, batch_size, device, pad_id))
+        scores = iter(loglikelihoods(logits_fn, flat, share, batch_size, device, pad_id, vocab))
         for example, requests in zip(task.examples, prepared.loglik):
             results = [next(scores) for _ in requests]
             logliks = [loglik for loglik, _ in results]

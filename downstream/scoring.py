@@ -51,9 +51,12 @@ def _padded(rows: Sequence[Sequence[int]], pad_id: int, device: torch.device) ->
 
 @torch.no_grad()
 def loglikelihoods(logits_fn: LogitsFn, requests: Sequence[tuple[Sequence[int], Sequence[int]]], share: Share,
-                   batch_size: int, device: torch.device, pad_id: int = 0) -> list[tuple[float, bool]]:
+                   batch_size: int, device: torch.device, pad_id: int = 0,
+                   vocab: int | None = None) -> list[tuple[float, bool]]:
     """(sum of log p(continuation | context), whether greedy decoding gives exactly the continuation) per
-    (context, continuation) request; every rank gets every result."""
+    (context, continuation) request; every rank gets every result. The probabilities are the model's over all its
+    rows; greedy decoding picks among the tokenizer's `vocab` ids only (a padded embedding's extra rows are no
+    token)."""
     results = torch.zeros(len(requests), 3, dtype=torch.float64)  # loglik, greedy, count
     for batch in _my_batches(len(requests), share, batch_size):
         chosen = [requests[i if i >= 0 else batch[0]] for i in batch]  # a padding row repeats a real one
@@ -66,7 +69,7 @@ def loglikelihoods(logits_fn: LogitsFn, requests: Sequence[tuple[Sequence[int], 
             scores = F.log_softmax(logits[row, start:start + len(continuation)].float(), dim=-1).cpu()
             target = torch.tensor(list(continuation), dtype=torch.long)
             loglik = scores.gather(1, target[:, None]).sum().item()
-            greedy = bool((scores.argmax(dim=-1) == target).all())
+            greedy = bool((scores[:, :vocab].argmax(dim=-1) == target).all())
             results[index] += torch.tensor([loglik, float(greedy), 1.0], dtype=torch.float64)
     results = share.sum(results)
     return [(float(r[0] / r[2]), bool(r[1] / r[2] > 0.5)) for r in results]
@@ -75,10 +78,11 @@ def loglikelihoods(logits_fn: LogitsFn, requests: Sequence[tuple[Sequence[int], 
 @torch.no_grad()
 def greedy_continuations(logits_fn: LogitsFn, contexts: Sequence[Sequence[int]], max_new_tokens: int,
                          finished: Callable[[list[int]], bool], share: Share, batch_size: int,
-                         device: torch.device, pad_id: int = 0) -> list[list[int]]:
+                         device: torch.device, pad_id: int = 0, vocab: int | None = None) -> list[list[int]]:
     """Greedy continuation of each context, at most max_new_tokens, ended early once `finished(ids)` says so
     for every sequence of every rank's batch (the ranks agree each token, so forward passes stay in step).
-    No KV cache: each new token runs the whole sequence again, which suits the short answers of qa tasks."""
+    No KV cache: each new token runs the whole sequence again, which suits the short answers of qa tasks. Only the
+    tokenizer's `vocab` ids are chosen."""
     results = torch.full((len(contexts), max_new_tokens + 1), 0.0, dtype=torch.float64)  # ids + 1, then count
     for batch in _my_batches(len(contexts), share, batch_size):
         rows = [list(contexts[i if i >= 0 else batch[0]]) for i in batch]
@@ -89,7 +93,7 @@ def greedy_continuations(logits_fn: LogitsFn, contexts: Sequence[Sequence[int]],
             for row in range(len(batch)):
                 if not done[row]:
                     last = len(rows[row]) + len(new[row]) - 1
-                    new[row].append(int(logits[row, last].float().argmax()))
+                    new[row].append(int(logits[row, last, :vocab].float().argmax()))
                     done[row] = finished(new[row])
             still = share.sum(torch.tensor([float(not all(done))], dtype=torch.float64))
             if still.item() == 0:

@@ -520,6 +520,9 @@ def config_problems(cfg: AyumiConfig) -> list[str]:
     """
     problems = name_problems(cfg.name) + range_problems(cfg) + shape_problems(cfg.model) + declared_data_problems(cfg)
     problems += downstream_problems(cfg.eval.downstream)
+    if cfg.eval.downstream.tasks and not cfg.data.tokenizer_dir:
+        problems.append("eval.downstream.tasks need data.tokenizer_dir (the tokenizer that made the data): it turns "
+                        "the tasks' text into ids")
     if not problems:  # the tensor-parallel rules divide by the sizes checked above
         problems = tensor_parallel_problems(cfg)
     return problems

@@ -1,4 +1,4 @@
-"""Validation loss during training: when it runs, and the run itself.
+"""Evaluation during training: the validation loss (`Evaluator`) and downstream tasks (`DownstreamEvaluator`).
 
 `Evaluator.due(step)` follows `train.eval_interval` (denser early on: `eval_dense_interval` until
 `eval_dense_until`); `Evaluator.run(step, tokens)` computes the mean loss of the first `train.eval_samples`
@@ -6,10 +6,18 @@ samples of each domain's validation set, logs `val/<domain>/loss` and `val/loss`
 `stability.precision_check_every` evaluations of a bf16/fp16 run, the same loss with a full fp32 copy of the
 weights (`val/<domain>/fp32_gap`). Samples are spread over the data-parallel ranks so that the result does
 not depend on how many there are. Every rank calls `run` together (ZeRO-3 gathers parameters collectively).
+
+`DownstreamEvaluator` scores `eval.downstream`'s tasks (downstream/) every `interval` steps and after the last
+one, logging `eval/<task>/<metric>`, the seconds it took and its share of the run's time so far; what each
+example got (choices' log-likelihoods, generated answers) goes to RUN_DIR/eval/downstream/step_NNNNNNN.json.
 """
 from __future__ import annotations
 
+import json
 import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -17,6 +25,10 @@ import torch
 
 from curriculum.schedule import eval_due
 from data.packed import PackedSamples
+from common.files import write_text_atomic
+from downstream.evaluate import PreparedTask, TaskScores, flat_metrics, score_tasks
+from downstream.prompts import Tokenizer
+from downstream.scoring import Share
 from pretrain.config import AyumiConfig
 from pretrain.engine.distributed import DistInfo, all_reduce_tensor, barrier
 from pretrain.engine.train_engine import TrainEngine
@@ -115,3 +127,74 @@ class Evaluator:
             raise RuntimeError(f"fp32 precision check: weights missing for {sorted(missing)}")
         model.eval()
         return self.losses(lambda inputs, labels: model(inputs, labels))
+
+
+@dataclass
+class DownstreamTasks:
+    """eval.downstream's tasks as prepared before training (pretrain/train.py), with the tokenizer they need."""
+
+    tasks: list[PreparedTask] = field(default_factory=list)
+    tokenizer: Tokenizer | None = None
+    end_ids: tuple[int, ...] = ()
+    """Tokens that end a generation (the tokenizer's EOS)."""
+
+
+class DownstreamEvaluator:
+    """`eval.downstream`'s tasks, scored on the training model (every rank together)."""
+
+    def __init__(self, cfg: AyumiConfig, dist: DistInfo, engine: TrainEngine, downstream: DownstreamTasks,
+                 logger: NullLogger, watchdog: HangWatchdog, total_steps: int):
+        self.settings = cfg.eval.downstream
+        self.folder = Path(cfg.run_dir) / "eval" / "downstream"
+        self.dist = dist
+        self.engine = engine
+        self.tasks = downstream.tasks
+        self.tokenizer = downstream.tokenizer
+        self.end_ids = downstream.end_ids
+        self.pad_id = self.end_ids[0] if self.end_ids else 0
+        self.vocab = getattr(self.tokenizer, "vocab_size", None)  # greedy decoding picks a real token
+        self.logger = logger
+        self.watchdog = watchdog
+        self.total_steps = total_steps
+        self.seconds = 0.0
+        self.started = time.perf_counter()  # the run's time so far, for the share spent here
+        self.last_step: int | None = None
+
+    def due(self, step: int) -> bool:
+        """Every `interval` steps before the last (the final scoring runs after the loop: `final`)."""
+        interval = self.settings.interval
+        return bool(self.tasks) and interval > 0 and step % interval == 0 and step < self.total_steps
+
+    def final(self, step: int, tokens: int) -> dict[str, float]:
+        """After the loop: score unless this step was just scored."""
+        return self.run(step, tokens) if self.tasks and self.last_step != step else {}
+
+    @torch.no_grad()
+    def run(self, step: int, tokens: int) -> dict[str, float]:
+        """Score every task, log `eval/<task>/<metric>` with the time spent; returns the metrics."""
+        began = time.perf_counter()
+        self.engine.eval()
+        share = Share(self.dist.dp_rank, self.dist.dp_size, all_reduce_tensor)
+        with self.watchdog.phase(step, "downstream evaluation"):
+            scores = score_tasks(self.tasks, self.engine.logits, self.tokenizer, share, self.settings.batch_size,
+                                 self.dist.device, self.pad_id, self.end_ids, self.vocab)
+        self.engine.train()
+        elapsed = time.perf_counter() - began
+        self.seconds += elapsed
+        self.last_step = step
+        metrics = flat_metrics(scores)
+        if self.dist.is_main:
+            self.write_examples(step, tokens, scores)
+        self.logger.log(step, {**metrics, "tokens": tokens, "eval/downstream_seconds": elapsed,
+                               "eval/time_share": self.seconds / max(time.perf_counter() - self.started, 1e-9)},
+                        console=False)
+        self.logger.info("downstream @ step {}: {} ({:.1f} s)".format(step, ", ".join(
+            f"{s.name} " + " ".join(f"{m} {v:.4f}" for m, v in s.metrics.items()) for s in scores), elapsed))
+        return metrics
+
+    def write_examples(self, step: int, tokens: int, scores: list[TaskScores]) -> None:
+        """What every example got at this step, as `ayumi eval` writes it (rank 0)."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        body = {"step": step, "tokens": tokens,
+                "tasks": {s.name: {"kind": s.kind, "metrics": s.metrics, "examples": s.examples} for s in scores}}
+        write_text_atomic(self.folder / f"step_{step:07d}.json", json.dumps(body, ensure_ascii=False, indent=1))

@@ -53,6 +53,8 @@ from data.domains import open_run_data
 from data.manifest import MANIFEST_NAME, ManifestError, check_manifest_tokenizer, load_manifest
 from data.packed import CorruptShardError, DataChangedError, PackedSamples, ShuffledDomains
 from data.shards import ShardFormatError, TokenizerMismatchError
+from downstream.evaluate import prepare_tasks
+from downstream.tasks import TaskError
 from pretrain.checkpoint.checkpointer import CheckpointError, Checkpointer, CheckpointWriteFailed
 from pretrain.checkpoint.trust import choose_start, resume_start
 from pretrain.config import (
@@ -64,6 +66,7 @@ from pretrain.engine.distributed import (
     all_reduce_tensor, any_rank, barrier, broadcast_object, finalize_distributed, first_problem, init_distributed,
 )
 from pretrain.engine.ds_config import save_ds_config
+from pretrain.evaluation import DownstreamTasks
 from pretrain.job.exit_status import record_exit
 from pretrain.job.hang_watchdog import HangWatchdog, process_group_timeout_s
 from pretrain.loader import BatchLoader
@@ -86,7 +89,7 @@ from tokenizer.info import TokenizerNotFoundError
 warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
 
 INPUT_ERRORS = (ConfigError, PlanRefused, CurriculumError, ShardFormatError, TokenizerMismatchError, ManifestError,
-                TokenizerNotFoundError, CheckpointError, DataChangedError, HFImportError, RunDirLocked)
+                TokenizerNotFoundError, CheckpointError, DataChangedError, HFImportError, RunDirLocked, TaskError)
 """Mistakes in what the run was given (config, plan, shards, tokenizer, checkpoint): a clear line and status 2."""
 
 EXIT_STABILITY_STOP = STABILITY_STOP
@@ -222,6 +225,7 @@ def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict,
     tokenizer = load_tokenizer_identity(cfg.data.tokenizer_dir)
     register_declared_data(cfg, dist)
     source, val_sets = build_data(cfg, tokenizer, job_hardware(dist))
+    downstream = downstream_tasks(cfg, tokenizer, dist)  # a mistake in a task file stops the run here, untrained
 
     torch.manual_seed(cfg.train.seed)  # same init on every rank
     model = build_model(lambda init_weights: Llama(cfg.model, init_weights=init_weights), cfg, dist,
@@ -251,9 +255,30 @@ def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict,
                 "zero_stage": cfg.deepspeed.zero_stage, "precision": cfg.deepspeed.precision,
                 "precision_reason": precision.reason, **tokenizer}
     trainer = Trainer(cfg, dist, engine, loader, val_sets, logger, checkpointer, total_steps(cfg.train), run_meta,
-                      watchdog=watchdog)
+                      watchdog=watchdog, downstream=downstream)
     trainer.resume_if_possible(resumed)
     return trainer, logger
+
+
+def downstream_tasks(cfg: AyumiConfig, tokenizer: dict, dist: DistInfo) -> DownstreamTasks:
+    """eval.downstream's task files read and tokenized with the run's tokenizer, before the model is built.
+
+    Every rank prepares the same requests (the files are small). A mistake raises TaskError (exit 2) unless
+    eval.downstream.strict=false: then rank 0 says which task is left out and why, and the run goes on.
+    """
+    settings = cfg.eval.downstream
+    if not settings.tasks:
+        return DownstreamTasks()
+    from tokenizer.declared import load_declared_tokenizer
+
+    text_tokenizer = load_declared_tokenizer(tokenizer["tokenizer_dir"])
+
+    def left_out(message: str) -> None:
+        if dist.is_main:
+            print(f"eval.downstream: task left out (strict=false): {message}", file=sys.stderr, flush=True)
+    eos = text_tokenizer.eod_id
+    prepared = prepare_tasks(settings, text_tokenizer, cfg.model.max_seq_len, text_tokenizer.bos_id, eos, left_out)
+    return DownstreamTasks(prepared, text_tokenizer, (eos,) if eos is not None else ())
 
 
 def hf_initial_weights(cfg: AyumiConfig, data_vocab: int | None = None):

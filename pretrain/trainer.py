@@ -5,7 +5,7 @@ Everything that must survive a restart (engine, data position, counters, RNG) go
 checkpoint, so a resumed run produces the same per-step losses as an uninterrupted one.
 Decisions that change control flow (stop on a signal) are agreed by all ranks first.
 
-What plugs in: the validation `Evaluator` (pretrain/evaluation.py), per-step hooks (pretrain/hooks.py:
+What plugs in: the validation `Evaluator` and the `DownstreamEvaluator` (pretrain/evaluation.py), per-step hooks (pretrain/hooks.py:
 telemetry, histograms, stragglers), the fire drills (pretrain/fault_drills.py) and the run's checkpoints with
 their rollback ring (pretrain/checkpoint/ring.py). The update gate stays here: the stability machinery judges
 a step inside DeepSpeed's optimizer step, once the global grad norm is known.
@@ -29,7 +29,7 @@ from pretrain.config import AyumiConfig, advisable_settings, tokens_per_step
 from pretrain.engine.distributed import DistInfo, all_reduce_tensor, barrier, broadcast_object
 from pretrain.engine.optimizer import lr_at
 from pretrain.engine.train_engine import TrainEngine
-from pretrain.evaluation import Evaluator
+from pretrain.evaluation import DownstreamEvaluator, DownstreamTasks, Evaluator
 from pretrain.fault_drills import FaultDrills
 from pretrain.hooks import HistogramHook, StepHook, StepReport, StragglerHook, TelemetryHook
 from pretrain.job.hang_watchdog import HangWatchdog, StragglerMonitor
@@ -89,7 +89,7 @@ class Trainer:
     def __init__(self, cfg: AyumiConfig, dist: DistInfo, engine: TrainEngine, loader: BatchLoader,
                  val_sets: dict[str, PackedSamples], logger: NullLogger, checkpointer: Checkpointer,
                  total_steps: int, run_meta: dict[str, Any], watchdog: HangWatchdog | None = None,
-                 hooks: list[StepHook] | None = None):
+                 hooks: list[StepHook] | None = None, downstream: DownstreamTasks | None = None):
         self.cfg = cfg
         # The hang watchdog hears of progress; without one (benchmarks, tests) a disabled stand-in.
         self.watchdog = watchdog or HangWatchdog(replace(cfg.hang, enabled=False), Path(cfg.run_dir), dist.rank,
@@ -120,6 +120,8 @@ class Trainer:
         self.checkpoints = RunCheckpoints(checkpointer, dist.is_main, barrier, broadcast_object, ring_interval,
                                           self.stability, cfg.checkpoint.on_corrupt)
         self.evaluator = Evaluator(cfg, dist, engine, val_sets, logger, self.watchdog, total_steps)
+        self.downstream = DownstreamEvaluator(cfg, dist, engine, downstream or DownstreamTasks(), logger, self.watchdog,
+                                              total_steps)
         self.drills = FaultDrills(cfg, dist, self.stability.injector, logger, self.tokens_per_step)
         stragglers = StragglerMonitor(cfg.hang, self._gather_per_rank)
         self.hooks: list[StepHook] = [TelemetryHook(cfg, engine), HistogramHook(cfg, logger, self.stability.percentiles),
@@ -229,6 +231,8 @@ class Trainer:
                     self.save("final")
             stopped = outcome.signal_stop or outcome.stability_stop is not None
             val = {} if stopped or not self.evaluator.val_sets else self.evaluate()
+            if not stopped and self.state.step > start_step:  # a run found complete is not scored again
+                self.downstream.final(self.state.step, self.state.tokens)
             self.drain_checkpoints()
         finally:
             self.stop.restore()
@@ -258,6 +262,8 @@ class Trainer:
             return outcome
         if self.evaluator.due(step):
             self.evaluate()
+        if self.downstream.due(step):
+            self.downstream.run(step, self.state.tokens)
         if stop_requested:
             why = self.stop.reason or "asked on another rank: a signal, or its launcher is gone"
             self.logger.event("signal_stop", step, self.state.tokens, f"stop requested ({why}): saving and exiting cleanly")

@@ -181,6 +181,10 @@ class TrainEngine:
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor):
         return self.engine(input_ids, labels)
 
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The model's logits [B, T, V] for input_ids (downstream evaluation; collective under ZeRO-3 and TP)."""
+        return self.engine(input_ids).logits
+
     def backward(self, loss: torch.Tensor) -> None:
         if self._scale_loss_here:
             loss = loss * self.loss_scale()

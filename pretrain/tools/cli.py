@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("pretrain.tools.launch", "main", "train locally with the right launcher (deepspeed/torchrun) for this machine"),
     "demo": ("demo.run", "main", "the whole pipeline on the embedded default (Quickstart command 1)"),
     "export": ("pretrain.tools.export", "main", "export hf CHECKPOINT_DIR OUT_DIR: a transformers LlamaForCausalLM folder"),
+    "eval": ("pretrain.tools.eval", "main", "eval TARGET [key=value]: downstream tasks on a run, checkpoint or HF folder"),
     "checkpoint": ("pretrain.tools.verify", "main", "verify RUN_DIR|CHECKPOINT: every file against the checksums saved"),
     "tokenizer": ("tokenizer.cli", "main", "build | eval | sweep | export | expand: the merged SentencePiece tokenizer"),
     "data": ("data.cli", "main", "prepare | inspect | verify: corpus to Megatron .bin/.idx token shards"),

@@ -1,0 +1,162 @@
+"""Downstream tasks scored inside real training jobs (`eval.downstream`), and by `ayumi eval` afterwards.
+
+The same job (a real SentencePiece tokenizer, real shards, a multiple-choice, a cloze and a qa task) runs on
+1 rank (ZeRO-0), on 2 ranks under ZeRO-3 and on 2 ranks with parallel.tensor=2: the in-loop scores at every
+evaluation must not depend on the rank count or the layout (accuracies and exact matches equal, log-likelihoods
+to fp32 rounding of the trained weights). `ayumi eval` on the ZeRO-3 run's final checkpoint gives the scores the
+run logged at that step. A task file with a mistake stops a strict run before training (exit 2, one line);
+with strict=false the run leaves that task out and scores the others.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from data.config import DomainConfig
+from data.prepare import prepare
+from tests.data.helpers import JA_PARAGRAPHS, english_texts, make_config, write_jsonl, write_tokenizer
+from tests.helpers import REPO, cpu_env, read_jsonl, run_training, tiny_overrides
+
+pytestmark = pytest.mark.slow
+
+STEPS = 12
+INTERVAL = 6
+MC = [
+    {"context": "The capital of Japan is", "choices": ["Tokyo", "a small cat", "blue"], "gold": 0},
+    {"context": "吾輩は", "choices": ["猫である。", "犬だった。"], "gold": 0},
+    {"context": "It is a truth universally", "choices": ["acknowledged", "denied", "forgotten"], "gold": 0},
+    {"context": "Return the number of", "choices": ["items", "cats", "mountains"], "gold": 0},
+    {"context": "東京は日本の", "choices": ["首都であり", "猫であり"], "gold": 0},
+]
+CLOZE = [{"context": "Return a new", "target": "list"}, {"context": "吾輩は猫で", "target": "ある"},
+         {"context": "If the argument is", "target": "omitted"}]
+QA = [{"context": "Q: Where do people live?\nA:", "answer": "Tokyo"},
+      {"context": "質問：名前は？\n答え：", "answer": "まだ無い"}]
+
+
+def write_tasks(folder: Path) -> list[str]:
+    """The three task files; returns the eval.downstream overrides naming them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, rows in (("mc", MC), ("cloze", CLOZE), ("qa", QA)):
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows),
+                                              encoding="utf-8")
+    tasks = (f"[{{path:{folder / 'mc.jsonl'}}},{{path:{folder / 'cloze.jsonl'}}},"
+             f"{{path:{folder / 'qa.jsonl'},max_new_tokens:4}}]")
+    return [f"eval.downstream.tasks={tasks}", f"eval.downstream.interval={INTERVAL}", "eval.downstream.batch_size=2"]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> dict:
+    """Tokenizer, shards and task files for the runs."""
+    root = tmp_path_factory.mktemp("downstream")
+    english = english_texts()[:300]
+    tokenizer = write_tokenizer(root / "tok", english + JA_PARAGRAPHS * 3)
+    inputs = {"en": write_jsonl(root / "in" / "en.jsonl", english),
+              "ja": write_jsonl(root / "in" / "ja.jsonl", JA_PARAGRAPHS * 4)}
+    prepare(make_config(root / "data", tokenizer, {name: DomainConfig(inputs=[str(path)], val_count=2)
+                                                    for name, path in inputs.items()}))
+    return {"root": root, "tokenizer": tokenizer, "tasks": write_tasks(root / "tasks")}
+
+
+def overrides(job: dict, name: str, *extra: str) -> list[str]:
+    return tiny_overrides(job["root"] / "data", job["root"] / "runs", f"name={name}", "model.vocab_size=640",
+                          f"data.tokenizer_dir={job['tokenizer']}", "deepspeed.precision=fp32",
+                          f"train.max_steps={STEPS}", "train.eval_interval=0", "checkpoint.interval=0",
+                          *job["tasks"], *extra)
+
+
+def scores(run_dir: Path) -> dict[int, dict[str, float]]:
+    """step -> eval/<task>/<metric> of the run's downstream records."""
+    return {r["step"]: {k: v for k, v in r.items() if k.startswith("eval/") and k.count("/") == 2}
+            for r in read_jsonl(run_dir / "metrics.jsonl") if "eval/time_share" in r}
+
+
+def examples(run_dir: Path, step: int) -> dict:
+    """What each example got at `step` (RUN_DIR/eval/downstream/step_NNNNNNN.json)."""
+    return json.loads((run_dir / "eval" / "downstream" / f"step_{step:07d}.json").read_text(encoding="utf-8"))["tasks"]
+
+
+def assert_same_examples(a: dict, b: dict) -> None:
+    """Every choice's and target's log-likelihood to fp32 rounding, every generated answer equal."""
+    for x, y in zip(a["mc"]["examples"], b["mc"]["examples"]):
+        assert y["logliks"] == pytest.approx(x["logliks"], abs=1e-4)
+    assert [e["loglik"] for e in b["cloze"]["examples"]] == pytest.approx([e["loglik"] for e in a["cloze"]["examples"]],
+                                                                           abs=1e-4)
+    assert [e["generated"] for e in b["qa"]["examples"]] == [e["generated"] for e in a["qa"]["examples"]]
+    assert all(e["generated"] for e in a["qa"]["examples"])  # something was generated (a stop string at least)
+
+
+def assert_same_scores(a: dict[str, float], b: dict[str, float]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        if key.endswith("/loglik"):  # a sum over the target's tokens: fp32 rounding of differently reduced weights
+            assert b[key] == pytest.approx(a[key], abs=1e-3), key
+        else:  # decisions: the same answer chosen or generated
+            assert b[key] == a[key], key
+
+
+@pytest.fixture(scope="module")
+def runs(job) -> dict[str, Path]:
+    out = {}
+    for name, nproc, extra in (("one", 1, ["deepspeed=zero0"]), ("zero3", 2, ["deepspeed=zero3"]),
+                               ("tp2", 2, ["deepspeed=zero1", "parallel.tensor=2"])):
+        proc = run_training(overrides(job, name, *extra), nproc=nproc,
+                            launcher="python" if nproc == 1 else "torchrun")
+        assert proc.returncode == 0, proc.stdout[-6000:]
+        out[name] = job["root"] / "runs" / name
+        out[name + "_log"] = proc.stdout
+    return out
+
+
+def test_in_loop_scores_do_not_depend_on_ranks_zero_stage_or_tensor_parallelism(runs):
+    one = scores(runs["one"])
+    assert sorted(one) == [INTERVAL, STEPS]  # every interval, and after the last step
+    assert set(one[STEPS]) == {"eval/mc/acc", "eval/mc/acc_norm", "eval/cloze/exact_match", "eval/cloze/loglik",
+                               "eval/qa/exact_match", "eval/qa/char_f1"}
+    assert one[INTERVAL]["eval/cloze/loglik"] != one[STEPS]["eval/cloze/loglik"]  # the model changed in between
+    for other in ("zero3", "tp2"):
+        theirs = scores(runs[other])
+        assert sorted(theirs) == sorted(one)
+        for step in one:
+            assert_same_scores(one[step], theirs[step])
+            assert_same_examples(examples(runs["one"], step), examples(runs[other], step))
+    record = [r for r in read_jsonl(runs["zero3"] / "metrics.jsonl") if "eval/time_share" in r][-1]
+    assert record["tokens"] == STEPS * 8 * 64 and 0 < record["eval/time_share"] < 1
+    assert record["eval/downstream_seconds"] > 0
+    assert "downstream @ step 12: mc acc" in runs["zero3_log"]
+
+
+def test_ayumi_eval_on_the_final_checkpoint_equals_the_in_loop_score(runs, tmp_path):
+    out = tmp_path / "eval.json"
+    proc = subprocess.run([sys.executable, "-m", "pretrain.tools.cli", "eval", str(runs["zero3"]), "--out", str(out)],
+                          cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "step_0000012" in proc.stdout.splitlines()[0]  # the table's column: the run's newest checkpoint
+    result = json.loads(out.read_text(encoding="utf-8"))["scores"][0]
+    assert result["step"] == STEPS
+    after = {f"eval/{task}/{metric}": value for task, body in result["tasks"].items()
+             for metric, value in body["metrics"].items()}
+    assert_same_scores(scores(runs["zero3"])[STEPS], after)
+    assert_same_examples(examples(runs["zero3"], STEPS), result["tasks"])
+    assert len(result["tasks"]["mc"]["examples"][0]["logliks"]) == 3
+
+
+def test_a_broken_task_file_stops_a_strict_run_before_training_and_is_left_out_otherwise(job):
+    broken = job["root"] / "tasks" / "broken.jsonl"
+    broken.write_text(json.dumps({"context": "x", "choices": [], "gold": 0}) + "\n", encoding="utf-8")
+    tasks = f"eval.downstream.tasks=[{{path:{job['root'] / 'tasks' / 'mc.jsonl'}}},{{path:{broken}}}]"
+    strict = run_training(overrides(job, "strict", tasks), nproc=1, launcher="python")
+    assert strict.returncode == 2, strict.stdout[-3000:]
+    assert f"{broken}:1: choices: empty or not a list" in strict.stdout
+    assert "Traceback" not in strict.stdout and not (job["root"] / "runs" / "strict" / "metrics.jsonl").exists()
+
+    lenient = run_training(overrides(job, "lenient", tasks, "eval.downstream.strict=false", "train.max_steps=2"),
+                           nproc=1, launcher="python")
+    assert lenient.returncode == 0, lenient.stdout[-3000:]
+    assert f"task left out (strict=false): {broken}:1: choices" in lenient.stdout
+    final = scores(job["root"] / "runs" / "lenient")
+    assert sorted(final) == [2] and set(final[2]) == {"eval/mc/acc", "eval/mc/acc_norm"}
