@@ -28,15 +28,17 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
-OVERRIDE_COMMANDS = ("train", "plan", "doctor", "tokenizer build", "tokenizer sweep", "data prepare")
-"""The commands that compose a config from conf/ and so take Hydra overrides (key=value); the others take only
-the arguments their --help lists. All but doctor also print the resolved config with `--cfg job`."""
+OVERRIDE_COMMANDS = ("train", "plan", "doctor", "tokenizer build", "tokenizer sweep", "data prepare", "eval")
+"""The commands that compose a config and so take overrides (key=value): from conf/, except `eval`, which
+composes eval.downstream from the run's own config.yaml. The others take only the arguments their --help lists.
+All but doctor also print the resolved config with `--cfg job`."""
 
 
 def usage() -> str:
     lines = ["usage: ayumi COMMAND [ARGS] [key=value ...]", "", "commands:"]
     lines += [f"  {name:<10} {help_}" for name, (_, _, help_) in COMMANDS.items()]
-    overrides = (f"key=value overrides over conf/: {', '.join(OVERRIDE_COMMANDS)} (all but doctor print the resolved "
+    overrides = (f"key=value overrides over conf/ (eval: over the run's eval.downstream): {', '.join(OVERRIDE_COMMANDS)} "
+                 "(all but doctor print the resolved "
                  "config with `--cfg job`); the other commands take only their arguments. `ayumi COMMAND --help` (or -h) "
                  "for a command's options, the config it reads and that config's fields.")
     lines += ["", *textwrap.wrap(overrides, width=100, break_on_hyphens=False), "", exit_status_help()]

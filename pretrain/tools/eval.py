@@ -187,10 +187,15 @@ def as_json(target: Path, settings, results: list[Scored]) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     """`ayumi eval TARGET [key=value ...] [--all] [--out FILE] [--dtype fp32|bf16] [--tokenizer-dir DIR]`."""
+    from common.conf import config_help, fields_help
+    from downstream.config import DownstreamConfig, TaskConfig
+
+    reads = config_help("eval.downstream from the run's config.yaml (RUN_DIR, or a checkpoint's run; nothing for an "
+                        "HF folder), no conf/ files; tasks=A,B is short for task files with default settings")
+    fields = fields_help(DownstreamConfig, "downstream/config.py", entries={"tasks": TaskConfig})
     parser = argparse.ArgumentParser(
-        prog="ayumi eval", description="Score downstream tasks on a checkpoint, a run's checkpoints or an HF folder.",
-        epilog="key=value: fields of eval.downstream (docs/downstream-eval.md), e.g. tasks=a.jsonl,b.json "
-               "max_examples=50 prefix=none; a run's own eval.downstream is the default.")
+        prog="ayumi eval", description="Score downstream tasks on a checkpoint, a run's checkpoints or an HF folder "
+        "(docs/downstream-eval.md).", epilog=f"{reads}\n\n{fields}", formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("target", type=Path, help="run dir, checkpoint folder, or transformers Llama folder")
     parser.add_argument("overrides", nargs="*", help="eval.downstream fields as key=value")
     parser.add_argument("--all", action="store_true", help="every checkpoint of the run (a curve), not the newest")
@@ -199,6 +204,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="weights while scoring")
     parser.add_argument("--tokenizer-dir", type=Path, default=None,
                         help="tokenizer (default: the one the checkpoint records, or the HF folder's own)")
+    parser.add_argument("--cfg", choices=("job",), default=None, help="print the resolved eval.downstream and exit")
     args = parser.parse_args(argv)
 
     from downstream.tasks import TaskError
@@ -210,6 +216,11 @@ def main(argv: list[str]) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         settings = settings_for(args.target, args.overrides)
+        if args.cfg:
+            from omegaconf import OmegaConf
+
+            print(OmegaConf.to_yaml(OmegaConf.structured(settings)), end="")
+            return 0
         results = []
         if (args.target / HF_CONFIG).is_file():
             model, tokenizer, step = load_hf_model(args.target, dtype, device, args.tokenizer_dir)

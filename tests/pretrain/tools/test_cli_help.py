@@ -48,6 +48,7 @@ CASES: list[tuple[list[str], str]] = [
     (["data", "inspect"], NO_CONF + ": DATA_ROOT's manifest.json"),
     (["plan"], "config: reads conf/config.yaml + experiment=NAME from conf/experiment/"),
     (["report"], NO_CONF + ": RUN_DIR's metrics.jsonl"),
+    (["eval"], "config: reads eval.downstream from the run's config.yaml"),
     (["doctor"], "config: reads conf/config.yaml + experiment=NAME from conf/experiment/"),
 ]
 # Overrides given before the flag must not be composed (Hydra would read `--help` as an override).
