@@ -27,6 +27,8 @@ class PreparedTask:
     task: Task
     loglik: list[list[LoglikRequest]] = field(default_factory=list)
     generate: list[GenerateRequest] = field(default_factory=list)
+    max_len: int = 0
+    """The positions the model reads (prepare_tasks' max_len): every request fits, and batches are padded no further."""
 
 
 @dataclass
@@ -71,7 +73,7 @@ def prepare_tasks(cfg: DownstreamConfig, tokenizer: Tokenizer, max_len: int, bos
 
 def _requests(task: Task, tokenizer: Tokenizer, prefix: list[int], max_len: int, seed: int) -> PreparedTask:
     shots = fewshot_examples(task, seed)
-    prepared = PreparedTask(task)
+    prepared = PreparedTask(task, max_len=max_len)
     for example in task.examples:
         if task.kind == "qa":
             prepared.generate.append(generate_request(task, example, shots, tokenizer, prefix, max_len))
@@ -97,7 +99,7 @@ def _score(prepared: PreparedTask, logits_fn: LogitsFn, tokenizer: Tokenizer, sh
             return ids[-1] in end_ids or cut_at_stop(tokenizer.decode(ids), task.stop) != tokenizer.decode(ids)
         contexts = [request.context for request in prepared.generate]
         outputs = greedy_continuations(logits_fn, contexts, task.max_new_tokens, finished, share, batch_size,
-                                       device, pad_id, vocab)
+                                       device, pad_id, prepared.max_len, vocab)
         for example, ids in zip(task.examples, outputs):
             raw = tokenizer.decode([i for i in ids if i not in end_ids])
             text = cut_at_stop(raw, task.stop).strip()
@@ -106,7 +108,7 @@ def _score(prepared: PreparedTask, logits_fn: LogitsFn, tokenizer: Tokenizer, sh
                                 "char_f1": char_f1(text, example.answer)})
     else:
         flat = [(r.context, r.continuation) for requests in prepared.loglik for r in requests]
-        scores = iter(loglikelihoods(logits_fn, flat, share, batch_size, device, pad_id, vocab))
+        scores = iter(loglikelihoods(logits_fn, flat, share, batch_size, device, pad_id, prepared.max_len, vocab))
         for example, requests in zip(task.examples, prepared.loglik):
             results = [next(scores) for _ in requests]
             logliks = [loglik for loglik, _ in results]

@@ -40,9 +40,13 @@ def _my_batches(count: int, share: Share, batch_size: int) -> list[list[int]]:
     return [mine[i:i + batch_size] for i in range(0, len(mine), batch_size)]
 
 
-def _padded(rows: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> Tensor:
-    """Right-padded [B, T] ids; T rounded up to a multiple of 8 so that compiled models see few shapes."""
-    width = -(-max(len(r) for r in rows) // 8) * 8
+def _padded(rows: Sequence[Sequence[int]], pad_id: int, device: torch.device, max_len: int = 0) -> Tensor:
+    """Right-padded [B, T] ids; T rounded up to a multiple of 8 so that compiled models see few shapes, but never
+    past max_len (the positions the model reads, when given: a model refuses a longer input)."""
+    longest = max(len(r) for r in rows)
+    width = -(-longest // 8) * 8
+    if max_len:
+        width = max(longest, min(width, max_len))
     out = torch.full((len(rows), width), pad_id, dtype=torch.long)
     for i, row in enumerate(rows):
         out[i, :len(row)] = torch.tensor(row, dtype=torch.long)
@@ -52,16 +56,16 @@ def _padded(rows: Sequence[Sequence[int]], pad_id: int, device: torch.device) ->
 @torch.no_grad()
 def loglikelihoods(logits_fn: LogitsFn, requests: Sequence[tuple[Sequence[int], Sequence[int]]], share: Share,
                    batch_size: int, device: torch.device, pad_id: int = 0,
-                   vocab: int | None = None) -> list[tuple[float, bool]]:
+                   max_len: int = 0, vocab: int | None = None) -> list[tuple[float, bool]]:
     """(sum of log p(continuation | context), whether greedy decoding gives exactly the continuation) per
-    (context, continuation) request; every rank gets every result. The probabilities are the model's over all its
-    rows; greedy decoding picks among the tokenizer's `vocab` ids only (a padded embedding's extra rows are no
-    token)."""
+    (context, continuation) request; every rank gets every result. max_len: the positions the model reads
+    (0: no limit), which the padding never passes. The probabilities are the model's over all its rows; greedy
+    decoding picks among the tokenizer's `vocab` ids only (a padded embedding's extra rows are no token)."""
     results = torch.zeros(len(requests), 3, dtype=torch.float64)  # loglik, greedy, count
     for batch in _my_batches(len(requests), share, batch_size):
         chosen = [requests[i if i >= 0 else batch[0]] for i in batch]  # a padding row repeats a real one
         inputs = [list(context) + list(continuation) for context, continuation in chosen]
-        logits = logits_fn(_padded([row[:-1] for row in inputs], pad_id, device))
+        logits = logits_fn(_padded([row[:-1] for row in inputs], pad_id, device, max_len))
         for row, (index, (context, continuation)) in enumerate(zip(batch, chosen)):
             if index < 0:
                 continue
@@ -78,18 +82,19 @@ def loglikelihoods(logits_fn: LogitsFn, requests: Sequence[tuple[Sequence[int], 
 @torch.no_grad()
 def greedy_continuations(logits_fn: LogitsFn, contexts: Sequence[Sequence[int]], max_new_tokens: int,
                          finished: Callable[[list[int]], bool], share: Share, batch_size: int,
-                         device: torch.device, pad_id: int = 0, vocab: int | None = None) -> list[list[int]]:
+                         device: torch.device, pad_id: int = 0, max_len: int = 0,
+                         vocab: int | None = None) -> list[list[int]]:
     """Greedy continuation of each context, at most max_new_tokens, ended early once `finished(ids)` says so
     for every sequence of every rank's batch (the ranks agree each token, so forward passes stay in step).
-    No KV cache: each new token runs the whole sequence again, which suits the short answers of qa tasks. Only the
-    tokenizer's `vocab` ids are chosen."""
+    No KV cache: each new token runs the whole sequence again, which suits the short answers of qa tasks.
+    max_len: as for loglikelihoods. Only the tokenizer's `vocab` ids are chosen."""
     results = torch.full((len(contexts), max_new_tokens + 1), 0.0, dtype=torch.float64)  # ids + 1, then count
     for batch in _my_batches(len(contexts), share, batch_size):
         rows = [list(contexts[i if i >= 0 else batch[0]]) for i in batch]
         new: list[list[int]] = [[] for _ in batch]
         done = [index < 0 for index in batch]
         for _ in range(max_new_tokens):
-            logits = logits_fn(_padded([r + n for r, n in zip(rows, new)], pad_id, device))
+            logits = logits_fn(_padded([r + n for r, n in zip(rows, new)], pad_id, device, max_len))
             for row in range(len(batch)):
                 if not done[row]:
                     last = len(rows[row]) + len(new[row]) - 1

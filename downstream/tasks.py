@@ -200,8 +200,10 @@ def _llm_jp_task(cfg: TaskConfig, path: Path) -> Task:
     data = _llm_jp_file(path)
     if cfg.kind not in ("auto", "qa"):
         raise TaskError(f"{path}: kind={cfg.kind}: llm-jp-eval files are generation tasks: use kind=qa (or auto)")
-    unknown = [m for m in data["metrics"] if m not in LLM_JP_METRICS]
-    if unknown:
+    # The file's own metrics are only used when the task names none: naming them is the way past one ayumi
+    # does not compute (llm-jp-eval's bleu_ja, set_f1, ...), so they are only checked then.
+    unknown = [m for m in data["metrics"] if not isinstance(m, str) or m not in LLM_JP_METRICS]
+    if unknown and not cfg.metrics:
         raise TaskError(f"{path}: metrics: {unknown[0]!r} is not computed by ayumi (it computes "
                         f"{', '.join(LLM_JP_METRICS)}): set the task's metrics to those you want")
     examples = _llm_jp_samples(path, data)
@@ -209,7 +211,7 @@ def _llm_jp_task(cfg: TaskConfig, path: Path) -> Task:
     pool: list[Example] = []
     if cfg.train_path or (train.is_file() and train.resolve() != path.resolve()):
         pool = _llm_jp_samples(train, _llm_jp_file(_existing(str(train), path)))
-    metrics = [LLM_JP_METRICS[m] for m in data["metrics"]]
+    metrics = [LLM_JP_METRICS[m] for m in data["metrics"] if m not in unknown]
     return Task(examples=examples, pool=pool, **_settings(cfg, path, "qa", metrics, instruction=data["instruction"],
                                                           output_length=data["output_length"]))
 
