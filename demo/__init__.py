@@ -7,6 +7,8 @@ What lives here (one module per source of text, the build above them, the run on
   `pretrain.tools.launch`, `pretrain.tools.report.build`); `ayumi demo corpus` is routed to `demo.corpus`;
 - `demo.corpus`: `ayumi demo corpus`: the five domains, the build (sources in parallel, the
   ja_clean split, atomic output), the manifest and cache, the user's own JSONL (`--use`);
+- `demo.cloze`: the cloze tasks scored while the demo trains: a few Japanese and English documents
+  held out of the corpus before the tokenizer and data preparation read it, cut into examples;
 - the sources, each turning one origin into `{"text", "source"}` documents:
   `demo.manpages` (ja_raw/ja_clean: Debian's manpages-ja rendered with groff, the quality filter),
   `demo.austen` (en: Jane Austen from r-cran-janeaustenr), `demo.pari` (math: the PARI/GP
@@ -17,7 +19,8 @@ What lives here (one module per source of text, the build above them, the run on
 
 May import: anything below it. The demo sits at the end of the data flow (common -> tokenizer -> data -> curriculum ->
 pretrain -> demo). It may import any of those packages; the sources and the corpus build need only
-`common` (and each other, downward: sources -> debian/rdata -> base). No other ayumi package
+`common` (and each other, downward: sources -> debian/rdata -> base); `demo.cloze` cleans text as
+`data` does and imports nothing of the demo above `demo.base`. No other ayumi package
 imports `demo`: `pretrain.tools.cli` names `demo.run` as a string and loads it only for `ayumi demo`
 (tests/demo/test_layout.py checks both directions).
 """

@@ -6,6 +6,10 @@ library) -> merged 8k SentencePiece tokenizer -> token shards with validation sp
 GPUs) with one injected loss spike that ayumi detects and recovers from -> per-domain evaluation
 -> the run report and an offline W&B run. Each stage is cached, so a second demo only retrains.
 
+A few Japanese and English documents are held out of the corpus before the tokenizer and the shards
+see it; cloze tasks cut from them (demo/cloze.py) are scored while the model trains
+(`eval.downstream`), and the report plots them.
+
 `ayumi demo corpus` builds (or shows) just the corpus.
 """
 from __future__ import annotations
@@ -24,6 +28,8 @@ TOKENIZER_PRESET = "demo_8k"
 DATA_PRESET = "demo"
 # Which corpus files train which tokenizer domain (ja_clean is a filtered subset of ja_raw).
 TOKENIZER_INPUTS = {"ja": "ja_raw", "en": "en", "code": "code", "math": "math"}
+HELDOUT_DIR = "demo_cloze"
+"""Under the data root: the corpus files without the held-out documents, those documents, the cloze tasks."""
 
 
 def data_root() -> Path:
@@ -73,6 +79,21 @@ def build_corpus(corpus_dir: Path) -> dict[str, Path]:
     return {domain: corpus_dir / f"{domain}.jsonl" for domain in ("ja_raw", "ja_clean", "en", "math", "code")}
 
 
+def hold_out_documents(files: dict[str, Path], heldout_dir: Path) -> dict[str, Path]:
+    """The corpus files the tokenizer and the shards read: `files` without the documents the cloze tasks use."""
+    from demo.cloze import hold_out
+
+    return hold_out(files, heldout_dir)
+
+
+def build_cloze(files: dict[str, Path], tokenizer_dir: Path, heldout_dir: Path) -> dict[str, Path]:
+    """The cloze task files (task name -> file), cut from the held-out documents with the demo's tokenizer."""
+    from demo.cloze import build_cloze_tasks
+    from tokenizer.declared import load_declared_tokenizer
+
+    return build_cloze_tasks(heldout_dir, files, load_declared_tokenizer(tokenizer_dir))
+
+
 def build_tokenizer(files: dict[str, Path], tokenizer_dir: Path) -> None:
     from tokenizer import load_tokenizer_info
     from tokenizer.cli import main as tokenizer_main
@@ -96,9 +117,28 @@ def prepare_shards(files: dict[str, Path], tokenizer_dir: Path, shards: Path) ->
     check(data_main(["prepare", *overrides]), "data prepare")
 
 
-def training_overrides(shards: Path, tokenizer_dir: Path, runs: Path) -> list[str]:
+def training_overrides(shards: Path, tokenizer_dir: Path, runs: Path,
+                       cloze_tasks: dict[str, Path] | None = None) -> list[str]:
+    """The demo's training config: conf/experiment/demo.yaml with this demo's paths (and its cloze tasks)."""
     return [f"experiment={EXPERIMENT}", f"data.root={shards}", f"data.tokenizer_dir={tokenizer_dir}",
-            f"run_root={runs}"]
+            f"run_root={runs}", *downstream_overrides(cloze_tasks or {})]
+
+
+def downstream_overrides(tasks: dict[str, Path]) -> list[str]:
+    """`eval.downstream.tasks=[{...}, ...]` for the cloze task files; none without tasks (demo.yaml's interval
+    and max_examples then score nothing)."""
+    from demo.cloze import task_configs
+
+    if not tasks:
+        return []
+    entries = ["{" + ",".join(f"{key}:{hydra_quote(value)}" for key, value in entry.items()) + "}"
+               for entry in task_configs(tasks)]
+    return [f"eval.downstream.tasks=[{','.join(entries)}]"]
+
+
+def hydra_quote(text: str) -> str:
+    """A Hydra override's quoted string: a path may hold spaces, commas or quotes; "" stays a string."""
+    return "'" + text.replace("'", "\\'") + "'"
 
 
 def show_plan(overrides: list[str]) -> None:
@@ -122,18 +162,22 @@ def report(run_dir: Path) -> None:
     check(report_main([str(run_dir)]), "ayumi report")
 
 
-def summary(run_dir: Path, tokenizer_dir: Path, shards: Path, corpus_dir: Path, started: float) -> str:
+def summary(run_dir: Path, tokenizer_dir: Path, shards: Path, corpus_dir: Path, heldout_dir: Path,
+            started: float) -> str:
     wandb_runs = sorted((run_dir / "wandb").glob("offline-run-*"))
     lines = [
         "",
         f"ayumi demo finished in {(time.perf_counter() - started) / 60:.1f} min. What to open:",
-        f"  report      {run_dir / 'report' / 'summary.html'}  (and summary.md, loss.png, optim.png, throughput.png)",
+        f"  report      {run_dir / 'report' / 'summary.html'}  (and summary.md, loss.png, optim.png, throughput.png,",
+        "              downstream_cloze_ja.png, downstream_cloze_en.png)",
         f"  run dir     {run_dir}  (metrics.jsonl, events.jsonl, config.yaml, checkpoints/)",
         f"  W&B         {wandb_runs[-1] if wandb_runs else run_dir / 'wandb'}",
         f"              upload it with: wandb sync {wandb_runs[-1] if wandb_runs else '<offline-run dir>'}",
         f"  tokenizer   {tokenizer_dir}  (tokenizer.model, tokenizer.json, eval.json)",
         f"  shards      {shards}  (ayumi data inspect {shards})",
         f"  corpus      {corpus_dir}",
+        f"  cloze tasks {heldout_dir}  (cloze_ja.jsonl, cloze_en.jsonl from held-out documents; train_inputs/ is the",
+        "              corpus the tokenizer and the shards read, without them)",
         f"  HF export   ayumi export hf {run_dir} out/demo_hf",
         "The events (stage switches, the injected spike, the rollback and recovery) are listed in the report.",
     ]
@@ -151,15 +195,16 @@ def main_demo(argv: list[str]) -> int:
     started = time.perf_counter()
     root, runs = data_root(), run_root()
     corpus_dir, tokenizer_dir = root / "demo_corpus", root / "tokenizers" / TOKENIZER_PRESET
-    shards, run_dir = root / "shards" / DATA_PRESET, runs / EXPERIMENT
-    overrides = training_overrides(shards, tokenizer_dir, runs)
+    shards, run_dir, heldout_dir = root / "shards" / DATA_PRESET, runs / EXPERIMENT, root / HELDOUT_DIR
     try:
-        with Stage(1, 6, "demo corpus: real Japanese, English, math and code text"):
-            files = build_corpus(corpus_dir)
+        with Stage(1, 6, "demo corpus: real Japanese, English, math and code text, a few documents held out"):
+            files = hold_out_documents(build_corpus(corpus_dir), heldout_dir)
         with Stage(2, 6, "merged SentencePiece tokenizer (8k pieces)"):
             build_tokenizer(files, tokenizer_dir)
-        with Stage(3, 6, "token shards with validation splits"):
+        with Stage(3, 6, "token shards with validation splits; cloze tasks from the held-out documents"):
             prepare_shards(files, tokenizer_dir, shards)
+            cloze_tasks = build_cloze(files, tokenizer_dir, heldout_dir)
+        overrides = training_overrides(shards, tokenizer_dir, runs, cloze_tasks)
         with Stage(4, 6, "the plan: stages, repetition, steps, disk"):
             show_plan(overrides)
         with Stage(5, 6, "training: 4-stage curriculum, one injected spike, DeepSpeed"):
@@ -169,7 +214,7 @@ def main_demo(argv: list[str]) -> int:
     except DemoError as err:
         print(f"\nayumi demo: {err}", file=sys.stderr)
         return 1
-    print(summary(run_dir, tokenizer_dir, shards, corpus_dir, started))
+    print(summary(run_dir, tokenizer_dir, shards, corpus_dir, heldout_dir, started))
     return 0
 
 

@@ -64,7 +64,8 @@ class DownstreamConfig:
     tasks: list[TaskConfig] = field(default_factory=list)
     """The tasks; empty: none scored."""
     interval: int = 0
-    """Score every this many optimizer steps, and after the last one; 0: only after the last step."""
+    """Score before a fresh run's first step (the curve's start), every this many optimizer steps, and after the
+    last one; 0: only after the last step."""
     max_examples: int = 200
     """Examples per task at most, unless the task says otherwise (0: all)."""
     batch_size: int = 8

@@ -7,8 +7,8 @@ samples of each domain's validation set, logs `val/<domain>/loss` and `val/loss`
 weights (`val/<domain>/fp32_gap`). Samples are spread over the data-parallel ranks so that the result does
 not depend on how many there are. Every rank calls `run` together (ZeRO-3 gathers parameters collectively).
 
-`DownstreamEvaluator` scores `eval.downstream`'s tasks (downstream/) every `interval` steps and after the last
-one, logging `eval/<task>/<metric>`, the seconds it took and its share of the run's time so far; what each
+`DownstreamEvaluator` scores `eval.downstream`'s tasks (downstream/) before a fresh run's first step, every
+`interval` steps and after the last one, logging `eval/<task>/<metric>`, the seconds it took and its share of the run's time so far; what each
 example got (choices' log-likelihoods, generated answers) goes to RUN_DIR/eval/downstream/step_NNNNNNN.json.
 """
 from __future__ import annotations
@@ -164,6 +164,10 @@ class DownstreamEvaluator:
         """Every `interval` steps before the last (the final scoring runs after the loop: `final`)."""
         interval = self.settings.interval
         return bool(self.tasks) and interval > 0 and step % interval == 0 and step < self.total_steps
+
+    def at_start(self, step: int) -> bool:
+        """Before the first step of a fresh run, so the curves start from the untrained (or initial) model."""
+        return bool(self.tasks) and self.settings.interval > 0 and step == 0
 
     def final(self, step: int, tokens: int) -> dict[str, float]:
         """After the loop: score unless this step was just scored."""

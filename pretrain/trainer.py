@@ -220,6 +220,8 @@ class Trainer:
             self.logger.info(f"run {self.cfg.name} is already complete ({start_step} steps); nothing to do")
         elif start_step == 0 and self.cfg.checkpoint.save_initial and 0 not in self.checkpoints.steps:
             self.save("initial")
+        if self.downstream.at_start(start_step):
+            self.downstream.run(0, 0)
         try:
             while self.state.step < self.total_steps and not (max_steps and self.state.step >= max_steps):
                 outcome = self.step_once()

@@ -10,6 +10,7 @@ skipped). Output, replaced as a whole so a reader never sees half a report:
     report/loss.png        train loss (total, per domain), val loss per domain, event lane; x = tokens
     report/optim.png       LR; grad norm (log) with the clip threshold; fp16 loss scale when logged
     report/throughput.png  tokens/s, step time, MFU when logged
+    report/downstream_<task>.png  each downstream task's metrics (`eval/<task>/<metric>`), when the run scored any
     report/summary.md      run, progress, final/best losses, stages, events, files, W&B sync
     report/summary.html    the same, with the PNGs embedded
 
@@ -32,9 +33,10 @@ from typing import Callable
 
 
 from common.files import replace_dir
-from pretrain.tools.report.plots import PlotContext, auto_window, plot_loss, plot_optim, plot_throughput
+from pretrain.tools.report.plots import (PlotContext, auto_window, downstream_plot_name, plot_downstream, plot_loss,
+                                         plot_optim, plot_throughput)
 from pretrain.tools.report.render import render_html, render_markdown, summary_blocks
-from pretrain.tools.report.timeline import ReportError, load_run, read_config, stage_boundaries
+from pretrain.tools.report.timeline import ReportError, downstream_metrics, load_run, read_config, stage_boundaries
 
 REPORT_DIR = "report"
 
@@ -74,12 +76,16 @@ def make_report(run_dir: Path, out_dir: Path | None = None, smooth: int | None =
     window = auto_window(num_train) if smooth is None else max(1, smooth)
     ctx = PlotContext(stages, events, window, x_max=max((r.tokens for r in timeline.records), default=1.0))
     blocks = summary_blocks(run_dir, config, timeline, events, stages, metrics_file, max_events)
-    files = ["loss.png", "optim.png", "throughput.png", "summary.md", "summary.html"]
+    downstream = downstream_metrics(timeline.keys)
+    files = ["loss.png", "optim.png", "throughput.png", *map(downstream_plot_name, downstream), "summary.md",
+             "summary.html"]
 
     def write(tmp: Path) -> None:
         plot_loss(timeline, ctx, tmp / "loss.png")
         plot_optim(timeline, ctx, tmp / "optim.png")
         plot_throughput(timeline, ctx, tmp / "throughput.png")
+        for task, metrics in downstream.items():
+            plot_downstream(timeline, ctx, task, metrics, tmp / downstream_plot_name(task))
         (tmp / "summary.md").write_text(render_markdown(blocks))
         (tmp / "summary.html").write_text(render_html(blocks))
 

@@ -1,4 +1,5 @@
-"""The report's PNG plots: loss, optimizer and throughput against tokens, with stages and events marked.
+"""The report's PNG plots: loss, optimizer, throughput and downstream scores against tokens, with stages and
+events marked.
 
 Long series are min/max-decimated so spikes survive; axes zoom past the first 10% of the run so the
 interesting part is readable; abandoned stretches (before a rollback) are drawn dashed and faded.
@@ -6,6 +7,7 @@ interesting part is readable; abandoned stretches (before a rollback) are drawn 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -403,4 +405,28 @@ def plot_throughput(timeline: Timeline, ctx: PlotContext, path: Path) -> None:
         finish_axis(axes[2], "Model FLOPs utilization", "MFU (%)", legend=False)
     for index, ax in enumerate(axes):
         draw_stages(ax, ctx.stages, label=index == 0)
+    finish_figure(fig, axes, ctx, path)
+
+
+# -- downstream scores ------------------------------------------------------------------------------
+def downstream_plot_name(task: str) -> str:
+    """The PNG of one downstream task: `downstream_<task>.png` (a task name is a file's stem: made file-safe)."""
+    return f"downstream_{re.sub(r'[^A-Za-z0-9_.-]+', '_', task)}.png"
+
+
+def plot_downstream(timeline: Timeline, ctx: PlotContext, task: str, metrics: list[str], path: Path) -> None:
+    """One panel per metric of `task` (`eval/<task>/<metric>`): a point per scoring, stages and alarms marked."""
+    fig, axes = new_figure(len(metrics), [2.8] * len(metrics))
+    for ax, metric in zip(axes, metrics):
+        data = timeline.series(f"eval/{task}/{metric}")
+        # Scorings are sparse (every eval.downstream.interval steps): unsmoothed, a dot on each.
+        plot_series(ax, data, metric, "tab:green", 1)
+        ax.scatter(data.x, data.y, color="tab:green", s=16, zorder=3)
+        fit_to_kept(ax, [data], log=False)
+        last = data.finite()
+        note = f" (last {last[-1]:.4g})" if len(last) else ""
+        finish_axis(ax, f"{task}: {metric}{note}", metric, legend=False)
+    for index, ax in enumerate(axes):
+        draw_stages(ax, ctx.stages, label=index == 0)
+        draw_alarm_lines(ax, ctx.events)
     finish_figure(fig, axes, ctx, path)

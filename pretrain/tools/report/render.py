@@ -1,7 +1,8 @@
 """The report's summary as blocks (headings, tables, text), rendered to markdown and to HTML.
 
 The summary holds the run and its progress, final and best losses per domain, the curriculum's stages,
-the events, the files of the run dir and the W&B sync command.
+the downstream scores (when the run scored tasks: eval.downstream), the events, the files of the run dir and
+the W&B sync command.
 """
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from typing import Any
 import numpy as np
 
 from pretrain.metrics import EVENTS_FILE, METRICS_FILE, format_count, format_duration
-from pretrain.tools.report.timeline import CONFIG_FILE, JsonlFile, Stage, Timeline, is_train_record
+from pretrain.tools.report.plots import downstream_plot_name
+from pretrain.tools.report.timeline import (CONFIG_FILE, JsonlFile, Stage, Timeline, downstream_metrics,
+                                            is_train_record)
 LAST_N = 10  # "mean of the last N logged values" in the loss table: one step alone is noisy
 
 
@@ -109,6 +112,46 @@ def event_blocks(events: list[dict[str, Any]], max_events: int) -> list[Block]:
     return blocks
 
 
+def downstream_rows(timeline: Timeline, tasks: dict[str, list[str]]) -> list[list[str]]:
+    """First, last and best value of every `eval/<task>/<metric>` on the continued timeline (all higher-better)."""
+    rows = []
+    for task, metrics in tasks.items():
+        for metric in metrics:
+            data = timeline.series(f"eval/{task}/{metric}")
+            finite = np.isfinite(data.y)
+            if not finite.any():
+                continue
+            values, steps = data.y[finite], data.steps[finite]
+            rows.append([task, metric, fmt_loss(float(values[-1])), f"{int(steps[-1]):,}", fmt_loss(float(values[0])),
+                         fmt_loss(float(values.max())), str(len(values))])
+    return rows
+
+
+def downstream_time(timeline: Timeline) -> str:
+    """The time spent scoring: the seconds of every scoring (rolled-back ones included) and the last time share."""
+    seconds = sum(float(r.values["eval/downstream_seconds"]) for r in timeline.records
+                  if isinstance(r.values.get("eval/downstream_seconds"), (int, float)))
+    shares = timeline.series("eval/time_share").finite()
+    share = f"{100 * shares[-1]:.1f}% of the run's wall time (`eval/time_share` at the last scoring)" if len(shares) \
+        else "time share not logged"
+    return f"Downstream time share: {share}; {format_duration(seconds)} in all (`eval/downstream_seconds`)."
+
+
+def downstream_blocks(timeline: Timeline) -> list[Block]:
+    """The scores of the run's downstream tasks with a plot per task; nothing when the run scored none."""
+    tasks = downstream_metrics(timeline.keys)
+    if not tasks:
+        return []
+    blocks: list[Block] = [("h2", "Downstream evaluation"),
+                           ("p", "Scored in the loop (`eval.downstream`), on the continued timeline: the last value, "
+                                 "the first, the best (every metric is higher-better) and how many scorings."),
+                           ("table", (["task", "metric", "last", "last at step", "first", "best", "scorings"],
+                                      downstream_rows(timeline, tasks))),
+                           ("p", downstream_time(timeline))]
+    blocks += [("img", (downstream_plot_name(task), f"{task}: {', '.join(metrics)}")) for task, metrics in tasks.items()]
+    return blocks
+
+
 def file_rows(run_dir: Path) -> list[list[str]]:
     rows = []
     for name, what in ((METRICS_FILE, "one JSON object per log step / eval"), (EVENTS_FILE, "events, one per line"),
@@ -116,6 +159,10 @@ def file_rows(run_dir: Path) -> list[list[str]]:
         path = run_dir / name
         if path.exists():
             rows.append([f"`{name}`", f"{path.stat().st_size / 1024:,.1f} KiB", what])
+    scored = run_dir / "eval" / "downstream"
+    if scored.is_dir():
+        rows.append(["`eval/downstream/`", f"{sum(1 for _ in scored.iterdir())} files",
+                     "what each downstream example got at each scoring"])
     checkpoints = run_dir / "checkpoints"
     if checkpoints.is_dir():
         rows.append(["`checkpoints/`", f"{sum(1 for _ in checkpoints.iterdir())} entries", "checkpoint tags"])
@@ -147,6 +194,7 @@ def summary_blocks(run_dir: Path, config: dict[str, Any], timeline: Timeline, ev
         blocks += [("h2", "Curriculum stages"),
                    ("table", (["stage", "name", "begins at tokens", "step"],
                               [[str(s.index), s.name, format_count(s.tokens), f"{s.step:,}"] for s in stages]))]
+    blocks += downstream_blocks(timeline)
     blocks += [("h2", "Optimizer"), ("img", ("optim.png", "learning rate, grad norm, loss scale")),
                ("h2", "Throughput"), ("img", ("throughput.png", "tokens per second and step time")),
                ("h2", "Events"), *event_blocks(events, max_events),

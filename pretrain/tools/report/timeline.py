@@ -83,8 +83,19 @@ class Record:
     abandoned: bool = False  # replaced by a later segment that restarted at or before this step
 
 
+EVAL_PREFIXES = ("val/", "eval/")
+"""Keys of the evaluation rows: validation losses (`val/`) and downstream scores (`eval/`)."""
+
+
+def is_eval_record(row: dict[str, Any]) -> bool:
+    """A validation or downstream row: logged after the train row of its step, with that step (and tokens)."""
+    return "train/loss" not in row and any(key.startswith(EVAL_PREFIXES) for key in row)
+
+
 def is_train_record(row: dict[str, Any]) -> bool:
-    return "train/loss" in row or "tokens" in row
+    # An evaluation row carries `tokens` too: counted as a train row, its step (equal to the last one) would
+    # read as a rollback and abandon the train row it follows.
+    return ("train/loss" in row or "tokens" in row) and not is_eval_record(row)
 
 
 def build_timeline(rows: list[dict[str, Any]]) -> list[Record]:
@@ -99,7 +110,7 @@ def build_timeline(rows: list[dict[str, Any]]) -> list[Record]:
                 segment_starts.append(step)
             last_train_step = step
             last_tokens = float(row.get("tokens", last_tokens))
-        # Validation rows carry no tokens: they are logged right after the train row of their step.
+        # Evaluation rows follow the train row of their step; older validation rows carry no tokens: theirs.
         records.append(Record(order, step, float(row.get("tokens", last_tokens)), row, len(segment_starts) - 1))
     mark_abandoned(records, segment_starts)
     return records
@@ -225,6 +236,17 @@ def stage_boundaries(records: list[Record], events: list[dict[str, Any]]) -> lis
             tokens = 0.0 if not stages else record.tokens
             stages.append(Stage(int(value), f"stage {int(value)}", tokens, record.step))
     return stages
+
+
+def downstream_metrics(keys: set[str]) -> dict[str, list[str]]:
+    """Each downstream task's metrics, from its `eval/<task>/<metric>` keys (tasks and metrics sorted); the
+    run-wide `eval/downstream_seconds` and `eval/time_share` are not a task's."""
+    tasks: dict[str, list[str]] = {}
+    for key in sorted(keys):
+        parts = key.split("/")
+        if len(parts) == 3 and parts[0] == "eval" and parts[1] and parts[2]:
+            tasks.setdefault(parts[1], []).append(parts[2])
+    return tasks
 
 
 def load_run(run_dir: Path) -> tuple[JsonlFile, Timeline, list[dict[str, Any]]]:

@@ -41,22 +41,35 @@ def event(step: int, kind: str, message: str, **fields) -> dict:
             "time": "2026-01-01T00:00:00"}
 
 
+def downstream_row(step: int, rolled_back: bool) -> dict:
+    """A downstream scoring as the trainer logs it: after its step's train row, with that step's tokens."""
+    score = step / 100 + (0.9 if rolled_back else 0.0)  # above every kept score: must not count as the best
+    return {"step": step, "tokens": step * TOKENS_PER_STEP, "eval/cloze_ja/exact_match": score,
+            "eval/cloze_ja/loglik": -9.0 + score, "eval/cloze_en/exact_match": score / 2,
+            "eval/cloze_en/loglik": -8.0 + score, "eval/downstream_seconds": 0.5, "eval/time_share": 0.02 + step / 4000}
+
+
 def write_run(run_dir: Path, *, fp16: bool = True, with_val: bool = True, with_events: bool = True,
-              partial_tail: bool = False) -> Path:
-    """A 80-step run: stage 2 from step 30, NaN at step 35, spike at 55 -> rollback to 40, then on to 80."""
+              partial_tail: bool = False, downstream_every: int = 0, val_tokens: bool = False) -> Path:
+    """A 80-step run: stage 2 from step 30, NaN at step 35, spike at 55 -> rollback to 40, then on to 80.
+
+    `downstream_every`: a downstream scoring every that many steps (and so one in the rolled-back stretch);
+    `val_tokens`: validation rows carry their step's tokens, as the trainer writes them now."""
     run_dir.mkdir(parents=True)
     rows = []
 
-    def train(step: int, loss: float) -> None:
+    def train(step: int, loss: float, replay: bool = False) -> None:
         rows.append(train_row(step, loss, fp16=fp16, stage=1 if step < 30 else 2))
-        if with_val and step % 20 == 0:  # evals are logged right after their step, with no tokens key
+        if with_val and step % 20 == 0:  # evals are logged right after their step
             rows.append({"step": step, **{f"val/{d}/loss": loss + 0.1 + 0.2 * i for i, d in enumerate(DOMAINS)},
-                         "val/loss": loss + 0.2})
+                         "val/loss": loss + 0.2, **({"tokens": step * TOKENS_PER_STEP} if val_tokens else {})})
+        if downstream_every and step % downstream_every == 0:
+            rows.append(downstream_row(step, rolled_back=not replay and step > 40))
 
     for step in range(1, 56):
         train(step, float("nan") if step == 35 else 6.0 * math.exp(-step / 30) + 1.0 + (5.0 if step >= 52 else 0))
     for step in range(41, 81):  # the replay after the rollback: steps and tokens repeat
-        train(step, 6.0 * math.exp(-step / 30) + 0.95)
+        train(step, 6.0 * math.exp(-step / 30) + 0.95, replay=True)
     lines = [json.dumps(row) for row in rows]  # json writes NaN as the trainer does
     text = "\n".join(lines) + "\n"
     if partial_tail:
@@ -108,6 +121,8 @@ def test_full_report_from_a_run_with_a_rollback(tmp_path):
     assert all(f"<img src='{name}'" in html for name in PLOTS)
     assert "rolled back to step 40 (recovery)" in html
     assert not list(run_dir.glob(".report*")), "temp dirs left behind"
+    # No downstream scores, no downstream section or plot.
+    assert "Downstream" not in summary and not list(out.glob("downstream_*"))
 
 
 def test_rollback_marks_the_replaced_stretch_abandoned(tmp_path):
@@ -122,6 +137,49 @@ def test_rollback_marks_the_replaced_stretch_abandoned(tmp_path):
     val = timeline.series("val/en/loss")
     assert list(val.steps) == [20, 40, 60, 80]
     assert val.x[1] == 40 * TOKENS_PER_STEP  # evals take the tokens of the step they follow
+
+
+def test_downstream_scores_are_plotted_per_task_and_summarized(tmp_path, monkeypatch):
+    """eval/<task>/<metric> rows (with tokens, as the trainer logs them): a plot per task with the stage
+    boundaries, the last values and the time share in the summary; the train rows they follow stay kept."""
+    from pretrain.tools.report import plots
+
+    marked: list[list[tuple[int, float]]] = []
+    real_draw_stages = plots.draw_stages
+
+    def draw_stages(ax, stages, label):
+        marked.append([(stage.index, stage.tokens) for stage in stages])
+        real_draw_stages(ax, stages, label)
+
+    monkeypatch.setattr(plots, "draw_stages", draw_stages)
+    run_dir = write_run(tmp_path / "run", downstream_every=10, val_tokens=True)
+    assert report.main([str(run_dir)]) == 0
+    out = run_dir / "report"
+    for name in ("downstream_cloze_ja.png", "downstream_cloze_en.png", *PLOTS):
+        assert_png(out / name)
+    # Every panel of every plot marks the two stages (3 + 2 + 2 loss/optim/throughput panels, 2 per task).
+    assert marked and all(stages == [(1, 0.0), (2, 30 * TOKENS_PER_STEP)] for stages in marked)
+    assert len(marked) >= 3 + 2 + 2 + 2 * 2
+
+    summary = (out / "summary.md").read_text()
+    assert "## Downstream evaluation" in summary
+    # Columns: last, its step, first, best, scorings; from the continued timeline (10..40, then 50..80 replayed):
+    # the rolled-back step-50 score (1.4) is neither last nor best.
+    assert "| cloze_ja | exact_match | 0.8000 | 80 | 0.1000 | 0.8000 | 8 |" in summary
+    assert "| cloze_ja | loglik | -8.2000 | 80 | -8.9000 | -8.2000 | 8 |" in summary
+    assert "| cloze_en | exact_match | 0.4000 | 80 | 0.0500 | 0.4000 | 8 |" in summary
+    assert "| cloze_en | loglik | -7.2000 | 80 | -7.9000 | -7.2000 | 8 |" in summary
+    assert f"Downstream time share: {100 * (0.02 + 80 / 4000):.1f}% of the run's wall time" in summary
+    assert "in all (`eval/downstream_seconds`)" in summary
+    html = (out / "summary.html").read_text()
+    assert "<img src='downstream_cloze_ja.png'" in html and "<img src='downstream_cloze_en.png'" in html
+
+    # Scoring and validation rows carry tokens but start no new segment: the train rows stay on the timeline.
+    records = build_timeline(read_jsonl(run_dir / "metrics.jsonl").rows)
+    assert sorted({r.step for r in records if r.abandoned}) == list(range(41, 56))
+    timeline = Timeline(records)
+    assert list(timeline.series("train/loss").steps) == list(range(1, 81))
+    assert list(timeline.series("eval/cloze_ja/exact_match").steps) == [10, 20, 30, 40, 50, 60, 70, 80]
 
 
 def test_running_run_with_a_cut_last_line_and_nothing_optional(tmp_path):
