@@ -27,17 +27,18 @@ if _worker:
 # The files that take minutes go first, so that with several workers none of them starts last and leaves the
 # others idle (xdist hands out whole files in collection order). Measured in a sequential run, slowest first.
 HEAVY_FILES = (
-    "tests/pretrain/test_train_cpu.py",
     "tests/bench/test_gpu_acceptance_smoke.py",
-    "tests/pretrain/plan/test_memory.py",
-    "tests/pretrain/stability/test_stability_cpu.py",
     "tests/pretrain/engine/test_grad_accum_cpu.py",
-    "tests/pretrain/engine/test_tensor_parallel_cpu.py",
+    "tests/pretrain/test_train_cpu.py",
     "tests/pretrain/checkpoint/test_checkpoint_async_cpu.py",
-    "tests/pretrain/model/test_compile.py",
-    "tests/pretrain/model/test_inductor_cache.py",
+    "tests/pretrain/stability/test_stability_cpu.py",
+    "tests/pretrain/plan/test_memory.py",
     "tests/pretrain/job/test_signals.py",
+    "tests/pretrain/engine/test_tensor_parallel_cpu.py",
+    "tests/pretrain/model/test_inductor_cache.py",
+    "tests/pretrain/model/test_compile.py",
     "tests/pretrain/checkpoint/test_checkpoint_trust_cpu.py",
+    "tests/pretrain/test_downstream_cpu.py",
 )
 
 

@@ -65,8 +65,7 @@ def run_whole_and_resumed(corpus: Path, tmp_path: Path, common: list[str], stop_
     on `first_ranks` then resumed on `then_ranks` (tmp_path/split). 1 rank runs as a plain process.
     Returns (the whole run's losses, the resumed run's losses, the resuming process)."""
     def launch(run_root: Path, nproc: int, *extra: str):
-        proc = run_training(tiny_overrides(corpus, run_root, *common, *extra), nproc=nproc,
-                            launcher="python" if nproc == 1 else "torchrun")
+        proc = run_training(tiny_overrides(corpus, run_root, *common, *extra), nproc=nproc, launcher="fork")
         assert proc.returncode == 0, proc.stdout[-6000:]
         return proc
 
@@ -84,7 +83,11 @@ def tiny_overrides(data_root: Path, run_root: Path, *extra: str) -> list[str]:
 
 def run_training(overrides: list[str], nproc: int = 2, launcher: str = "torchrun", entry: str | None = None,
                  timeout: int = 300, env: dict | None = None, **popen):
-    """Start a real multi-process training job (torchrun or the deepspeed launcher) and wait for it.
+    """Start a real multi-process training job and wait for it: through torchrun, the deepspeed launcher, plain
+    python (one rank), or `fork`: each rank forked from the test worker's rank server (tests/rank_server.py), the
+    same entry point and launcher environment without paying torch's import per process. `fork` is for jobs whose
+    test is about training, not about the launcher; it falls back to torchrun (python for one rank) when `env`
+    changes what is read at import time, or when extra Popen arguments are given.
 
     `entry` replaces `-m pretrain.train` with a script (e.g. the fp16 test harness).
     Returns the CompletedProcess with stdout and stderr merged.
@@ -92,6 +95,12 @@ def run_training(overrides: list[str], nproc: int = 2, launcher: str = "torchrun
     import subprocess
 
     from pretrain.tools.launch import launcher_command
+
+    if launcher == "fork":
+        answer = _rank_server().run(nproc, overrides, entry, env or cpu_env(), timeout) if not popen else None
+        if answer is not None:
+            return answer
+        launcher = "python" if nproc == 1 else "torchrun"
 
     cmd = launcher_command(launcher, nproc, overrides, master_port=free_port())
     if entry is not None:
@@ -123,3 +132,62 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+class RankServer:
+    """The client of one tests/rank_server.py process (one per test worker, started on first use)."""
+
+    def __init__(self):
+        import subprocess
+        import sys
+
+        self.env = cpu_env()
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.rank_server"], cwd=REPO, env=self.env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        ready = self.proc.stdout.readline()
+        if '"ready"' not in ready:
+            raise RuntimeError(f"tests/rank_server.py did not start: {ready!r}")
+
+    def serves(self, env: dict) -> bool:
+        from tests.rank_server import FROZEN_ENV
+
+        return self.proc.poll() is None and all(env.get(key) == self.env.get(key) for key in FROZEN_ENV)
+
+    def run(self, nproc: int, argv: list[str], entry: str | None, env: dict, timeout: float):
+        """The job's CompletedProcess (stdout: every rank's output, merged), or None when it cannot serve env."""
+        import json
+        import subprocess
+        import tempfile
+
+        if not self.serves(env):
+            return None
+        with tempfile.NamedTemporaryFile("r", suffix=".log", encoding="utf-8", errors="replace") as log:
+            request = {"ranks": nproc, "argv": list(argv), "entry": str(entry) if entry else None, "env": dict(env),
+                       "cwd": str(REPO), "log": log.name, "timeout": timeout, "port": free_port()}
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            answer = json.loads(self.proc.stdout.readline())
+            output = log.read()
+        args = ["rank_server", str(nproc), *argv]
+        if answer["timed_out"]:
+            raise subprocess.TimeoutExpired(args, timeout, output=output)
+        failed = [code for code in answer["codes"] if code != 0]
+        return subprocess.CompletedProcess(args, failed[0] if failed else 0, stdout=output)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
+
+
+_SERVER: list[RankServer] = []
+
+
+def _rank_server() -> RankServer:
+    """This process's rank server, started on first use and closed at exit."""
+    import atexit
+
+    if not _SERVER or _SERVER[0].proc.poll() is not None:
+        _SERVER[:] = [RankServer()]
+        atexit.register(_SERVER[0].close)
+    return _SERVER[0]

@@ -127,7 +127,7 @@ def test_train_20_steps_on_megatron_core_shards(tmp_path, tokenizer_dir, en_text
     assert len(train["web"]) > 0 and len(val["web"]) > 0
 
     run = run_training(tiny_overrides(root, tmp_path / "runs", "model.vocab_size=640", f"data.tokenizer_dir={tokenizer_dir}",
-                                      "train.max_steps=20", "train.eval_interval=10"), nproc=2)
+                                      "train.max_steps=20", "train.eval_interval=10"), nproc=2, launcher="fork")
     assert run.returncode == 0, run.stdout[-4000:]
     metrics = read_jsonl(tmp_path / "runs" / "cpu_tiny" / "metrics.jsonl")
     losses = [m["train/loss"] for m in metrics if "train/loss" in m]
@@ -184,7 +184,7 @@ stages:
 
     root = tmp_path / "fresh"  # not planned: the ranks register the curriculum's domains (rank 0 writes)
     run = run_training(tiny_overrides(root, tmp_path / "runs", *common, "train.max_steps=24", "train.eval_interval=12"),
-                       nproc=2, env=env)
+                       nproc=2, env=env, launcher="fork")
     assert run.returncode == 0, run.stdout[-4000:]
     assert json.loads((root / "manifest.json").read_text())["domains"] == manifest["domains"]
     run_dir = tmp_path / "runs" / "cpu_tiny"

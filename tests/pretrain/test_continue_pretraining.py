@@ -61,7 +61,7 @@ def test_continue_ja_from_a_transformers_llama(tmp_path):
                  "curriculum.stages.0.tokens=8192", "curriculum.stages.1.tokens=2048",
                  "curriculum.default_max_repetition=100", "optim.warmup_steps=2", "checkpoint.interval=0",
                  ]
-    run = run_training(overrides, nproc=2)
+    run = run_training(overrides, nproc=2, launcher="fork")
     assert run.returncode == 0, run.stdout[-4000:]
     losses = train_losses(tmp_path / "runs" / "continue_ja")
     assert sorted(losses) == list(range(1, 21))

@@ -22,7 +22,7 @@ def check_ok(proc) -> None:
 
 def test_stage_switch_with_per_domain_metrics_and_wandb(corpus, tmp_path):
     runs = tmp_path / "runs"
-    check_ok(run_training(tiny_overrides(corpus, runs, "curriculum=tiny", "logging=wandb_offline")))
+    check_ok(run_training(tiny_overrides(corpus, runs, "curriculum=tiny", "logging=wandb_offline"), launcher="fork"))
     run_dir = runs / "cpu_tiny"
     switches = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "stage_switch"]
     # conf/curriculum/tiny.yaml: stage 2 starts at 24,000 tokens = sample 375, inside step 47.
@@ -69,7 +69,7 @@ def test_a_switch_after_the_detector_warm_up_raises_no_alarm(corpus, tmp_path):
               "{name:japanese,tokens:34816,weights:{ja:1.0}}]")
     check_ok(run_training(tiny_overrides(corpus, runs, "curriculum=tiny", stages, "deepspeed=zero0",
                                          "stability.detector.warmup_steps=20", "stability.detector.min_history=15",
-                                         "stability.detector.use_grad_norm=false")))
+                                         "stability.detector.use_grad_norm=false"), launcher="fork"))
     events = read_jsonl(runs / "cpu_tiny" / "events.jsonl")
     assert [(e["step"], e["stage"]) for e in events if e["event"] == "stage_switch"] == [(1, 1), (61, 2)]
     alarms = [e for e in events if e["event"] in ("skip_update", "spike", "rollback", "stop")]

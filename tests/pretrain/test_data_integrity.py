@@ -130,7 +130,7 @@ def test_a_sidecar_vocabulary_edited_is_refused(corpus, tmp_path, vocab):
 def test_resume_notices_that_the_data_changed(corpus, tmp_path):
     """No curriculum: the checkpoint records each domain's samples and shard checksums."""
     overrides = ["curriculum=none", "curriculum.default_max_repetition=100", "train.eval_interval=0"]
-    first = run_training(tiny_overrides(corpus, tmp_path / "runs", *overrides, "train.max_steps=4"), nproc=2)
+    first = run_training(tiny_overrides(corpus, tmp_path / "runs", *overrides, "train.max_steps=4"), nproc=2, launcher="fork")
     assert first.returncode == 0, first.stdout[-3000:]
     write_tiny_corpus(corpus, repeats=41)  # one more document per domain: a different stream
     again = run_training(tiny_overrides(corpus, tmp_path / "runs", *overrides, "train.max_steps=6"), nproc=2)

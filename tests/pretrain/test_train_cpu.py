@@ -45,7 +45,7 @@ def test_every_zero_stage_trains_in_bf16(corpus, tmp_path):
     for stage in (0, 1, 2, 3):
         runs = tmp_path / f"zero{stage}"
         proc = run_training(tiny_overrides(corpus, runs, f"deepspeed=zero{stage}", "deepspeed.precision=bf16", "train.tokens=12288",
-                                           "stability.precision_check_every=1"))
+                                           "stability.precision_check_every=1"), launcher="fork")
         check_ok(proc)
         records = metrics(runs / "cpu_tiny")
         assert [r["step"] for r in records] == list(range(1, 25))
@@ -81,7 +81,7 @@ def test_fp16_dynamic_loss_scale(corpus, tmp_path, stage):
     proc = run_training(
         tiny_overrides(corpus, runs, f"deepspeed.zero_stage={stage}", "deepspeed.precision=fp16",
                        "deepspeed.initial_scale_power=24", "deepspeed.hysteresis=1", "train.tokens=16384"),
-        entry=FP16_ENTRY,
+        entry=FP16_ENTRY, launcher="fork",
     )
     check_ok(proc)
     records = metrics(runs / "cpu_tiny")
@@ -189,7 +189,7 @@ def test_sigterm_saves_and_resume_continues(corpus, tmp_path):
     # torchrun's agent reports its own SIGTERM with a traceback; no rank may fail in ayumi's code.
     assert f'File "{REPO / "pretrain"}' not in output, output[-4000:]
     resumed = run_training(tiny_overrides(corpus, runs, "train.tokens=1000000", "checkpoint.interval=0",
-                                          f"train.max_steps={saved_step + 3}"))
+                                          f"train.max_steps={saved_step + 3}"), launcher="fork")
     check_ok(resumed)
     steps = sorted(train_losses(runs / "cpu_tiny"))
     assert steps == list(range(1, saved_step + 4))
@@ -254,7 +254,7 @@ def test_zero3_checkpoint_exports_to_transformers(corpus, tmp_path):
 
     runs = tmp_path / "runs"
     check_ok(run_training(tiny_overrides(corpus, runs, "deepspeed=zero3", "deepspeed.precision=fp32",
-                                         "train.tokens=8192")))
+                                         "train.tokens=8192"), launcher="fork"))
     run_dir = runs / "cpu_tiny"
     out = tmp_path / "hf"
     proc = subprocess.run([str(Path(os.sys.executable).parent / "ayumi"), "export", "hf", str(run_dir / "checkpoints"),
@@ -283,7 +283,7 @@ def test_a_step_hook_is_called_every_step_on_every_rank_and_its_metrics_are_logg
     step numbers and tokens the metrics use, and what it adds to report.metrics reaches metrics.jsonl."""
     runs = tmp_path / "runs"
     check_ok(run_training(tiny_overrides(corpus, runs, "train.tokens=6144", "deepspeed.precision=fp32"),
-                          entry=HOOK_ENTRY))
+                          entry=HOOK_ENTRY, launcher="fork"))
     run_dir = runs / "cpu_tiny"
     expected = []
     for index in range(12):

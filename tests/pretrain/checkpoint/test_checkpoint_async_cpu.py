@@ -80,11 +80,11 @@ def test_kill_9_during_an_async_write_resumes_from_the_previous_checkpoint(corpu
     assert not (checkpoints / "step_0000008" / "ayumi.json").exists()
     assert (checkpoints / "latest").read_text().strip() == "step_0000004"
 
-    resumed = run_training(tiny_overrides(corpus, runs, *common, "train.max_steps=10"))
+    resumed = run_training(tiny_overrides(corpus, runs, *common, "train.max_steps=10"), launcher="fork")
     assert resumed.returncode == 0, resumed.stdout[-4000:]
     assert "resumed from" in resumed.stdout and "step_0000004" in resumed.stdout
     whole_runs = tmp_path / "whole"
-    whole = run_training(tiny_overrides(corpus, whole_runs, *common, "train.max_steps=10"))
+    whole = run_training(tiny_overrides(corpus, whole_runs, *common, "train.max_steps=10"), launcher="fork")
     assert whole.returncode == 0, whole.stdout[-4000:]
     got, expected = train_losses(runs / "cpu_tiny"), train_losses(whole_runs / "cpu_tiny")
     assert [got[s] for s in range(5, 11)] == [expected[s] for s in range(5, 11)]
@@ -100,7 +100,7 @@ def test_spike_rollback_with_async_writes_matches_synchronous(corpus, tmp_path):
     for mode in ("false", "true"):
         root = tmp_path / mode
         proc = run_training(tiny_overrides(corpus, root, "deepspeed=zero2", *STABILITY, SPIKE_AT_150,
-                                           "train.max_steps=180", f"checkpoint.async_save={mode}"))
+                                           "train.max_steps=180", f"checkpoint.async_save={mode}"), launcher="fork")
         assert proc.returncode == 0, proc.stdout[-6000:]
         runs[mode] = root / "cpu_tiny"
     recovered = {mode: [e for e in read_jsonl(run / "events.jsonl") if e["event"] == "recovered"]

@@ -59,7 +59,7 @@ def base_run(corpus, tmp_path_factory):
     def get(stage: int) -> Path:
         if stage not in made:
             root = tmp_path_factory.mktemp(f"zero{stage}")
-            proc = run_training(tiny_overrides(corpus, root, *COMMON, *BASE[stage]))
+            proc = run_training(tiny_overrides(corpus, root, *COMMON, *BASE[stage]), launcher="fork")
             assert proc.returncode == 0, proc.stdout[-6000:]
             made[stage] = root
         return made[stage]
@@ -125,7 +125,7 @@ def test_zero0_damaged_files_and_a_bad_state_fall_back_and_the_resume_is_exact(b
     without_checksums(ckpts / "step_0000016")  # its damage is no checksum's to find: the state check finds it
     without_checksums(ckpts / "step_0000008")  # loads, with a notice
 
-    proc = run_training(tiny_overrides(corpus, runs, *COMMON, *BASE[0], "train.max_steps=32"))
+    proc = run_training(tiny_overrides(corpus, runs, *COMMON, *BASE[0], "train.max_steps=32"), launcher="fork")
     assert proc.returncode == 0, proc.stdout[-6000:]
     corrupt = events(run, "checkpoint_corrupt")
     assert [Path(event["checkpoint"]).name for event in corrupt] == ["step_0000024", "step_0000016"]
@@ -172,7 +172,7 @@ def test_zero2_a_rollback_verifies_its_ring_checkpoint_and_takes_an_older_one(ba
     assert complete_tags(ring) == ["step_0000004", "step_0000012", "step_0000020"]
     overwrite_runs(ring / "step_0000012" / "ayumi_rank00001.pt", runs=2)
     spike = "+stability.inject.lr_multiply={24:50.0,25:50.0,26:50.0}"  # right after the resume at 24
-    proc = run_training(tiny_overrides(corpus, runs, *COMMON, *BASE[2], *QUICK_DETECTOR, spike, "train.max_steps=30"))
+    proc = run_training(tiny_overrides(corpus, runs, *COMMON, *BASE[2], *QUICK_DETECTOR, spike, "train.max_steps=30"), launcher="fork")
     assert proc.returncode == 0, proc.stdout[-6000:]
     [rollback] = events(run, "rollback")
     assert rollback["to_step"] == 12  # the newest checkpoint >= 10 steps before the spike: the damaged ring one

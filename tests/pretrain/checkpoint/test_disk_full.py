@@ -78,7 +78,7 @@ def test_a_disk_that_fills_during_the_run_stops_it_cleanly_and_it_resumes(small_
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_0000020"] and leftovers(ckpt) == []
     (small_disk / "filler").unlink()
     resumed = run_training(tiny_overrides(corpus, runs, "train.tokens=1000000", "checkpoint.interval=20",
-                                          f"checkpoint.dir={ckpt}", "train.max_steps=22"))
+                                          f"checkpoint.dir={ckpt}", "train.max_steps=22"), launcher="fork")
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     assert (ckpt / "latest").read_text().strip() == "step_0000022"  # it went on from step 20
 

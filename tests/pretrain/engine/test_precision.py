@@ -219,7 +219,7 @@ def test_a_run_on_an_avx2_cpu_trains_in_fp32_and_a_bf16_checkpoint_resumes_in_bf
     saved in bf16 resumes in bf16 there (exact resume), with the slowdown warning."""
     corpus = write_tiny_corpus(tmp_path / "corpus")
     env = cpu_env(XDG_CACHE_HOME=str(tmp_path / "cache"), **AVX2_ONLY)
-    fresh = run_training(tiny_overrides(corpus, tmp_path / "a", "train.max_steps=3"), env=env)
+    fresh = run_training(tiny_overrides(corpus, tmp_path / "a", "train.max_steps=3"), env=env, launcher="fork")
     assert fresh.returncode == 0, fresh.stdout[-4000:]
     cache = json.loads((tmp_path / "cache" / "ayumi" / "cpu_precision.json").read_text())
     assert len(cache) == 1  # both ranks read or wrote the one measurement of this ISA environment
@@ -230,9 +230,9 @@ def test_a_run_on_an_avx2_cpu_trains_in_fp32_and_a_bf16_checkpoint_resumes_in_bf
     assert "bf16" not in ds_config and "fp16" not in ds_config
 
     saved = run_training(tiny_overrides(corpus, tmp_path / "b", "train.max_steps=2", "deepspeed.precision=bf16"),
-                         env=cpu_env(XDG_CACHE_HOME=str(tmp_path / "host_cache")))
+                         env=cpu_env(XDG_CACHE_HOME=str(tmp_path / "host_cache")), launcher="fork")
     assert saved.returncode == 0, saved.stdout[-4000:]
-    resumed = run_training(tiny_overrides(corpus, tmp_path / "b", "train.max_steps=3"), env=env)
+    resumed = run_training(tiny_overrides(corpus, tmp_path / "b", "train.max_steps=3"), env=env, launcher="fork")
     assert resumed.returncode == 0, resumed.stdout[-4000:]
     assert "precision: bf16 (deepspeed.precision=auto: kept from the checkpoint being resumed" in resumed.stdout
     assert "WARNING: resuming a bf16 run" in resumed.stdout

@@ -35,7 +35,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     out = {"corpus": corpus, "root": root}
     for name, nproc, extra in (("tp1", 1, []), ("tp2", 2, ["parallel.tensor=2"])):
         proc = run_training(tiny_overrides(corpus, root / name, *FP32_ZERO1, *extra), nproc=nproc,
-                            launcher="python" if nproc == 1 else "torchrun")
+                            launcher="fork")
         assert proc.returncode == 0, proc.stdout[-6000:]
         out[name] = root / name / "cpu_tiny"
         out[name + "_log"] = proc.stdout
@@ -71,7 +71,7 @@ def test_tp2_resume_is_exact(runs):
     split = runs["root"] / "split"
     for steps in (15, STEPS):
         proc = run_training(tiny_overrides(runs["corpus"], split, *FP32_ZERO1, "parallel.tensor=2",
-                                           f"train.max_steps={steps}"))
+                                           f"train.max_steps={steps}"), launcher="fork")
         assert proc.returncode == 0, proc.stdout[-6000:]
     assert "resumed from" in proc.stdout and "re-sharded" not in proc.stdout
     assert train_losses(split / "cpu_tiny") == train_losses(runs["tp2"])
@@ -93,7 +93,7 @@ def test_universal_checkpoint_moves_tp2_to_other_layouts(runs):
         shutil.copytree(source / "checkpoints" / "step_0000015", run / "checkpoints" / "step_0000015")
         (run / "checkpoints" / "latest").write_text("step_0000015\n")
         proc = run_training(tiny_overrides(runs["corpus"], run.parent, *FP32_ZERO1, f"parallel.tensor={tp}"),
-                            nproc=nproc)
+                            nproc=nproc, launcher="fork")
         assert proc.returncode == 0, proc.stdout[-6000:]
         assert says in proc.stdout
         got = train_losses(run)
@@ -154,7 +154,7 @@ def test_zero0_and_zero2_train_with_tensor_parallelism(runs):
                "zero2_tp2": ["deepspeed=zero2", "deepspeed.precision=bf16", "stability.precision_check_every=1"],
                "zero0_bf16_tp2": ["deepspeed=zero0", "deepspeed.precision=bf16"]}
     for name, extra in layouts.items():
-        proc = run_training(tiny_overrides(runs["corpus"], runs["root"] / name, *common, *extra))
+        proc = run_training(tiny_overrides(runs["corpus"], runs["root"] / name, *common, *extra), launcher="fork")
         assert proc.returncode == 0, proc.stdout[-6000:]
     reference = records(runs["tp1"])[:steps]
     zero0, bf16, zero0_bf16 = (records(runs["root"] / name / "cpu_tiny") for name in layouts)

@@ -61,7 +61,7 @@ def test_policies_under_zero3_on_two_ranks_give_the_same_losses(tmp_path):
         overrides = tiny_overrides(corpus, tmp_path / policy, "deepspeed=zero3", "deepspeed.precision=fp32",
                                    f"deepspeed.activation_checkpointing={policy}", "train.max_steps=3",
                                    "train.eval_interval=0", "checkpoint.save_final=false")
-        run = run_training(overrides, nproc=2)
+        run = run_training(overrides, nproc=2, launcher="fork")
         assert run.returncode == 0, run.stdout[-3000:]
         losses[policy] = train_losses(tmp_path / policy / "cpu_tiny")
     assert sorted(losses["none"]) == [1, 2, 3]

@@ -86,7 +86,7 @@ def test_zero3_on_two_ranks_gives_the_plain_losses(tmp_path):
         overrides = tiny_overrides(corpus, tmp_path / f"runs{chunk}", "deepspeed=zero3", "deepspeed.precision=fp32",
                                    f"model.loss_chunk_tokens={chunk}", "model.z_loss=1e-4", "train.max_steps=4",
                                    "train.eval_interval=0", "checkpoint.save_final=false")
-        run = run_training(overrides, nproc=2)
+        run = run_training(overrides, nproc=2, launcher="fork")
         assert run.returncode == 0, run.stdout[-3000:]
         losses[chunk] = train_losses(tmp_path / f"runs{chunk}" / "cpu_tiny")
     assert sorted(losses[0]) == [1, 2, 3, 4]

@@ -30,7 +30,7 @@ def test_compiled_blocks_give_the_eager_losses_on_two_ranks(tmp_path, zero, extr
         overrides = tiny_overrides(corpus, tmp_path / mode, f"deepspeed={zero}", "deepspeed.precision=fp32",
                                    f"model.compile={mode}", "train.max_steps=4", "train.eval_interval=0",
                                    "checkpoint.save_final=false", *extra)
-        run = run_training(overrides, nproc=2, timeout=600)
+        run = run_training(overrides, nproc=2, timeout=600, launcher="fork")
         assert run.returncode == 0, run.stdout[-3000:]
         assert "Recompiling" not in run.stdout
         losses[mode] = train_losses(tmp_path / mode / "cpu_tiny")

@@ -99,7 +99,7 @@ def test_two_ranks_train_with_document_masking_taking_the_end_token_from_the_dat
     corpus = write_tiny_corpus(tmp_path / "corpus")
     proc = run_training(tiny_overrides(corpus, tmp_path / "runs", "deepspeed=zero2", "deepspeed.precision=fp32",
                                        "model.attention=document", "model.restart_positions=true",
-                                       "train.max_steps=8", "train.eval_interval=0", "checkpoint.interval=0"))
+                                       "train.max_steps=8", "train.eval_interval=0", "checkpoint.interval=0"), launcher="fork")
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert f"attention within documents: a document ends with token {EOS} (the data's end-of-document id)" in proc.stdout
     losses = train_losses(tmp_path / "runs" / "cpu_tiny")

@@ -61,7 +61,7 @@ def test_first_step_matches_transformers_and_step_0_exports_the_same_tensors(cor
                                f"model.init_from={tmp_path / 'base'}", "model.z_loss=0",
                                f"train.max_steps={20 if llama3 else 1}", "train.eval_interval=0",
                                "checkpoint.save_initial=true")
-    run = run_training(overrides, nproc=2)
+    run = run_training(overrides, nproc=2, launcher="fork")
     assert run.returncode == 0, run.stdout[-4000:]
     ours = train_losses(tmp_path / "runs" / "cpu_tiny")[1]
     theirs = transformers_loss(model, corpus, overrides)

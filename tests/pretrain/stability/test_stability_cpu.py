@@ -55,7 +55,7 @@ def check_ok(proc) -> None:
 def recovered_run(corpus, tmp_path_factory) -> Path:
     """One run with an LR x50 spike at steps 150-152 and recovery on, stopped at step 200."""
     runs = tmp_path_factory.mktemp("recovered")
-    proc = run_training(tiny_overrides(corpus, runs, "deepspeed=zero2", *STABILITY, SPIKE_AT_150, "train.max_steps=200"))
+    proc = run_training(tiny_overrides(corpus, runs, "deepspeed=zero2", *STABILITY, SPIKE_AT_150, "train.max_steps=200"), launcher="fork")
     check_ok(proc)
     return runs / "cpu_tiny"
 
@@ -101,7 +101,7 @@ def test_recovery_cools_the_lr_and_training_continues(recovered_run):
 def test_restart_after_recovery_keeps_the_count_and_never_replays_skipped_data(recovered_run, corpus):
     runs = recovered_run.parent
     # 1) The default restart (from `latest`) remembers the recovery.
-    proc = run_training(tiny_overrides(corpus, runs, "deepspeed=zero2", *STABILITY, SPIKE_AT_150, "train.max_steps=205"))
+    proc = run_training(tiny_overrides(corpus, runs, "deepspeed=zero2", *STABILITY, SPIKE_AT_150, "train.max_steps=205"), launcher="fork")
     check_ok(proc)
     records = train_records(recovered_run)
     assert records[-1]["step"] == 205 and records[-1]["stability/recoveries"] == 1
@@ -110,7 +110,7 @@ def test_restart_after_recovery_keeps_the_count_and_never_replays_skipped_data(r
     older = recovered_run / "checkpoints" / "recovery" / "step_0000100"
     assert (older / "ayumi.json").exists()
     proc = run_training(tiny_overrides(corpus, runs, "deepspeed=zero2", *STABILITY, "train.max_steps=125",
-                                       f"checkpoint.load_from={older}"))
+                                       f"checkpoint.load_from={older}"), launcher="fork")
     check_ok(proc)
     assert "resumed from" in proc.stdout and "step_0000100" in proc.stdout
     skips = events_of(recovered_run, "batches_skipped")
@@ -144,8 +144,7 @@ def test_fp16_overflow_storm_resets_the_scale_before_the_floor(corpus, tmp_path)
     proc = run_training(
         tiny_overrides(corpus, runs, "deepspeed=fp16", "deepspeed.initial_scale_power=12", "deepspeed.hysteresis=1",
                        "train.tokens=65536", f"stability.inject.fp16_overflow_steps={storm}"),
-        entry=FP16_ENTRY,
-    )
+        entry=FP16_ENTRY, launcher="fork")
     check_ok(proc)
     run_dir = runs / "cpu_tiny"
     resets = events_of(run_dir, "loss_scale_reset")
@@ -236,7 +235,7 @@ def test_adaptive_clipping_follows_the_percentile_of_recent_norms(corpus, tmp_pa
 
     runs = tmp_path / "runs"
     check_ok(run_training(tiny_overrides(corpus, runs, "train.tokens=16384", "stability.clip.enabled=true",
-                                         "stability.clip.warmup_steps=10", "stability.clip.window=1000")))
+                                         "stability.clip.warmup_steps=10", "stability.clip.window=1000"), launcher="fork"))
     records = train_records(runs / "cpu_tiny")
     norms = [r["opt/grad_norm"] for r in records]
     thresholds = [r["opt/clip_threshold"] for r in records]
