@@ -189,9 +189,10 @@ class DownstreamEvaluator:
         metrics = flat_metrics(scores)
         if self.dist.is_main:
             self.write_examples(step, tokens, scores)
-        self.logger.log(step, {**metrics, "tokens": tokens, "eval/downstream_seconds": elapsed,
-                               "eval/time_share": self.seconds / max(time.perf_counter() - self.started, 1e-9)},
-                        console=False)
+        record = {**metrics, "tokens": tokens, "eval/downstream_seconds": elapsed}
+        if step > 0:  # before any training the share would be nearly all of a run that has not begun
+            record["eval/time_share"] = self.seconds / max(time.perf_counter() - self.started, 1e-9)
+        self.logger.log(step, record, console=False)
         self.logger.info("downstream @ step {}: {} ({:.1f} s)".format(step, ", ".join(
             f"{s.name} " + " ".join(f"{m} {v:.4f}" for m, v in s.metrics.items()) for s in scores), elapsed))
         return metrics
