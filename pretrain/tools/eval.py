@@ -14,6 +14,7 @@ a table and writes JSON (`--out`, default TARGET's folder for a run: RUN_DIR/eva
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from dataclasses import asdict, dataclass
@@ -114,7 +115,8 @@ def load_checkpoint_model(path: Path, dtype: torch.dtype, device: torch.device, 
     from pretrain.model.llama import Llama
     from tokenizer.declared import load_declared_tokenizer
 
-    state, model_cfg, extra = load_for_export(path)
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's consolidation talks on stdout: the table is the output
+        state, model_cfg, extra = load_for_export(path)
     if not extra.get("verified"):
         print(f"note: {path} records no checksums (saved before ayumi recorded them): scored without verifying",
               file=sys.stderr)

@@ -3,8 +3,8 @@
 The same job (a real SentencePiece tokenizer, real shards, a multiple-choice, a cloze and a qa task) runs on
 1 rank (ZeRO-0), on 2 ranks under ZeRO-3 and on 2 ranks with parallel.tensor=2: the in-loop scores at every
 evaluation must not depend on the rank count or the layout (accuracies and exact matches equal, log-likelihoods
-to fp32 rounding of the trained weights). `ayumi eval` on the ZeRO-3 run's final checkpoint gives the scores the
-run logged at that step. A task file with a mistake stops a strict run before training (exit 2, one line);
+to fp32 rounding of the trained weights). `ayumi eval --all` on the ZeRO-3 run's checkpoints gives the scores
+the run logged at those steps. A task file with a mistake stops a strict run before training (exit 2, one line);
 with strict=false the run leaves that task out and scores the others.
 """
 from __future__ import annotations
@@ -62,10 +62,10 @@ def job(tmp_path_factory) -> dict:
     return {"root": root, "tokenizer": tokenizer, "tasks": write_tasks(root / "tasks")}
 
 
-def overrides(job: dict, name: str, *extra: str) -> list[str]:
+def overrides(job: dict, name: str, *extra: str, checkpoint_every: int = 0) -> list[str]:
     return tiny_overrides(job["root"] / "data", job["root"] / "runs", f"name={name}", "model.vocab_size=640",
                           f"data.tokenizer_dir={job['tokenizer']}", "deepspeed.precision=fp32",
-                          f"train.max_steps={STEPS}", "train.eval_interval=0", "checkpoint.interval=0",
+                          f"train.max_steps={STEPS}", "train.eval_interval=0", f"checkpoint.interval={checkpoint_every}",
                           *job["tasks"], *extra)
 
 
@@ -104,7 +104,8 @@ def runs(job) -> dict[str, Path]:
     out = {}
     for name, nproc, extra in (("one", 1, ["deepspeed=zero0"]), ("zero3", 2, ["deepspeed=zero3"]),
                                ("tp2", 2, ["deepspeed=zero1", "parallel.tensor=2"])):
-        proc = run_training(overrides(job, name, *extra), nproc=nproc,
+        # The ZeRO-3 run keeps a checkpoint at every scoring, for `ayumi eval --all`.
+        proc = run_training(overrides(job, name, *extra, checkpoint_every=INTERVAL if name == "zero3" else 0), nproc=nproc,
                             launcher="fork")
         assert proc.returncode == 0, proc.stdout[-6000:]
         out[name] = job["root"] / "runs" / name
@@ -132,19 +133,22 @@ def test_in_loop_scores_do_not_depend_on_ranks_zero_stage_or_tensor_parallelism(
     assert "downstream @ step 12: mc acc" in runs["zero3_log"]
 
 
-def test_ayumi_eval_on_the_final_checkpoint_equals_the_in_loop_score(runs, tmp_path):
+def test_ayumi_eval_on_every_checkpoint_equals_the_in_loop_scores(runs, tmp_path):
+    """`ayumi eval RUN_DIR --all`: one process, no DeepSpeed, each checkpoint's consolidated weights; the scores
+    the 2-rank ZeRO-3 run logged at the same steps."""
     out = tmp_path / "eval.json"
-    proc = subprocess.run([sys.executable, "-m", "pretrain.tools.cli", "eval", str(runs["zero3"]), "--out", str(out)],
-                          cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "pretrain.tools.cli", "eval", str(runs["zero3"]), "--all",
+                           "--out", str(out)], cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "step_0000012" in proc.stdout.splitlines()[0]  # the table's column: the run's newest checkpoint
-    result = json.loads(out.read_text(encoding="utf-8"))["scores"][0]
-    assert result["step"] == STEPS
-    after = {f"eval/{task}/{metric}": value for task, body in result["tasks"].items()
-             for metric, value in body["metrics"].items()}
-    assert_same_scores(scores(runs["zero3"])[STEPS], after)
-    assert_same_examples(examples(runs["zero3"], STEPS), result["tasks"])
-    assert len(result["tasks"]["mc"]["examples"][0]["logliks"]) == 3
+    assert proc.stdout.splitlines()[0].split()[2:] == ["step_0000006", "step_0000012"]  # the table: one column each
+    results = json.loads(out.read_text(encoding="utf-8"))["scores"]
+    assert [r["step"] for r in results] == [INTERVAL, STEPS]
+    for result in results:
+        after = {f"eval/{task}/{metric}": value for task, body in result["tasks"].items()
+                 for metric, value in body["metrics"].items()}
+        assert_same_scores(scores(runs["zero3"])[result["step"]], after)
+        assert_same_examples(examples(runs["zero3"], result["step"]), result["tasks"])
+    assert len(results[0]["tasks"]["mc"]["examples"][0]["logliks"]) == 3
 
 
 def test_a_broken_task_file_stops_a_strict_run_before_training_and_is_left_out_otherwise(job):
