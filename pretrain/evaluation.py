@@ -13,6 +13,7 @@ example got (choices' log-likelihoods, generated answers) goes to RUN_DIR/eval/d
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -129,6 +130,14 @@ class Evaluator:
         return self.losses(lambda inputs, labels: model(inputs, labels))
 
 
+def eager_only():
+    """Compiled blocks run eagerly inside: downstream batches come in many lengths, and blocks compiled with static
+    shapes (model.compile) would compile a variant per length, minutes each on a GPU and past torch's recompile
+    limit. Scoring is a small share of a run; eager gives the same numbers as `ayumi eval`, which never compiles."""
+    set_stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
+
+
 @dataclass
 class DownstreamTasks:
     """eval.downstream's tasks as prepared before training (pretrain/train.py), with the tokenizer they need."""
@@ -179,7 +188,7 @@ class DownstreamEvaluator:
         began = time.perf_counter()
         self.engine.eval()
         share = Share(self.dist.dp_rank, self.dist.dp_size, all_reduce_tensor)
-        with self.watchdog.phase(step, "downstream evaluation"):
+        with self.watchdog.phase(step, "downstream evaluation"), eager_only():
             scores = score_tasks(self.tasks, self.engine.logits, self.tokenizer, share, self.settings.batch_size,
                                  self.dist.device, self.pad_id, self.end_ids, self.vocab)
         self.engine.train()

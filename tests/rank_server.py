@@ -31,7 +31,7 @@ import traceback
 
 FROZEN_ENV = ("DS_ACCELERATOR", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
               "PYTHONPATH", "LD_PRELOAD", "PYTHONHASHSEED", "CUDA_VISIBLE_DEVICES", "HOME",
-              "AYUMI_CONF_DIR", "XDG_CACHE_HOME")
+              "TORCH_LOGS", "AYUMI_CONF_DIR", "XDG_CACHE_HOME")
 """Read when a module loads (by torch, OpenMP, Python, or ayumi: common/conf.py's CONF_DIR, the precision probe's
 cache file): a job whose environment differs here cannot use the server."""
 

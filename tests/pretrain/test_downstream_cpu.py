@@ -10,6 +10,7 @@ with strict=false the run leaves that task out and scores the others.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -131,6 +132,21 @@ def test_in_loop_scores_do_not_depend_on_ranks_zero_stage_or_tensor_parallelism(
     assert record["tokens"] == STEPS * 8 * 64 and 0 < record["eval/time_share"] < 1
     assert record["eval/downstream_seconds"] > 0
     assert "downstream @ step 12: mc acc" in runs["zero3_log"]
+
+
+def test_compiled_blocks_score_eagerly_without_recompiling(job, runs):
+    """model.compile=blocks compiles each block for the training shape only: the downstream batches (other lengths)
+    run eagerly, so nothing recompiles, and the scores are the eager run's."""
+    proc = run_training(overrides(job, "compiled", "deepspeed=zero0", "model.compile=blocks"), nproc=1,
+                        launcher="python", env=cpu_env(TORCH_LOGS="recompiles"))
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    # The validation loss (no_grad) compiles one more variant of each block, for the grad mode; shapes never do.
+    reasons = [m.group(1).strip() for m in re.finditer(r"\[__recompiles\]\s+- \d+/\d+: (.*)", proc.stdout)]
+    assert reasons and all(reason.startswith("GLOBAL_STATE changed: grad_mode") for reason in reasons), reasons
+    compiled, eager = scores(job["root"] / "runs" / "compiled"), scores(runs["one"])
+    assert sorted(compiled) == sorted(eager)
+    for step in eager:
+        assert_same_scores(eager[step], compiled[step])
 
 
 def test_ayumi_eval_on_every_checkpoint_equals_the_in_loop_scores(runs, tmp_path):
