@@ -165,7 +165,7 @@ class HangWatchdog:
         cfg = self.cfg
         if "checkpoint" in self._phase:
             return cfg.checkpoint_timeout_s
-        if not self._first_step_done or self._phase == "evaluation":
+        if not self._first_step_done or "evaluation" in self._phase:  # validation and downstream alike
             return max(cfg.startup_timeout_s, cfg.timeout_s)
         return self.step_timeout()
 

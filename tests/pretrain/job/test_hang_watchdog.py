@@ -84,6 +84,21 @@ def test_a_slow_rank_is_reported_as_a_straggler(corpus, tmp_path):
     assert event["step"] == 10 and event["message"].startswith("rank 1 is a straggler:")
 
 
+def test_every_evaluation_gets_the_long_timeout_not_the_step_timeout(tmp_path):
+    """Validation and downstream scoring can take minutes where a step takes a second: both phases wait
+    hang.startup_timeout_s, the steps hang.min_timeout_s (20 x the median step time being less)."""
+    from pretrain.job.hang_watchdog import HangConfig, HangWatchdog
+
+    dog = HangWatchdog(HangConfig(enabled=False, min_timeout_s=300.0, startup_timeout_s=1800.0), tmp_path, 0, 1)
+    for step in (1, 2, 3):
+        dog.beat(step, "train step")
+    assert dog.timeout() == 300.0
+    for name in ("evaluation", "downstream evaluation"):
+        with dog.phase(3, name):
+            assert dog.timeout() == 1800.0, name
+    assert dog.timeout() == 300.0
+
+
 def test_straggler_verdicts_need_the_ratio_for_consecutive_reports():
     """The monitor's arithmetic on given per-rank times (no job): 1.5x the median, N reports in a row."""
     from pretrain.job.hang_watchdog import HangConfig, StragglerMonitor
