@@ -95,8 +95,11 @@ def _score(prepared: PreparedTask, logits_fn: LogitsFn, tokenizer: Tokenizer, sh
     task = prepared.task
     per_example: list[dict[str, Any]] = []
     if task.kind == "qa":
-        def finished(ids: list[int]) -> bool:
-            return ids[-1] in end_ids or cut_at_stop(tokenizer.decode(ids), task.stop) != tokenizer.decode(ids)
+        def finished(ids: list[int]) -> bool:  # called per token: one decode
+            if ids[-1] in end_ids:
+                return True
+            text = tokenizer.decode(ids)
+            return any(stop and stop in text for stop in task.stop)
         contexts = [request.context for request in prepared.generate]
         outputs = greedy_continuations(logits_fn, contexts, task.max_new_tokens, finished, share, batch_size,
                                        device, pad_id, prepared.max_len, vocab)

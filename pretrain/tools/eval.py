@@ -145,13 +145,12 @@ def load_hf_model(folder: Path, dtype: torch.dtype, device: torch.device, tokeni
 
 
 def _load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy `state` into the model (a tied lm_head is the embedding, tied when the Llama was built)."""
     result = model.load_state_dict(state, strict=False)
     missing = set(result.missing_keys) - ({"lm_head.weight"} if model.cfg.tie_embeddings else set())
     if missing or result.unexpected_keys:
         raise ValueError(f"weights do not match the model: missing {sorted(missing)[:3]}, "
                          f"unexpected {sorted(result.unexpected_keys)[:3]}")
-    if model.cfg.tie_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
 
 
 def score_model(model, tokenizer, settings, device: torch.device) -> list[Any]:
