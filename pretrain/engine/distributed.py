@@ -80,6 +80,25 @@ def pick_device(preference: str) -> torch.device:
     return torch.device("cpu")
 
 
+def cpu_threads(local_world: int, environ: dict[str, str] | None = None) -> int:
+    """torch's intra-op threads for one CPU rank: the cores divided by the ranks on the node, so that 2 ranks
+    on 2 cores do not oversubscribe, unless `OMP_NUM_THREADS` says otherwise.
+
+    torchrun sets `OMP_NUM_THREADS=1` by itself when it starts several ranks, so on several ranks a 1 may be
+    its default and the division wins; any other value, and any value on one rank (torchrun sets none there),
+    is the user's and is kept. Overriding a user's 1 costs dearly: two single-rank jobs side by side on two
+    cores, each given 2 OpenMP threads, spin in OpenMP's barriers against each other and ran 40x slower."""
+    environ = os.environ if environ is None else environ
+    fair_share = max(1, (os.cpu_count() or 1) // max(1, local_world))
+    try:
+        asked = int(environ.get("OMP_NUM_THREADS", ""))
+    except ValueError:
+        return fair_share
+    if asked < 1 or (asked == 1 and local_world > 1):
+        return fair_share
+    return asked
+
+
 def init_distributed(device_preference: str = "auto", timeout_s: float | None = None,
                      tensor_parallel: int = 1) -> DistInfo:
     """Join (or create) the process group: NCCL on GPUs, gloo on CPU. `timeout_s` bounds every collective
@@ -96,8 +115,7 @@ def init_distributed(device_preference: str = "auto", timeout_s: float | None = 
         # abort at exit; plain gloo is fast enough for CPU runs (docs/deepspeed-on-cpu.md).
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         backend = "gloo"
-        # 2 ranks on 2 cores: one intra-op thread each avoids oversubscription.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+        torch.set_num_threads(cpu_threads(local_world))
         keep_freed_memory_for_reuse()  # no page faults on the step's big tensors (pretrain/engine/host_memory.py)
     if not dist.is_initialized():
         extra = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
