@@ -30,6 +30,7 @@ from downstream.config import DownstreamConfig, config_problems as downstream_pr
 from pretrain.model.config import ModelConfig, checkpointing_plan, shape_problems
 from pretrain.job.hang_watchdog import HangConfig
 from pretrain.ranges import Range, Rule, above, at_least, between, one_of, range_problems
+from pretrain.model.sequence_parallel import sequence_parallel_problems
 from pretrain.model.tensor_parallel import tensor_parallel_problems
 from pretrain.stability.config import StabilityConfig, StabilityConfigError, check_stability_config
 from common.status import BAD_INPUT
@@ -143,8 +144,19 @@ class ParallelConfig:
     which see the same samples; data-parallel size = ranks / T. Keep T within a node (<= its GPUs); it must
     divide the ranks, model.num_heads, model.num_kv_heads and model.intermediate_size. 1 = off."""
 
-    RANGES: ClassVar[dict[str, Range]] = {"tensor": at_least(1, "1 = off")}
+    sequence: int = 1
+    """Sequence-parallel size N (DeepSpeed Ulysses): each sequence is cut into N consecutive slices over N
+    consecutive ranks, which see the same samples; attention exchanges heads for the whole sequence
+    (all-to-all), so model.num_heads, model.num_kv_heads and train.seq_len must divide by N. Data-parallel
+    size = ranks / N; ZeRO still partitions over all ranks. Not with parallel.tensor > 1. 1 = off."""
+
+    RANGES: ClassVar[dict[str, Range]] = {"tensor": at_least(1, "1 = off"), "sequence": at_least(1, "1 = off")}
     """Allowed values, checked before any rank starts (pretrain/ranges.py)."""
+
+    @property
+    def ranks_per_sample(self) -> int:
+        """Ranks that see the same samples: a tensor- or a sequence-parallel group."""
+        return self.tensor * self.sequence
 
 
 @dataclass
@@ -331,7 +343,7 @@ class AyumiConfig:
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     """ZeRO and precision (conf/deepspeed/)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    """Tensor parallelism (parallel.tensor)."""
+    """Tensor and sequence parallelism (parallel.tensor, parallel.sequence)."""
     data: DataConfig = field(default_factory=DataConfig)
     """Training data (shards)."""
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -440,15 +452,17 @@ def split_cli_args(argv: list[str]) -> tuple[list[str], bool]:
 
 
 def data_parallel_size(parallel: ParallelConfig, world_size: int) -> int:
-    """Data-parallel ranks of a job of `world_size` ranks: world_size / parallel.tensor; ConfigError when the
-    ranks do not form whole tensor-parallel groups."""
-    tp = parallel.tensor
-    if tp < 1 or world_size % tp:
-        fits = [n for n in range(tp, 8 * tp + 1, tp)][:4]
-        raise ConfigError(f"parallel.tensor={tp} must divide the {world_size} rank(s) of this job (tensor-parallel "
-                          f"groups of {tp} ranks); start {', '.join(map(str, fits))} ... ranks, or choose a "
-                          f"parallel.tensor that divides {world_size}")
-    return world_size // tp
+    """Data-parallel ranks of a job of `world_size` ranks: world_size / (parallel.tensor x parallel.sequence);
+    ConfigError when the ranks do not form whole tensor- or sequence-parallel groups."""
+    group = parallel.ranks_per_sample
+    if group < 1 or world_size % group:
+        key, size = ("parallel.sequence", parallel.sequence) if parallel.sequence > 1 else ("parallel.tensor", parallel.tensor)
+        kind = "sequence" if parallel.sequence > 1 else "tensor"
+        fits = [n for n in range(group, 8 * group + 1, group)][:4]
+        raise ConfigError(f"{key}={size} must divide the {world_size} rank(s) of this job ({kind}-parallel "
+                          f"groups of {group} ranks); start {', '.join(map(str, fits))} ... ranks, or choose a "
+                          f"{key} that divides {world_size}")
+    return world_size // group
 
 
 def data_parallel_grad_accum(train: TrainConfig, world_size: int) -> int:
@@ -523,8 +537,8 @@ def config_problems(cfg: AyumiConfig) -> list[str]:
     if cfg.eval.downstream.tasks and not cfg.data.tokenizer_dir:
         problems.append("eval.downstream.tasks need data.tokenizer_dir (the tokenizer that made the data): it turns "
                         "the tasks' text into ids")
-    if not problems:  # the tensor-parallel rules divide by the sizes checked above
-        problems = tensor_parallel_problems(cfg)
+    if not problems:  # the tensor- and sequence-parallel rules divide by the sizes checked above
+        problems = tensor_parallel_problems(cfg) + sequence_parallel_problems(cfg)
     return problems
 
 

@@ -120,9 +120,10 @@ def load_tokenizer_identity(tokenizer_dir: str | None) -> dict:
 def job_hardware(dist: DistInfo) -> Hardware:
     """The job's own size and GPU for the memory plan (on the CPU, memory is not checked)."""
     if dist.device.type != "cuda":
-        return Hardware.cpu(dist.world_size, dist.tensor_parallel)
+        return Hardware.cpu(dist.world_size, dist.tensor_parallel, dist.sequence_parallel)
     name, total_memory = gpu_properties(dist.device.index or 0)
-    return Hardware(dist.dp_size, total_memory, f"this {name}", dist.tensor_parallel)
+    return Hardware(dist.dp_size, total_memory, f"this {name}", dist.tensor_parallel,
+                    sequence_parallel=dist.sequence_parallel)
 
 
 def build_data(cfg: AyumiConfig, tokenizer: dict,
@@ -247,11 +248,11 @@ def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict,
     else:
         logger = NullLogger()
     barrier()
-    # By data-parallel rank: the ranks of a tensor-parallel group read the same samples (pretrain/model/tensor_parallel.py).
+    # By data-parallel rank: the ranks of a tensor- or sequence-parallel group read the same samples.
     loader = BatchLoader(source, cfg.train.micro_batch_size, grad_accum, dist.dp_rank, dist.dp_size, dist.device,
                          prefetch=cfg.data.prefetch_batches)
     run_meta = {"name": cfg.name, "model": asdict(cfg.model), "world_size": dist.world_size,
-                "tensor_parallel": dist.tensor_parallel,
+                "tensor_parallel": dist.tensor_parallel, "sequence_parallel": dist.sequence_parallel,
                 "zero_stage": cfg.deepspeed.zero_stage, "precision": cfg.deepspeed.precision,
                 "precision_reason": precision.reason, **tokenizer}
     trainer = Trainer(cfg, dist, engine, loader, val_sets, logger, checkpointer, total_steps(cfg.train), run_meta,
@@ -378,7 +379,8 @@ def lock_run_dir(cfg: AyumiConfig, dist: DistInfo) -> RunDirLock | None:
 
 def run(cfg: AyumiConfig, resolved: dict) -> TrainResult:
     check_config(cfg)
-    dist = init_distributed(cfg.train.device, process_group_timeout_s(cfg.hang), cfg.parallel.tensor)
+    dist = init_distributed(cfg.train.device, process_group_timeout_s(cfg.hang), cfg.parallel.tensor,
+                            cfg.parallel.sequence)
     logger: NullLogger = NullLogger()
     lock = None
     watchdog = HangWatchdog(cfg.hang, Path(cfg.run_dir), dist.rank, dist.world_size)

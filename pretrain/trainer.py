@@ -285,6 +285,9 @@ class Trainer:
         cfg, dist = self.cfg, self.dist
         layout = f" (tensor-parallel {dist.tensor_parallel} x data-parallel {dist.dp_size})" \
             if dist.tensor_parallel > 1 else ""
+        if dist.sequence_parallel > 1:
+            layout = (f" (sequence-parallel {dist.sequence_parallel} x data-parallel {dist.dp_size}: "
+                      f"{cfg.train.seq_len // dist.sequence_parallel} tokens of each sequence a rank)")
         self.logger.info(
             f"run {cfg.name}: {format_count(cfg.train.tokens)} tokens = {self.total_steps} steps x "
             f"{format_count(self.tokens_per_step)} tokens/step ({cfg.train.global_batch_size} x {cfg.train.seq_len}); "
@@ -358,7 +361,8 @@ class Trainer:
                 self.watchdog.beat(step, "all-reduce")
                 reduced = all_reduce_tensor(sums)
                 # Over all ranks: the ranks of a tensor-parallel group computed the same loss on the same samples,
-                # so each data-parallel batch counts tensor_parallel times, in the sum and in the divisor alike.
+                # so each data-parallel batch counts tensor_parallel times, in the sum and in the divisor alike; a
+                # sequence-parallel group's ranks hold shares that average to the batch's loss (Llama.loss_from_tokens).
                 mean_loss = float(reduced[0]) / (len(batches) * self.dist.world_size)
                 self._pending = (step, mean_loss)
                 for hook in self.hooks:
@@ -409,8 +413,8 @@ class Trainer:
         }
         flops = self.flops_per_token
         if self.document_end is not None:
-            # Every rank of a tensor-parallel group added the same batch's spans.
-            span = float(reduced[-2]) / (self.tokens_per_step * self.dist.tensor_parallel)
+            # Every rank of a tensor- or sequence-parallel group added the same batch's spans.
+            span = float(reduced[-2]) / (self.tokens_per_step * self.dist.ranks_per_sample)
             metrics["perf/attention_span"] = span
             flops = flops_per_token(self.model_cfg, self.seq_len, span)
         if self.peak_flops:

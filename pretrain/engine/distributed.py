@@ -35,20 +35,33 @@ class DistInfo:
     device: torch.device
     tensor_parallel: int = 1
     """Ranks per tensor-parallel group (parallel.tensor); consecutive ranks form a group."""
+    sequence_parallel: int = 1
+    """Ranks per sequence-parallel group (parallel.sequence); consecutive ranks form a group."""
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
     @property
+    def ranks_per_sample(self) -> int:
+        """Ranks that read the same samples: a tensor- or a sequence-parallel group (never both)."""
+        return self.tensor_parallel * self.sequence_parallel
+
+    @property
     def dp_rank(self) -> int:
-        """This rank's data-parallel index: the ranks of one tensor-parallel group share it (and their samples)."""
-        return self.rank // self.tensor_parallel
+        """This rank's data-parallel index: the ranks of one tensor- or sequence-parallel group share it (and
+        their samples)."""
+        return self.rank // self.ranks_per_sample
 
     @property
     def dp_size(self) -> int:
         """Data-parallel size: how many different micro-batches one forward pass of the job sees."""
-        return self.world_size // self.tensor_parallel
+        return self.world_size // self.ranks_per_sample
+
+    @property
+    def sp_rank(self) -> int:
+        """This rank's place in its sequence-parallel group: which slice of each sequence it computes."""
+        return self.rank % self.sequence_parallel
 
     @property
     def tp_rank(self) -> int:
@@ -100,10 +113,11 @@ def cpu_threads(local_world: int, environ: dict[str, str] | None = None) -> int:
 
 
 def init_distributed(device_preference: str = "auto", timeout_s: float | None = None,
-                     tensor_parallel: int = 1) -> DistInfo:
+                     tensor_parallel: int = 1, sequence_parallel: int = 1) -> DistInfo:
     """Join (or create) the process group: NCCL on GPUs, gloo on CPU. `timeout_s` bounds every collective
     (pretrain.job.hang_watchdog.process_group_timeout_s: longer than the watchdog's, which speaks first).
-    With `tensor_parallel` > 1 DeepSpeed's tensor- and data-parallel groups are made here too (init_tensor_parallel)."""
+    With `tensor_parallel` > 1 DeepSpeed's tensor- and data-parallel groups are made here too (init_tensor_parallel),
+    with `sequence_parallel` > 1 the sequence-parallel groups (init_sequence_parallel)."""
     _ensure_rank_env()
     device = pick_device(device_preference)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
@@ -127,9 +141,12 @@ def init_distributed(device_preference: str = "auto", timeout_s: float | None = 
         local_world_size=local_world,
         device=device,
         tensor_parallel=tensor_parallel,
+        sequence_parallel=sequence_parallel,
     )
     if tensor_parallel > 1:
         init_tensor_parallel(info)
+    if sequence_parallel > 1:
+        init_sequence_parallel(info)
     return info
 
 
@@ -152,6 +169,30 @@ def init_tensor_parallel(info: DistInfo) -> None:
         raise RuntimeError(f"DeepSpeed placed rank {info.rank} at (data {layout[0]}, tensor {layout[1]}) of "
                            f"{layout[2]} data-parallel ranks; ayumi expects ({info.dp_rank}, {info.tp_rank}) of "
                            f"{info.dp_size}: the loader would feed a tensor-parallel group different samples")
+
+
+_sequence_group = None
+
+
+def init_sequence_parallel(info: DistInfo) -> None:
+    """The sequence-parallel process groups: `sequence_parallel` consecutive ranks each, as DistInfo.dp_rank
+    assumes. Every rank takes part in making every group (torch's rule for new_group); each keeps its own.
+
+    DeepSpeed is not told of them: the ranks of a group compute different tokens of the same samples, so
+    their gradients must be averaged like data-parallel ones, and ZeRO partitions over every rank, which is
+    what DeepSpeed does for ranks it takes for data-parallel. Only attention's exchange uses the group."""
+    global _sequence_group
+    size = info.sequence_parallel
+    data_parallel_size(ParallelConfig(sequence=size), info.world_size)  # ConfigError unless they divide
+    for start in range(0, info.world_size, size):
+        group = dist.new_group(list(range(start, start + size)))
+        if start <= info.rank < start + size:
+            _sequence_group = group
+
+
+def sequence_parallel_group():
+    """This rank's sequence-parallel group (init_sequence_parallel), None without sequence parallelism."""
+    return _sequence_group
 
 
 def deepspeed_mpu(tensor_parallel: int):

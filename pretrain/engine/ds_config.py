@@ -31,7 +31,9 @@ def render_ds_config(cfg: AyumiConfig, world_size: int) -> dict[str, Any]:
         raise ValueError("; ".join(problems))
     grad_accum = data_parallel_grad_accum(cfg.train, data_parallel_size(cfg.parallel, world_size))
     config: dict[str, Any] = {
-        "train_batch_size": cfg.train.global_batch_size,
+        # DeepSpeed takes a sequence-parallel group's ranks for data-parallel ones (they average gradients like
+        # them: pretrain/engine/distributed.py init_sequence_parallel), so its batch counts each sample N times.
+        "train_batch_size": cfg.train.global_batch_size * cfg.parallel.sequence,
         "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
         "gradient_accumulation_steps": grad_accum,
         "gradient_clipping": cfg.optim.grad_clip,

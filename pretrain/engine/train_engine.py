@@ -23,9 +23,10 @@ from pretrain.config import (
 from pretrain.engine.grad_accum import Fp32GradAccumulator, fp32_accumulation_by
 from pretrain.engine.optimizer import param_groups
 from pretrain.model.tensor_parallel import shard_dim
-from pretrain.engine.distributed import DistInfo, deepspeed_mpu, tensor_parallel_group
+from pretrain.engine.distributed import DistInfo, deepspeed_mpu, sequence_parallel_group, tensor_parallel_group
 from pretrain.engine.ds_config import render_ds_config
 from pretrain.engine.op_build import prepare_ops
+from pretrain.engine.sequence_parallel import install_sequence_parallel
 from pretrain.engine.optimizer import SkippableAdamW, build_optimizer
 
 
@@ -118,6 +119,8 @@ class TrainEngine:
         self.compiled = model.compile_for(cfg.model.compile, dist_info.device.type)
         self.grad_accum = self.ds_config["gradient_accumulation_steps"]
         self.tensor_parallel = dist_info.tensor_parallel
+        if dist_info.sequence_parallel > 1:  # before the engine wraps the model: its layers exchange from step 1
+            install_sequence_parallel(model, sequence_parallel_group(), dist_info.sp_rank, dist_info.sequence_parallel)
         prepare_ops(cfg.deepspeed.offload_optimizer)  # before DeepSpeed builds them, maybe behind a dead lock
         optimizer = build_optimizer(model, cfg, dist_info.device)
         self.client_optimizer = optimizer  # ours (SkippableAdamW), under DeepSpeed's wrapper

@@ -113,10 +113,12 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.exchange = None  # sequence parallelism's all-to-all (pretrain/engine/sequence_parallel.py), in training
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask=None) -> Tensor:
         """`mask`: None (causal), or document masking's (pretrain/model/documents.py): a boolean [B, 1, T, T]
-        tensor for SDPA or FlexAttention's BlockMask."""
+        tensor for SDPA or FlexAttention's BlockMask. Under sequence parallelism x, cos and sin hold this
+        rank's tokens and the mask the whole sequence's."""
         b, t, _ = x.shape
         # Head counts come from the projections' widths, not the config: a tensor-parallel rank's
         # projections hold a whole-head slice of them (pretrain/model/tensor_parallel.py), and the same code runs.
@@ -127,11 +129,27 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # [B, heads, T, head_dim]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if mask is not None:
-            y = self._masked(q, k, v, mask)
-        else:
-            y = self._eager(q, k, v) if self.kernel == "eager" else self._sdpa(q, k, v)
+        if self.exchange is not None and self.training:
+            # [B, T/N, heads, head_dim] out: this rank's tokens, every head (the kernel ran on all tokens).
+            y = self._exchanged(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
+            return self.o_proj(y.reshape(b, t, -1))
+        y = self.attend(q, k, v, mask)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+    @torch.compiler.disable
+    def _exchanged(self, q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
+        # Outside any compiled graph: the exchange is collectives inside an autograd.Function.
+        return self.exchange(q, k, v, 0, None, mask)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask=None) -> Tensor:
+        """The attention kernel on [B, heads, T, head_dim] (K/V heads may be fewer): causal, or within documents."""
+        if mask is not None:
+            return self._masked(q, k, v, mask)
+        return self._eager(q, k, v) if self.kernel == "eager" else self._sdpa(q, k, v)
+
+    def attend_tokens_major(self, q: Tensor, k: Tensor, v: Tensor, mask=None) -> Tensor:
+        """`attend` on [B, T, heads, head_dim] in and out: the layout of sequence parallelism's exchange."""
+        return self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask).transpose(1, 2)
 
     def _sdpa(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         n_rep = q.shape[1] // k.shape[1]  # query heads per K/V head (the same on a tensor-parallel slice)

@@ -20,6 +20,7 @@ from pretrain.model.config import ModelConfig, ModelConfigError, checkpointing_p
 from pretrain.model.documents import attention_mask, document_ids, mask_kernel, positions_in_document
 from pretrain.model.inductor_cache import use_isa_keyed_cache
 from pretrain.model.layers import Block, RMSNorm, RotaryEmbedding
+from pretrain.model.sequence_parallel import SequenceSlice
 
 IGNORE_INDEX = -100
 """Label value that contributes no loss (padding, document masks)."""
@@ -71,6 +72,7 @@ class Llama(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.recompute = [""] * cfg.num_layers  # per block: "", "block", "attention" or "mlp"
+        self.sequence: SequenceSlice | None = None  # this rank's slice under sequence parallelism (in training)
         if init_weights:
             self.init_weights()
 
@@ -115,20 +117,29 @@ class Llama(nn.Module):
         self.recompute = checkpointing_plan(policy, self.cfg.num_layers)
 
     def forward(self, input_ids: Tensor, labels: Tensor | None = None, return_logits: bool = False) -> LlamaOutput:
-        """input_ids, labels: [B, T]; labels are already shifted (labels[:, t] is the target at t)."""
-        h = self.model.embed_tokens(input_ids)
-        alpha = self.cfg.embedding_grad_alpha
-        if alpha < 1.0:
-            # GLM-130B's a*h + (1-a)*h.detach(), written so the forward value is bit-identical to h.
-            h = h.detach() + alpha * (h - h.detach())
+        """input_ids, labels: [B, T]; labels are already shifted (labels[:, t] is the target at t).
+
+        Under sequence parallelism (`self.sequence`, training only) every rank of the group gets the whole
+        [B, T] and computes its own slice of T/N tokens; the loss is weighted over the group
+        (pretrain/model/sequence_parallel.py), and return_logits gives this rank's slice."""
+        split = self.sequence if self.training else None
         cos, sin = self.model.rotary_emb(input_ids.shape[1])
         mask = None
-        if self.cfg.attention == "document":
+        if self.cfg.attention == "document":  # from the whole sequence: attention sees all of it
             documents = document_ids(input_ids, self.cfg.document_end_id)
             mask = attention_mask(documents, mask_kernel(input_ids.device))
             if self.cfg.restart_positions:  # each document's positions from 0: [B, 1, T, head_dim] tables
                 positions = positions_in_document(documents)
                 cos, sin = cos[positions][:, None], sin[positions][:, None]
+        whole_labels = labels
+        if split is not None:
+            input_ids, cos, sin = split.take(input_ids), split.take(cos, -2), split.take(sin, -2)
+            labels = split.take(labels) if labels is not None else None
+        h = self.model.embed_tokens(input_ids)
+        alpha = self.cfg.embedding_grad_alpha
+        if alpha < 1.0:
+            # GLM-130B's a*h + (1-a)*h.detach(), written so the forward value is bit-identical to h.
+            h = h.detach() + alpha * (h - h.detach())
         for block, recompute in zip(self.model.layers, self.recompute):
             if recompute == "block" and self.training:
                 h = checkpoint(block, h, cos, sin, "", mask, use_reentrant=False)
@@ -138,16 +149,17 @@ class Llama(nn.Module):
         chunk = self.cfg.loss_chunk_tokens
         if labels is not None and chunk > 0 and not return_logits:
             token_ce, token_lse = self.lm_head(h, labels, chunk)  # never the whole [B, T, vocab] logits
-            return self.loss_from_tokens(token_ce, token_lse, labels)
+            return self.loss_from_tokens(token_ce, token_lse, labels, whole_labels, split)
         logits = self.lm_head(h)
         if labels is None:
             return LlamaOutput(loss=None, logits=logits)
-        out = self.compute_loss(logits, labels)
+        out = self.compute_loss(logits, labels, whole_labels, split)
         if return_logits:
             out.logits = logits
         return out
 
-    def compute_loss(self, logits: Tensor, labels: Tensor) -> LlamaOutput:
+    def compute_loss(self, logits: Tensor, labels: Tensor, whole_labels: Tensor | None = None,
+                     split: SequenceSlice | None = None) -> LlamaOutput:
         """Token cross-entropy (+ z-loss) in fp32, per token from torch's fused cross-entropy.
 
         `F.cross_entropy` (one log-softmax pass, backward = softmax - one-hot) is ~10% of a CPU
@@ -164,19 +176,30 @@ class Llama(nn.Module):
             target = labels.masked_fill(~mask, 0).unsqueeze(-1)
             token_lse = token_ce + logits32.gather(-1, target).squeeze(-1)
         del logits32
-        return self.loss_from_tokens(token_ce, token_lse, labels)
+        return self.loss_from_tokens(token_ce, token_lse, labels, whole_labels, split)
 
-    def loss_from_tokens(self, token_ce: Tensor, token_lse: Tensor | None, labels: Tensor) -> LlamaOutput:
-        """Mean loss, z-loss and per-sample losses from per-token CE and log Z (0 where ignored) of either path."""
+    def loss_from_tokens(self, token_ce: Tensor, token_lse: Tensor | None, labels: Tensor,
+                         whole_labels: Tensor | None = None, split: SequenceSlice | None = None) -> LlamaOutput:
+        """Mean loss, z-loss and per-sample losses from per-token CE and log Z (0 where ignored) of either path.
+
+        Sequence-parallel (`split`): `labels` are this rank's slice, `whole_labels` the whole sequences; the
+        sums are this slice's, divided by the whole sequences' token counts and times the group size, so the
+        group's mean is the whole batch's (pretrain/model/sequence_parallel.py)."""
         mask = labels != IGNORE_INDEX
-        tokens = mask.sum()
+        counted = mask if split is None else whole_labels != IGNORE_INDEX
+        tokens = counted.sum()
         ce = token_ce.sum() / tokens.clamp(min=1)  # all-ignored batch: loss 0, not NaN
+        if split is not None:
+            ce = ce * split.size
         loss = ce
         if self.cfg.z_loss > 0:
             # PaLM z-loss: pulls log Z toward 0 so the softmax normaliser cannot drift.
-            loss = ce + self.cfg.z_loss * (token_lse.square() * mask).sum() / tokens.clamp(min=1)
-        sample_tokens = mask.sum(dim=1)
+            z = (token_lse.square() * mask).sum() / tokens.clamp(min=1)
+            loss = ce + self.cfg.z_loss * (z if split is None else z * split.size)
+        sample_tokens = counted.sum(dim=1)
         sample_loss = token_ce.sum(dim=1).detach() / sample_tokens.clamp(min=1)
+        if split is not None:
+            sample_loss = sample_loss * split.size
         return LlamaOutput(loss=loss, ce_loss=ce.detach(), sample_loss=sample_loss, sample_tokens=sample_tokens)
 
 

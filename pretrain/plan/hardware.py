@@ -40,7 +40,7 @@ class Hardware:
     """The GPUs a plan is checked against."""
 
     data_parallel: int
-    """Data-parallel ranks (ZeRO divides states by it): GPUs / tensor_parallel."""
+    """Data-parallel ranks: GPUs / (tensor_parallel x sequence_parallel)."""
     gpu_bytes: int | None
     """Memory of one GPU; None: not known, memory is estimated but not checked."""
     where: str
@@ -49,12 +49,14 @@ class Hardware:
     """GPUs per tensor-parallel group (parallel.tensor)."""
     device: str = "GPU"
     """What a rank runs on, for messages: "GPU", or "CPU rank" for CPU training."""
+    sequence_parallel: int = 1
+    """GPUs per sequence-parallel group (parallel.sequence)."""
 
     @classmethod
-    def cpu(cls, ranks: int, tensor_parallel: int = 1) -> "Hardware":
+    def cpu(cls, ranks: int, tensor_parallel: int = 1, sequence_parallel: int = 1) -> "Hardware":
         """`ranks` CPU processes: the batch is checked against them, memory is not."""
-        return cls(max(1, ranks // tensor_parallel), None, "CPU training: memory not checked", tensor_parallel,
-                   "CPU rank")
+        return cls(max(1, ranks // (tensor_parallel * sequence_parallel)), None, "CPU training: memory not checked",
+                   tensor_parallel, "CPU rank", sequence_parallel)
 
 
 def visible_gpus() -> tuple[int, int | None, str]:
@@ -78,17 +80,17 @@ def gpu_properties(index: int) -> tuple[str, int]:
 def planned_hardware(cfg: Any, ranks: int | None = None) -> Hardware:
     """The GPUs to check against: those visible here (count and memory), else train.num_gpus and
     train.gpu_memory_gib; `ranks` when the caller knows the job's size. The data-parallel size is the GPUs
-    over parallel.tensor (at least one tensor-parallel group is planned for). With no GPU visible and none
+    over parallel.tensor x parallel.sequence (at least one such group is planned for). With no GPU visible and none
     planned (train.num_gpus=0, train.gpu_memory_gib=0), the plan is for what `ayumi train` starts here: CPU_RANKS
     CPU ranks, whose memory is not checked."""
     count, gpu_bytes, gpu_name = visible_gpus()
-    tp = cfg.parallel.tensor
+    tp, sp = cfg.parallel.tensor, getattr(cfg.parallel, "sequence", 1)
     if not count and not cfg.train.num_gpus and cfg.train.gpu_memory_gib <= 0:
-        return Hardware.cpu(ranks or CPU_RANKS, tp)
-    data_parallel = max(1, (ranks or cfg.train.num_gpus or count or 1) // tp)
+        return Hardware.cpu(ranks or CPU_RANKS, tp, sp)
+    data_parallel = max(1, (ranks or cfg.train.num_gpus or count or 1) // (tp * sp))
     if gpu_bytes:
-        return Hardware(data_parallel, gpu_bytes, f"this {gpu_name or 'GPU'}", tp)
+        return Hardware(data_parallel, gpu_bytes, f"this {gpu_name or 'GPU'}", tp, sequence_parallel=sp)
     if cfg.train.gpu_memory_gib > 0:
         return Hardware(data_parallel, int(cfg.train.gpu_memory_gib * GIB),
-                        f"each GPU (train.gpu_memory_gib={cfg.train.gpu_memory_gib:g})", tp)
-    return Hardware(data_parallel, None, "train.gpu_memory_gib unset", tp)
+                        f"each GPU (train.gpu_memory_gib={cfg.train.gpu_memory_gib:g})", tp, sequence_parallel=sp)
+    return Hardware(data_parallel, None, "train.gpu_memory_gib unset", tp, sequence_parallel=sp)

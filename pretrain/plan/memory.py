@@ -84,6 +84,19 @@ class MemoryShape:
     """The attention kernel reads grouped K/V heads in place (CUDA bf16/fp16); else K/V are repeated per query head."""
     tensor_parallel: int = 1
     """GPUs each block's projections are cut over (parallel.tensor); data_parallel counts the groups."""
+    sequence_parallel: int = 1
+    """GPUs each sequence is cut over (parallel.sequence); data_parallel counts the groups. ZeRO partitions over
+    all of them (data_parallel x sequence_parallel); each keeps the activations of seq_len / N tokens."""
+
+    @property
+    def zero_ranks(self) -> int:
+        """The ranks ZeRO partitions model states over: every rank of the data-parallel groups."""
+        return self.data_parallel * self.sequence_parallel
+
+    @property
+    def local_tokens(self) -> int:
+        """Tokens of a micro batch one rank computes (a sequence-parallel rank: its slice of each sequence)."""
+        return self.micro_batch * self.seq_len // self.sequence_parallel
 
     @property
     def compiled(self) -> bool:
@@ -151,7 +164,7 @@ def largest_layer_parameters(model: ModelConfig, tensor_parallel: int = 1) -> in
 
 def model_state_terms(parameters: int, largest_layer: int, shape: MemoryShape) -> list[MemoryTerm]:
     """Parameters, gradients, fp32 master, Adam moments and the fp32 accumulation buffer per GPU (module doc)."""
-    P, D, stage, e = parameters, shape.data_parallel, shape.zero_stage, shape.compute_bytes
+    P, D, stage, e = parameters, shape.zero_ranks, shape.zero_stage, shape.compute_bytes
     mixed = shape.precision != "fp32"
     fp32_accum = shape.precision == "bf16" and shape.grad_accum_dtype == "fp32" and shape.grad_accum > 1
     offload = shape.offload_optimizer and stage >= 1
@@ -189,14 +202,14 @@ def model_state_terms(parameters: int, largest_layer: int, shape: MemoryShape) -
 def step_bytes(parameters: int, shape: MemoryShape) -> int:
     """What only the optimizer step allocates, after backward freed the activations: ZeRO-1's fp32 gradient partition."""
     mixed, offload = shape.precision != "fp32", shape.offload_optimizer
-    return int(4 * parameters / shape.data_parallel) if shape.zero_stage == 1 and mixed and not offload else 0
+    return int(4 * parameters / shape.zero_ranks) if shape.zero_stage == 1 and mixed and not offload else 0
 
 
 def bucket_bytes(parameters: int, shape: MemoryShape) -> int:
     """ZeRO's gradient reduction buffers (module doc); none with one rank, where nothing is reduced (measured
     on one GPU: the peak is whole without them)."""
     e = shape.compute_bytes
-    if shape.data_parallel * shape.tensor_parallel == 1:
+    if shape.zero_ranks * shape.tensor_parallel == 1:
         return 0
     if shape.zero_stage == 0:
         return min(STAGE0_ALLREDUCE_ELEMENTS, parameters) * e
@@ -220,9 +233,9 @@ def attention_activation_bytes(model: ModelConfig, tokens: int, e: int, gqa_kern
     if model.qk_norm:
         kept += (4 + e) * n * (q + kv_heads * head_dim) + 4 * n * (heads + kv_heads)
     if model.attention == "eager":
-        batch = n // seq_len
+        batch = n / seq_len  # sequence-parallel: a fraction, as each rank scores 1/N of the heads over all tokens
         # fp32 softmax and its model-dtype copy per head, the causal mask; a separate o_proj input, no log-sum-exp.
-        kept += (4 + e) * batch * heads * seq_len * seq_len + seq_len * seq_len + e * n * q - 4 * n * heads
+        kept += int((4 + e) * batch * heads * seq_len * seq_len) + seq_len * seq_len + e * n * q - 4 * n * heads
     return kept
 
 
@@ -244,7 +257,7 @@ def norm_activation_bytes(tokens: int, hidden: int, e: int, compiled: bool = Fal
 def block_activation_bytes(shape: MemoryShape, recompute: str) -> int:
     """One block's kept activations for a micro batch; a recomputed part keeps only its input."""
     model, e = shape.model, shape.compute_bytes
-    n = shape.micro_batch * shape.seq_len
+    n = shape.local_tokens
     block_input = e * n * model.hidden_size
     if recompute == "block":
         return block_input
@@ -263,7 +276,7 @@ def block_activation_bytes(shape: MemoryShape, recompute: str) -> int:
 def head_activation_bytes(shape: MemoryShape) -> int:
     """The final norm and what the loss keeps for backward (plain: fp32 log-probabilities; chunked: one float a token)."""
     model, e = shape.model, shape.compute_bytes
-    n = shape.micro_batch * shape.seq_len
+    n = shape.local_tokens
     kept = norm_activation_bytes(n, model.hidden_size, e)
     return kept + (4 * n if model.loss_chunk_tokens > 0 else 4 * n * model.vocab_size)
 
@@ -277,7 +290,7 @@ def activation_bytes(shape: MemoryShape) -> int:
 def transient_bytes(shape: MemoryShape) -> int:
     """The largest short-lived allocation on top of what is kept: the loss's, or a recomputed block's."""
     model, e = shape.model, shape.compute_bytes
-    n = shape.micro_batch * shape.seq_len
+    n = shape.local_tokens
     vocab, h = model.vocab_size, model.hidden_size
     if model.loss_chunk_tokens > 0:
         chunk = min(model.loss_chunk_tokens, n)
@@ -299,7 +312,9 @@ def estimate_memory(shape: MemoryShape) -> MemoryEstimate:
     estimate.terms.append(MemoryTerm("communication buckets", bucket_bytes(parameters, shape)))
     plan = checkpointing_plan(shape.checkpointing, shape.model.num_layers)
     estimate.terms.append(MemoryTerm("activations", activation_bytes(shape),
-                                     f"micro batch {shape.micro_batch} x {shape.seq_len} tokens, "
+                                     f"micro batch {shape.micro_batch} x {shape.seq_len} tokens"
+                                     + (f" / {shape.sequence_parallel} ranks" if shape.sequence_parallel > 1 else "")
+                                     + ", "
                                      f"checkpointing {shape.checkpointing} ({sum(1 for p in plan if p)} of "
                                      f"{len(plan)} blocks recompute)"))
     head = "chunked" if shape.model.loss_chunk_tokens > 0 else "whole fp32 logits"
@@ -327,6 +342,7 @@ def memory_shape(cfg: Any, data_parallel: int, gqa_kernel: bool = True) -> Memor
         checkpointing=str(ds.activation_checkpointing), reduce_bucket_size=ds.reduce_bucket_size,
         overlap_comm=ds.overlap_comm, gqa_kernel=gqa_kernel,
         tensor_parallel=parallel.tensor if parallel is not None else 1,
+        sequence_parallel=getattr(parallel, "sequence", 1) if parallel is not None else 1,
     )
 
 
@@ -385,6 +401,8 @@ def memory_problem(estimate: MemoryEstimate, capacity: int, global_batch: int, w
 
 
 def _tp_note(shape: MemoryShape) -> str:
+    if shape.sequence_parallel > 1:
+        return f" of sequence-parallel {shape.sequence_parallel}"
     return f" of tensor-parallel {shape.tensor_parallel}" if shape.tensor_parallel > 1 else ""
 
 
@@ -398,6 +416,7 @@ def format_memory(estimate: MemoryEstimate, capacity: int | None = None, where: 
     lines = [f"memory per GPU ({shape.precision}, ZeRO-{shape.zero_stage}"
              + (", optimizer offload" if shape.offload_optimizer else "") + (", param offload" if shape.offload_param else "")
              + (f", tensor-parallel {shape.tensor_parallel}" if shape.tensor_parallel > 1 else "")
+             + (f", sequence-parallel {shape.sequence_parallel}" if shape.sequence_parallel > 1 else "")
              + f", {shape.data_parallel} data-parallel ranks):"]
     for term in estimate.terms:
         if term.bytes or term.note:

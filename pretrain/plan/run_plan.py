@@ -62,10 +62,12 @@ def batch_line(run: RunPlan) -> str:
     """How the global batch splits over the GPUs: micro batch x grad accum x data-parallel ranks, each rank a
     tensor-parallel group of parallel.tensor GPUs (which all see the same samples)."""
     shape = run.memory.shape
-    dp, tp = shape.data_parallel, shape.tensor_parallel
+    dp, tp, sp = shape.data_parallel, shape.tensor_parallel, shape.sequence_parallel
     groups = f" (tensor-parallel {tp} x data-parallel {dp})" if tp > 1 else ""
+    if sp > 1:
+        groups = f" (sequence-parallel {sp} x data-parallel {dp}: {shape.seq_len // sp} tokens of each sequence a rank)"
     return (f"batch: global {run.plan.run.global_batch} = micro {shape.micro_batch} x grad accum {shape.grad_accum} "
-            f"x {dp} data-parallel rank(s), on {dp * tp} {run.hardware.device}(s){groups}")
+            f"x {dp} data-parallel rank(s), on {dp * tp * sp} {run.hardware.device}(s){groups}")
 
 
 def format_run_plan(run: RunPlan) -> str:

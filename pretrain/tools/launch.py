@@ -55,7 +55,7 @@ def preflight_plan(cfg, nproc: int, gpus: int) -> None:
                                 validation=cfg.data.validation)
     # On the CPU the ranks train in host memory: no GPU figure to check against.
     hardware = planned_hardware(cfg, ranks=nproc) if gpus else \
-        Hardware.cpu(nproc, cfg.parallel.tensor)
+        Hardware.cpu(nproc, cfg.parallel.tensor, cfg.parallel.sequence)
     raise_if_refused(run_plan(cfg, count_parameters(cfg.model), hardware, domains=train).plan)
 
 
