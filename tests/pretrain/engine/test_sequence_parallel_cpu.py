@@ -83,17 +83,19 @@ def test_sp2_resume_is_exact_and_resumes_as_data_parallel(runs):
     assert max(abs(got[s] - expected[s]) for s in range(16, STEPS + 1)) < 1e-5
 
 
-def test_zero3_document_masking_with_restarted_positions(tmp_path):
-    """ZeRO-3 (parameters gathered per layer, exchange inside), bf16-free fp32, document masking built from the
-    whole sequence and RoPE positions restarted per document, sliced per rank: as one rank computes it."""
+def test_zero3_data_parallel_document_masking_with_restarted_positions(tmp_path):
+    """4 ranks: 2 sequence-parallel groups of 2, each its own samples (data parallelism), ZeRO-3 (parameters
+    gathered per layer around the exchange), fp32, document masking built from the whole sequence and RoPE
+    positions restarted per document, sliced per rank: as one rank computes it."""
     corpus = write_tiny_corpus(tmp_path / "corpus")
     common = ["deepspeed=zero3", "deepspeed.precision=fp32", "train.max_steps=12", "checkpoint.interval=0",
               "train.eval_interval=0", "model.attention=document", "model.restart_positions=true"]
     losses = {}
-    for name, nproc, extra in (("one", 1, []), ("two", 2, ["parallel.sequence=2"])):
+    for name, nproc, extra in (("one", 1, []), ("two", 4, ["parallel.sequence=2"])):
         proc = run_training(tiny_overrides(corpus, tmp_path / name, *common, *extra), nproc=nproc, launcher="fork")
         assert proc.returncode == 0, proc.stdout[-6000:]
         losses[name] = train_losses(tmp_path / name / "cpu_tiny")
+    assert "sequence-parallel 2 x data-parallel 2" in proc.stdout
     assert sorted(losses["two"]) == list(range(1, 13))
     worst = max(abs(losses["one"][s] - losses["two"][s]) for s in losses["one"])
     assert worst < 1e-5, f"largest per-step loss difference {worst:.2e}"
