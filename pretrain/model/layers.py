@@ -136,10 +136,10 @@ class Attention(nn.Module):
         y = self.attend(q, k, v, mask)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
-    @torch.compiler.disable
     def _exchanged(self, q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
-        # Outside any compiled graph: the exchange is collectives inside an autograd.Function.
-        return self.exchange(q, k, v, 0, None, mask)
+        # Outside any compiled graph: the exchange is collectives inside an autograd.Function. (Disabled here, not
+        # by a decorator: that would import torch._dynamo with the model, for every run.)
+        return torch.compiler.disable(self.exchange)(q, k, v, 0, None, mask)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask=None) -> Tensor:
         """The attention kernel on [B, heads, T, head_dim] (K/V heads may be fewer): causal, or within documents."""

@@ -19,7 +19,7 @@ from pretrain.model.llama import Llama
 dist = init_distributed("cpu")
 ids = torch.randint(0, 512, (4, 65), generator=torch.Generator().manual_seed(1))
 found = {{}}
-for stage, precision in ((0, "fp32"), (1, "bf16"), (3, "fp32")):  # ZeRO 2 keeps ZeRO 1's partitions
+for stage, precision in ((0, "fp32"), (1, "bf16"), (2, "fp32"), (3, "fp32")):
     cfg = to_object(compose_config(["experiment=cpu_tiny", f"deepspeed.zero_stage={{stage}}",
                                     f"deepspeed.precision={{precision}}"]))
     torch.manual_seed(0)
@@ -49,6 +49,7 @@ finalize_distributed()
 
 def test_a_sound_state_passes_and_each_kind_of_damage_is_named_under_each_zero_layout():
     result = run_one_rank_script(CHECK.format(repo=str(REPO)))
+    assert sorted(result) == ["0", "1", "2", "3"]
     for stage, found in result.items():
         sound, weight, moment, second = found["said"]
         assert sound is None, (stage, sound)

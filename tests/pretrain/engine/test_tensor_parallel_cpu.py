@@ -79,6 +79,25 @@ def test_tp2_resume_is_exact(runs):
     assert (meta["world_size"], meta["tensor_parallel"]) == (2, 2)
 
 
+def test_tp2_checkpoints_record_every_rank_file_and_verify(runs, capsys):
+    """Checksums under tensor parallelism: every file each tensor-parallel rank wrote (its own model and optimizer
+    shards, mp_rank_01 included) is in the checkpoint's record, and `ayumi checkpoint verify` passes the run."""
+    from pretrain.checkpoint import integrity
+    from pretrain.tools.cli import main
+
+    run = runs["tp2"]
+    assert main(["checkpoint", "verify", str(run)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in out[1:-1]]
+    assert rows and all(row[-1] == "verified" for row in rows), out
+    for row in rows:
+        folder = run / row[0]
+        recorded = json.loads((folder / "ayumi.json").read_text())[integrity.RECORD_KEY]["files"]
+        on_disk = sorted(p.name for p in folder.iterdir() if p.name != "ayumi.json" and not p.name.startswith("."))
+        assert sorted(recorded) == on_disk, folder
+        assert {"mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"} <= set(recorded), sorted(recorded)
+
+
 def test_universal_checkpoint_moves_tp2_to_other_layouts(runs):
     """The step-15 checkpoint of parallel.tensor=2 (1 data-parallel rank) resumed through DeepSpeed's universal
     checkpoint: as tensor-parallel 2 x data-parallel 2 (4 ranks) to fp32 rounding (bit for bit on AVX-512), and
