@@ -23,6 +23,11 @@ if _worker:
     os.makedirs(_folder, exist_ok=True)
     os.environ["TMPDIR"] = _folder
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    # The tests that compute in the worker itself share the cores with the other workers (and their jobs' ranks,
+    # one thread each): more threads than that share only spin in OpenMP's barriers.
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, _workers)))
 
 # The files that take minutes go first, so that with several workers none of them starts last and leaves the
 # others idle (xdist hands out whole files in collection order). Measured in a sequential run, slowest first.
