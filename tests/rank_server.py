@@ -1,8 +1,9 @@
 """A fork server for the tests' training ranks: torch, DeepSpeed and ayumi imported once, each rank a fork.
 
 A 2-rank job started through torchrun costs about 16 CPU-seconds on the test machines whatever its length: the
-launcher and each rank import torch (3 s each), and the ranks DeepSpeed and ayumi (1.5 s more). With most of the
-suite made of short 2-rank jobs, that start-up was most of its time. This server imports it all once (per test
+launcher and each rank import torch (3 s each), and the ranks DeepSpeed and ayumi (1.5 s more), then torch's
+dynamo when the optimizer is built (2.5 s more). With most of the suite made of short 2-rank jobs, that start-up
+was most of its time. This server imports it all once (per test
 worker) and forks one process per rank, so a rank starts in milliseconds.
 
 A rank here is the product's own entry point (`pretrain.train.main`, or a test harness script) in a process of
