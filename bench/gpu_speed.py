@@ -253,8 +253,8 @@ def worker(args: argparse.Namespace) -> int:
     planned = estimate.peak_allocated
     result = {"micro_batch": micro, "checkpointing": policy, "seq_len": seq, "grad_accum": args.grad_accum,
               "tokens_per_s": tokens_per_s, "seconds": seconds, "step_seconds": step_times,
-              "warmup_seconds": warmup_times, "flops_per_token": trainer.flops_per_token, "peak_flops": peak,
-              "mfu": tokens_per_s * trainer.flops_per_token / peak if peak else None,
+              "warmup_seconds": warmup_times, "flops_per_token": trainer.figures.flops_per_token, "peak_flops": peak,
+              "mfu": tokens_per_s * trainer.figures.flops_per_token / peak if peak else None,
               "max_allocated": max_allocated, "planned_peak": planned, "allocated_at_rest": at_rest,
               "planned_model_states": estimate.model_states,
               "planned_terms": {t.name: t.bytes for t in estimate.terms}, "overrides": overrides,

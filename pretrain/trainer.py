@@ -25,7 +25,7 @@ from data.packed import PackedSamples
 from pretrain.checkpoint.checkpointer import Checkpointer, resharded_note
 from pretrain.checkpoint.ring import RunCheckpoints
 from pretrain.checkpoint.trust import Loaded, report
-from pretrain.config import AyumiConfig, advisable_settings, tokens_per_step
+from pretrain.config import AyumiConfig, advisable_settings
 from pretrain.engine.distributed import DistInfo, all_reduce_tensor, barrier, broadcast_object
 from pretrain.engine.optimizer import lr_at
 from pretrain.engine.train_engine import TrainEngine
@@ -37,7 +37,7 @@ from pretrain.job.signals import StopSignal
 from pretrain.loader import BatchLoader
 from pretrain.metrics import NullLogger, format_count
 from pretrain.model.documents import span_sum
-from pretrain.model.flops import flops_per_token, peak_flops
+from pretrain.progress import StepFigures, start_line, step_metrics
 from pretrain.stability.policy import Action, ring_checkpoints_to_delete
 from pretrain.skips import SkippedData
 from pretrain.stability.recovery import StabilityMonitor
@@ -102,12 +102,8 @@ class Trainer:
         self.run_meta = run_meta
         self.state = TrainState()
         self.domain_names = list(loader.source.domain_names)
-        self.tokens_per_step = tokens_per_step(cfg.train)
-        self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
-        self.model_cfg, self.seq_len = cfg.model, cfg.train.seq_len
-        # Under document masking the attention's FLOPs follow each step's documents (step_metrics).
-        self.document_end = cfg.model.document_end_id if cfg.model.attention == "document" else None
-        self.peak_flops = peak_flops(dist.device)
+        self.figures = StepFigures.of(cfg, dist)  # what the step's metrics derive from (pretrain/progress.py)
+        self.tokens_per_step = self.figures.tokens_per_step
         self.stop = StopSignal()
         self.mixer = loader.source if isinstance(loader.source, Mixer) else None
         self.skipped = SkippedData(Path(cfg.run_dir), loader, self.mixer, dist.is_main)
@@ -282,19 +278,8 @@ class Trainer:
         return self.evaluator.run(self.state.step, self.state.tokens)
 
     def announce(self) -> None:
-        cfg, dist = self.cfg, self.dist
-        layout = f" (tensor-parallel {dist.tensor_parallel} x data-parallel {dist.dp_size})" \
-            if dist.tensor_parallel > 1 else ""
-        if dist.sequence_parallel > 1:
-            layout = (f" (sequence-parallel {dist.sequence_parallel} x data-parallel {dist.dp_size}: "
-                      f"{cfg.train.seq_len // dist.sequence_parallel} tokens of each sequence a rank)")
-        self.logger.info(
-            f"run {cfg.name}: {format_count(cfg.train.tokens)} tokens = {self.total_steps} steps x "
-            f"{format_count(self.tokens_per_step)} tokens/step ({cfg.train.global_batch_size} x {cfg.train.seq_len}); "
-            f"{dist.world_size} rank(s) on {dist.device.type}{layout}, micro batch {cfg.train.micro_batch_size}, "
-            f"grad accum {self.engine.grad_accum} (summed in {self.engine.grad_accum_dtype}), "
-            f"ZeRO {cfg.deepspeed.zero_stage}, {cfg.deepspeed.precision}"
-        )
+        self.logger.info(start_line(self.cfg, self.dist, self.total_steps, self.figures, self.engine.grad_accum,
+                                    self.engine.grad_accum_dtype))
 
     # -- one step -------------------------------------------------------------------------------
     def begin_step(self, step: int) -> float:
@@ -354,8 +339,8 @@ class Trainer:
             sample_loss, domains = out.sample_loss.double(), batch.domains.to(device, non_blocking=True)
             sums[1:1 + num_domains].index_add_(0, domains, sample_loss)
             sums[1 + num_domains:1 + 2 * num_domains].index_add_(0, domains, torch.ones_like(sample_loss))
-            if self.document_end is not None:
-                sums[-2] += span_sum(batch.input_ids, self.document_end)
+            if self.figures.document_end is not None:  # the attention's FLOPs follow the documents
+                sums[-2] += span_sum(batch.input_ids, self.figures.document_end)
             if index == len(batches) - 1:
                 sums[-1] = 1.0 if self.stop.received is not None else 0.0
                 self.watchdog.beat(step, "all-reduce")
@@ -375,7 +360,9 @@ class Trainer:
         self.state.tokens += self.tokens_per_step
         self.state.wall_time += step_time
         self.state.skipped_steps += 0 if applied else 1
-        metrics = self.step_metrics(mean_loss, lr, result, step_time, reduced)
+        metrics = step_metrics(self.figures, mean_loss, lr, result, step_time, reduced, self.state.skipped_steps,
+                               self.state.tokens, self.domain_names, self.stability.metrics(self.state.step - 1),
+                               self.mixer.metrics() if self.mixer is not None else {})
         report = StepReport(step, self.state.step, self.state.tokens, own, applied, metrics)
         for hook in self.hooks:
             hook.after_step(report)
@@ -397,37 +384,6 @@ class Trainer:
         for event in events:
             self.log_stability_event(event)
         return applied, action
-
-    def step_metrics(self, loss: float, lr: float, result, step_time: float, reduced: torch.Tensor) -> dict[str, Any]:
-        """The step's metrics: loss (total and per domain), optimizer, throughput, stability, curriculum."""
-        tokens_per_s = self.tokens_per_step / step_time if step_time > 0 else 0.0
-        metrics: dict[str, Any] = {
-            "train/loss": loss if math.isfinite(loss) else float("nan"),
-            "opt/lr": lr,
-            "opt/grad_norm": result.grad_norm if result else None,
-            "opt/loss_scale": result.loss_scale if result else None,
-            "opt/skipped_steps": self.state.skipped_steps,
-            "perf/tokens_per_s": tokens_per_s,
-            "perf/step_time": step_time,
-            "tokens": self.state.tokens,
-        }
-        flops = self.flops_per_token
-        if self.document_end is not None:
-            # Every rank of a tensor- or sequence-parallel group added the same batch's spans.
-            span = float(reduced[-2]) / (self.tokens_per_step * self.dist.ranks_per_sample)
-            metrics["perf/attention_span"] = span
-            flops = flops_per_token(self.model_cfg, self.seq_len, span)
-        if self.peak_flops:
-            metrics["perf/mfu"] = tokens_per_s * flops / (self.peak_flops * self.dist.world_size)
-        metrics.update(self.stability.metrics(self.state.step - 1))
-        num_domains = len(self.domain_names)
-        counts = reduced[1 + num_domains:1 + 2 * num_domains]
-        for index, name in enumerate(self.domain_names):
-            if counts[index] > 0:
-                metrics[f"train/loss/{name}"] = float(reduced[1 + index] / counts[index])
-        if self.mixer is not None:
-            metrics.update(self.mixer.metrics())
-        return metrics
 
     def log_stability_event(self, event: dict[str, Any]) -> None:
         """Stability components count steps from 0 (step k runs on checkpoint k's weights); events and
