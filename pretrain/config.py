@@ -456,8 +456,8 @@ def data_parallel_size(parallel: ParallelConfig, world_size: int) -> int:
     ConfigError when the ranks do not form whole tensor- or sequence-parallel groups."""
     group = parallel.ranks_per_sample
     if group < 1 or world_size % group:
-        key, size = ("parallel.sequence", parallel.sequence) if parallel.sequence > 1 else ("parallel.tensor", parallel.tensor)
         kind = "sequence" if parallel.sequence > 1 else "tensor"
+        key, size = f"parallel.{kind}", getattr(parallel, kind)
         fits = [n for n in range(group, 8 * group + 1, group)][:4]
         raise ConfigError(f"{key}={size} must divide the {world_size} rank(s) of this job ({kind}-parallel "
                           f"groups of {group} ranks); start {', '.join(map(str, fits))} ... ranks, or choose a "

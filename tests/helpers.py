@@ -76,6 +76,19 @@ def run_whole_and_resumed(corpus: Path, tmp_path: Path, common: list[str], stop_
     return train_losses(tmp_path / "full" / "cpu_tiny"), train_losses(tmp_path / "split" / "cpu_tiny"), resumed
 
 
+def train_side_by_side(root: Path, common: list[str], runs: list[tuple[str, int, list[str]]]) -> dict:
+    """A tiny corpus under `root` and one cpu_tiny job per (name, ranks, extra overrides) on it, each in
+    root/name (forked ranks). Returns {"corpus", "root", name: its run dir, name + "_log": its output}."""
+    corpus = write_tiny_corpus(root / "corpus")
+    out = {"corpus": corpus, "root": root}
+    for name, nproc, extra in runs:
+        proc = run_training(tiny_overrides(corpus, root / name, *common, *extra), nproc=nproc, launcher="fork")
+        assert proc.returncode == 0, proc.stdout[-6000:]
+        out[name] = root / name / "cpu_tiny"
+        out[name + "_log"] = proc.stdout
+    return out
+
+
 def tiny_overrides(data_root: Path, run_root: Path, *extra: str) -> list[str]:
     """The cpu_tiny experiment on a test corpus, W&B off unless a test turns it on."""
     return ["experiment=cpu_tiny", f"data.root={data_root}", f"run_root={run_root}", "logging=none", *extra]

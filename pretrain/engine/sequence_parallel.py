@@ -23,7 +23,10 @@ def install_sequence_parallel(model: torch.nn.Module, group, rank: int, size: in
     for module in model.modules():
         if hasattr(module, "attend_tokens_major"):
             # scatter the heads (dim 2), gather the tokens (dim 1) of [batch, tokens, heads, head_dim]
-            module.exchange = DistributedAttention(module.attend_tokens_major, group, scatter_idx=2, gather_idx=1)
+            exchange = DistributedAttention(module.attend_tokens_major, group, scatter_idx=2, gather_idx=1)
+            # Outside any compiled graph (model.compile=blocks): collectives inside an autograd.Function. Wrapped
+            # here, once, rather than by a decorator in the model, which would import dynamo in every run.
+            module.exchange = torch.compiler.disable(exchange.forward)
             layers += 1
     if not layers:
         raise RuntimeError("parallel.sequence found no attention layer to exchange in the model")

@@ -131,15 +131,10 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.exchange is not None and self.training:
             # [B, T/N, heads, head_dim] out: this rank's tokens, every head (the kernel ran on all tokens).
-            y = self._exchanged(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
+            y = self.exchange(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0, None, mask)
             return self.o_proj(y.reshape(b, t, -1))
         y = self.attend(q, k, v, mask)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
-
-    def _exchanged(self, q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
-        # Outside any compiled graph: the exchange is collectives inside an autograd.Function. (Disabled here, not
-        # by a decorator: that would import torch._dynamo with the model, for every run.)
-        return torch.compiler.disable(self.exchange)(q, k, v, 0, None, mask)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask=None) -> Tensor:
         """The attention kernel on [B, heads, T, head_dim] (K/V heads may be fewer): causal, or within documents."""

@@ -84,7 +84,7 @@ def planned_hardware(cfg: Any, ranks: int | None = None) -> Hardware:
     planned (train.num_gpus=0, train.gpu_memory_gib=0), the plan is for what `ayumi train` starts here: CPU_RANKS
     CPU ranks, whose memory is not checked."""
     count, gpu_bytes, gpu_name = visible_gpus()
-    tp, sp = cfg.parallel.tensor, getattr(cfg.parallel, "sequence", 1)
+    tp, sp = cfg.parallel.tensor, cfg.parallel.sequence
     if not count and not cfg.train.num_gpus and cfg.train.gpu_memory_gib <= 0:
         return Hardware.cpu(ranks or CPU_RANKS, tp, sp)
     data_parallel = max(1, (ranks or cfg.train.num_gpus or count or 1) // (tp * sp))

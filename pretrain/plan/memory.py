@@ -342,7 +342,7 @@ def memory_shape(cfg: Any, data_parallel: int, gqa_kernel: bool = True) -> Memor
         checkpointing=str(ds.activation_checkpointing), reduce_bucket_size=ds.reduce_bucket_size,
         overlap_comm=ds.overlap_comm, gqa_kernel=gqa_kernel,
         tensor_parallel=parallel.tensor if parallel is not None else 1,
-        sequence_parallel=getattr(parallel, "sequence", 1) if parallel is not None else 1,
+        sequence_parallel=parallel.sequence if parallel is not None else 1,
     )
 
 

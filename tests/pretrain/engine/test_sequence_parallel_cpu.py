@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, cpu_env, read_jsonl, run_training, tiny_overrides, train_losses, write_tiny_corpus
+from tests.helpers import (
+    REPO, cpu_env, read_jsonl, run_training, tiny_overrides, train_losses, train_side_by_side, write_tiny_corpus,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -29,15 +31,8 @@ FP32_ZERO1 = ["deepspeed=zero1", "deepspeed.precision=fp32", f"train.max_steps={
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     """The reference (1 rank) and the parallel.sequence=2 run (2 ranks) of the same job, trained once."""
-    root = tmp_path_factory.mktemp("sp")
-    corpus = write_tiny_corpus(root / "corpus")
-    out = {"corpus": corpus, "root": root}
-    for name, nproc, extra in (("sp1", 1, []), ("sp2", 2, ["parallel.sequence=2"])):
-        proc = run_training(tiny_overrides(corpus, root / name, *FP32_ZERO1, *extra), nproc=nproc, launcher="fork")
-        assert proc.returncode == 0, proc.stdout[-6000:]
-        out[name] = root / name / "cpu_tiny"
-        out[name + "_log"] = proc.stdout
-    return out
+    return train_side_by_side(tmp_path_factory.mktemp("sp"), FP32_ZERO1,
+                              [("sp1", 1, []), ("sp2", 2, ["parallel.sequence=2"])])
 
 
 def test_sp2_losses_equal_sp1_for_30_steps(runs):

@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import REPO, cpu_env, read_jsonl, run_training, tiny_overrides, train_losses, write_tiny_corpus
+from tests.helpers import (
+    REPO, cpu_env, read_jsonl, run_training, tiny_overrides, train_losses, train_side_by_side,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -30,16 +32,8 @@ FP32_ZERO1 = ["deepspeed=zero1", "deepspeed.precision=fp32", f"train.max_steps={
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     """The reference (1 rank) and the parallel.tensor=2 run (2 ranks) of the same job, trained once."""
-    root = tmp_path_factory.mktemp("tp")
-    corpus = write_tiny_corpus(root / "corpus")
-    out = {"corpus": corpus, "root": root}
-    for name, nproc, extra in (("tp1", 1, []), ("tp2", 2, ["parallel.tensor=2"])):
-        proc = run_training(tiny_overrides(corpus, root / name, *FP32_ZERO1, *extra), nproc=nproc,
-                            launcher="fork")
-        assert proc.returncode == 0, proc.stdout[-6000:]
-        out[name] = root / name / "cpu_tiny"
-        out[name + "_log"] = proc.stdout
-    return out
+    return train_side_by_side(tmp_path_factory.mktemp("tp"), FP32_ZERO1,
+                              [("tp1", 1, []), ("tp2", 2, ["parallel.tensor=2"])])
 
 
 def records(run_dir: Path) -> list[dict]:
