@@ -76,6 +76,13 @@ def run_whole_and_resumed(corpus: Path, tmp_path: Path, common: list[str], stop_
     return train_losses(tmp_path / "full" / "cpu_tiny"), train_losses(tmp_path / "split" / "cpu_tiny"), resumed
 
 
+PARALLEL_COMPARISON_STEPS = 30
+PARALLEL_COMPARISON = ["deepspeed=zero1", "deepspeed.precision=fp32", f"train.max_steps={PARALLEL_COMPARISON_STEPS}",
+                       "checkpoint.interval=0", "train.eval_interval=0"]
+"""The job a parallel layout is compared on against one rank: fp32 (so differences are rounding only), ZeRO-1,
+evaluation at the end."""
+
+
 def train_side_by_side(root: Path, common: list[str], runs: list[tuple[str, int, list[str]]]) -> dict:
     """A tiny corpus under `root` and one cpu_tiny job per (name, ranks, extra overrides) on it, each in
     root/name (forked ranks). Returns {"corpus", "root", name: its run dir, name + "_log": its output}."""

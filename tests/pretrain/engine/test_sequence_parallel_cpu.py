@@ -17,15 +17,13 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import (
-    REPO, cpu_env, read_jsonl, run_training, tiny_overrides, train_losses, train_side_by_side, write_tiny_corpus,
+    REPO, cpu_env, read_jsonl, run_training, tiny_overrides, train_losses, train_side_by_side, PARALLEL_COMPARISON,
+    PARALLEL_COMPARISON_STEPS, write_tiny_corpus,
 )
 
 pytestmark = pytest.mark.slow
 
-STEPS = 30
-FP32_ZERO1 = ["deepspeed=zero1", "deepspeed.precision=fp32", f"train.max_steps={STEPS}", "checkpoint.interval=0",
-              "train.eval_interval=0"]
-"""The comparison job: fp32 (so differences are rounding only), ZeRO-1, evaluation at the end."""
+FP32_ZERO1, STEPS = PARALLEL_COMPARISON, PARALLEL_COMPARISON_STEPS
 
 
 @pytest.fixture(scope="module")
