@@ -10,16 +10,22 @@ checked against each mechanism's exact error bound (grad_accum_check.py).
 """
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import importlib.util
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
+from pretrain.engine.op_build import STALE_AFTER_S, last_change
 from tests.helpers import REPO, cpu_env, free_port, read_jsonl, run_one_rank_script, run_whole_and_resumed, write_tiny_corpus
 
 pytestmark = pytest.mark.slow
@@ -34,6 +40,10 @@ def test_each_stage_hands_the_optimizer_an_fp32_sum(tmp_path):
     CPU Adam is built into a folder of this test's own, where a killed build's lock is waiting (an
     hour old): the ranks remove it with one line and build, instead of waiting on it forever. A shared
     folder would also make the test depend on what earlier runs left there (a dead lock hung CI).
+    The build takes about 100 s of the test's 140 on 2 cores, so a finished build is kept for the next
+    run of this test in the same venv (`cpu_adam_build_cache`), and copied into the test's folder
+    before the dead lock is left there: torch still takes the lock and runs ninja, which finds the
+    objects up to date (or rebuilds, if DeepSpeed's sources changed).
 
     ZeRO 0-1 (ayumi sums in fp32, rounds once, DeepSpeed all-reduces in bf16): every element within
     2^-8 (|S_0| + |S_1|) of the exact mean. ZeRO 2-3 (DeepSpeed reduces each micro-batch in bf16 into
@@ -45,12 +55,16 @@ def test_each_stage_hands_the_optimizer_an_fp32_sum(tmp_path):
            "--master_port", str(free_port()), str(REPO / "tests" / "pretrain" / "engine" / "grad_accum_check.py"),
            str(tmp_path), setups]
     extensions = tmp_path / "torch_extensions"
+    cache = cpu_adam_build_cache()
+    if cache.is_dir() and time.time() - last_change(cache) > STALE_AFTER_S + 60:  # else it would look like a build now
+        shutil.copytree(cache, extensions / "cpu_adam")
     dead_lock = leave_a_dead_build_lock(extensions / "cpu_adam", age_s=3600)
     proc = subprocess.run(cmd, cwd=REPO, env=cpu_env(TORCH_EXTENSIONS_DIR=str(extensions)), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert f"removed {dead_lock}, the build lock of DeepSpeed's cpu_adam left by a build that was killed" in proc.stdout
     assert (extensions / "cpu_adam" / "cpu_adam.so").exists() and not dead_lock.exists()
+    keep_build(extensions / "cpu_adam", cache)
     results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert results[0] == results[1]  # the ranks agree on the gradient
     for setup in setups.split(","):
@@ -62,9 +76,29 @@ def test_each_stage_hands_the_optimizer_an_fp32_sum(tmp_path):
         assert fp32["rel_err"] < 0.8 * bf16["rel_err"], (setup, fp32, bf16)
 
 
+def cpu_adam_build_cache() -> Path:
+    """Where this venv's finished CPU Adam build is kept between runs of the test: one folder per DeepSpeed
+    install (its path and version) and torch version, since ninja's commands name the sources' paths."""
+    installed = importlib.util.find_spec("deepspeed").origin
+    key = f"{installed}|{importlib.metadata.version('deepspeed')}|{importlib.metadata.version('torch')}|{sys.version}"
+    return Path(tempfile.gettempdir()) / f"ayumi-tests-cpu-adam-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def keep_build(folder: Path, cache: Path) -> None:
+    """Copy a finished build to `cache` (whole or not at all: copied beside it, then renamed)."""
+    if cache.is_dir():
+        return
+    partial = cache.with_name(f"{cache.name}.{os.getpid()}.partial")
+    shutil.copytree(folder, partial)
+    try:
+        partial.rename(cache)
+    except OSError:  # another run kept its copy first
+        shutil.rmtree(partial, ignore_errors=True)
+
+
 def leave_a_dead_build_lock(folder: Path, age_s: float) -> Path:
     """What a build killed `age_s` ago leaves: torch's lock file in the op's folder, nothing since."""
-    folder.mkdir(parents=True)
+    folder.mkdir(parents=True, exist_ok=True)
     lock = folder / "lock"
     lock.touch()
     then = time.time() - age_s
