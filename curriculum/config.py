@@ -55,6 +55,21 @@ class Stage:
     """Domain -> most epochs of it the run may have consumed by the end of this stage (default: the curriculum's)."""
     lr: LRPolicy = field(default_factory=LRPolicy)
     """LR adjustment during this stage (re-warmup, scale, final anneal)."""
+    seq_len: int = 0
+    """Tokens per sample in this stage, for a short-to-long schedule; 0 = train.seq_len. A multiple of
+    train.seq_len (the shortest length of the run), with train.micro_batch_size a multiple of the ratio: the
+    stage's micro batch holds micro_batch_size x train.seq_len / seq_len samples, so the tokens per micro
+    batch, the grad accumulation and the tokens per step stay as they are. A stage whose length differs from
+    the one before begins on a step boundary (its budget is rounded up to whole steps)."""
+    min_document_tokens: dict[str, int] = field(default_factory=dict)
+    """Domain -> read only that domain's documents of at least this many tokens (their end-of-document
+    token included) in this stage, e.g. the long documents for a long-context stage. Such a domain is a
+    stream of its own (its own order and epochs), as is a domain at another seq_len."""
+    rope_theta: float = 0.0
+    """RoPE base during this stage and after, for a context extension (0 = the model's, model.rope_theta)."""
+    rope_scaling: dict[str, Any] = field(default_factory=dict)
+    """RoPE scaling during this stage and after, as model.rope_scaling's fields (e.g. {type: yarn, factor: 4,
+    original_max_seq_len: 8192}); empty = the model's."""
 
 
 @dataclass
@@ -152,6 +167,16 @@ def config_problems(cfg: CurriculumConfig, train_tokens: int | None = None,
                 problems.append(f"{where}.max_repetition.{domain}={limit} must be > 0")
         if stage.lr.scale <= 0 or stage.lr.rewarmup_steps < 0:
             problems.append(f"{where}.lr: scale must be > 0 and rewarmup_steps >= 0 (got {stage.lr})")
+        if stage.seq_len < 0:
+            problems.append(f"{where}.seq_len={stage.seq_len} must be >= 0 (0 = train.seq_len)")
+        if stage.rope_theta < 0:
+            problems.append(f"{where}.rope_theta={stage.rope_theta} must be >= 0 (0 = model.rope_theta)")
+        for domain, tokens in stage.min_document_tokens.items():
+            if int(tokens) < 1:
+                problems.append(f"{where}.min_document_tokens.{domain}={tokens} must be >= 1 (or leave the domain out)")
+            elif stage.weights.get(domain, 0) <= 0:
+                problems.append(f"{where}.min_document_tokens.{domain}: the stage does not read {domain} (give it a "
+                                "weight or drop the filter)")
     if known_domains is not None:
         known = list(known_domains)
         for index, stage in enumerate(cfg.stages):

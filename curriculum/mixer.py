@@ -35,7 +35,7 @@ import os
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -44,7 +44,7 @@ from curriculum.repetition import repetition_problems
 from curriculum.schedule import stage_lr, step_in_stage
 from data.manifest import write_json_atomic
 from data.packed import EpochPermutation, PackedSamples
-from curriculum.mixture import MixtureSchedule
+from curriculum.mixture import MixtureSchedule, Stream
 STATE_FORMAT = "ayumi-curriculum-mixer"
 STATE_VERSION = 1
 
@@ -89,47 +89,77 @@ def merge_ranges(ranges: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
 
 
 # -- the mixer ---------------------------------------------------------------------------------------
+OpenStream = Callable[[Stream], PackedSamples]
+"""Opens a domain at another sample shape (a stage's own seq_len or document filter): data/domains.py."""
+
+
 class Mixer:
-    """A `pretrain.loader.SampleSource` over a staged curriculum, with events, skips and resumable state."""
+    """A `pretrain.loader.SampleSource` over a staged curriculum, with events, skips and resumable state.
+
+    `domains` are the domains at train.seq_len; `open_stream` opens the other streams a stage reads
+    (curriculum/mixture.py: a stage with its own seq_len or `min_document_tokens`)."""
 
     def __init__(self, cfg: CurriculumConfig, domains: Mapping[str, PackedSamples], seq_len: int,
-                 global_batch: int, seed: int):
+                 global_batch: int, seed: int, open_stream: OpenStream | None = None):
         validate(cfg, known_domains=list(domains))
         names = domains_used(cfg)
-        empty = [name for name in names if len(domains[name]) == 0]
-        if empty:
-            raise CurriculumError(
-                f"curriculum {cfg.name!r} uses domain(s) {', '.join(empty)} that hold no complete sample of "
-                f"{seq_len + 1} tokens; prepare more data or drop them from the stages"
-            )
-        for name in names:
-            if domains[name].seq_len != seq_len:
-                raise CurriculumError(f"domain {name!r} was cut at seq_len {domains[name].seq_len}, the mixer uses {seq_len}")
         self.cfg = cfg
         self.seq_len = seq_len
         self.global_batch = global_batch
         self.seed = seed
-        self.schedule = MixtureSchedule(cfg, seq_len, names)
+        self.schedule = MixtureSchedule(cfg, seq_len, names, global_batch)
         self.domain_names = names
-        self.domain_samples = {name: len(domains[name]) for name in names}
+        self.streams = self.schedule.streams
+        self._samples = [self._open(stream, domains, open_stream) for stream in self.streams]
+        empty = [stream.name for stream, samples in zip(self.streams, self._samples) if len(samples) == 0]
+        if empty:
+            raise CurriculumError(
+                f"curriculum {cfg.name!r} reads {', '.join(empty)}, which hold(s) no complete sample (of "
+                f"seq_len + 1 tokens, from the documents it admits); prepare more data or drop them from the stages"
+            )
+        self.domain_samples = {stream.name: len(samples) for stream, samples in zip(self.streams, self._samples)}
         problems = repetition_problems(cfg, self.schedule, self.domain_samples)
         if problems:
             raise CurriculumError(f"curriculum {cfg.name!r} cannot be served:\n  " + "\n  ".join(problems))
-        self._samples = [domains[name] for name in names]
-        self._orders = [EpochPermutation(len(domains[name]), domain_seed(seed, name)) for name in names]
-        self._sizes = np.array([len(domains[name]) for name in names], dtype=np.int64)
+        self._orders = [EpochPermutation(len(samples), domain_seed(seed, stream.name))
+                        for stream, samples in zip(self.streams, self._samples)]
+        self._sizes = np.array([len(samples) for samples in self._samples], dtype=np.int64)
+        self._stream_domain = self.schedule.stream_domain
         self.position = 0
         self.skips: list[tuple[int, int]] = []
 
+    @staticmethod
+    def _open(stream: Stream, domains: Mapping[str, PackedSamples], open_stream: OpenStream | None) -> PackedSamples:
+        if stream.base:
+            samples = domains[stream.domain]
+        elif open_stream is None:
+            raise CurriculumError(f"stream {stream.name!r} (domain {stream.domain!r} at seq_len {stream.seq_len}"
+                                  f"{', documents of ' + str(stream.min_document_tokens) + '+ tokens' if stream.min_document_tokens else ''}) "
+                                  "needs its data opened at that shape, and this mixer was given no opener")
+        else:
+            samples = open_stream(stream)
+        if samples.seq_len != stream.seq_len:
+            raise CurriculumError(f"domain {stream.domain!r} was cut at seq_len {samples.seq_len}, "
+                                  f"the stream {stream.name!r} needs {stream.seq_len}")
+        return samples
+
     # -- the stream (SampleSource) ------------------------------------------------------------------
     def get(self, global_index: int) -> tuple[np.ndarray, int]:
-        """Sample `global_index`: (seq_len + 1 tokens, domain index); a pure function of the index."""
-        domain, cursor = self.schedule.locate(global_index)
-        _, sample = self._orders[domain](cursor)
-        return self._samples[domain].sample(sample), domain
+        """Sample `global_index`: (its stage's seq_len + 1 tokens, domain index); a pure function of the index."""
+        stream, cursor = self.schedule.locate(global_index)
+        _, sample = self._orders[stream](cursor)
+        return self._samples[stream].sample(sample), self._stream_domain[stream]
+
+    def sample_slots(self, global_index: int) -> int:
+        """Global indices one sample spans at `global_index`: its stage's seq_len / train.seq_len."""
+        return self.schedule.factors[self.schedule.stage_of(global_index)]
+
+    def seq_len_at(self, global_index: int) -> int:
+        """Tokens per sample of the stage holding `global_index`."""
+        return self.schedule.stage_seq_lens[self.schedule.stage_of(global_index)]
 
     def sample_ids(self, first: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(domain, epoch, sample id within the domain) of samples [first, first + count), vectorised."""
+        """(stream, epoch, sample id within the stream) of slots [first, first + count), vectorised."""
         domains, cursors = self.schedule.locate_many(first, count)
         epochs = cursors // self._sizes[domains]
         ids = np.empty(count, dtype=np.int64)
@@ -158,7 +188,7 @@ class Mixer:
         return stage_lr(scheduled_lr, min_lr, self.cfg.stages[index].lr, step, steps)
 
     def trained_samples(self, position: int | None = None) -> np.ndarray:
-        """Per-domain samples trained on before `position`: consumed minus skipped."""
+        """Per-stream samples trained on before `position`: consumed minus skipped."""
         position = self.position if position is None else position
         picks = self.schedule.picks_before(position)
         for start, stop in self.skips:
@@ -170,8 +200,11 @@ class Mixer:
     def metrics(self) -> dict[str, Any]:
         """`curriculum/stage` (1-based) and `curriculum/tokens/<domain>` (trained tokens) at the current position."""
         out: dict[str, Any] = {"curriculum/stage": self.stage_index() + 1}
-        for name, samples in zip(self.domain_names, self.trained_samples().tolist()):
-            out[f"curriculum/tokens/{name}"] = samples * self.seq_len
+        tokens = dict.fromkeys(self.domain_names, 0)
+        for stream, samples in zip(self.streams, self.trained_samples().tolist()):
+            tokens[stream.domain] += samples * stream.seq_len
+        for name, count in tokens.items():
+            out[f"curriculum/tokens/{name}"] = count
         return out
 
     # -- advancing, skipping ------------------------------------------------------------------------
@@ -214,24 +247,27 @@ class Mixer:
                 continue
             stage = stages[index]
             mixture = ", ".join(f"{name} {weight:g}" for name, weight in stage.weights.items() if weight > 0)
+            length = self.schedule.stage_seq_lens[index]
+            shape = f" at seq_len {length}" if length != self.seq_len or stage.seq_len else ""
             events.append(CurriculumEvent(
                 "stage_switch", start,
                 f"stage {index + 1}/{len(stages)} {stage.name!r} begins at sample {start:,} "
-                f"({start * self.seq_len:,} tokens): {stage.tokens:,} tokens of {mixture}",
-                {"stage": index + 1, "stage_name": stage.name, "sample": start},
+                f"({start * self.seq_len:,} tokens): {stage.tokens:,} tokens of {mixture}{shape}",
+                {"stage": index + 1, "stage_name": stage.name, "sample": start, "seq_len": length},
             ))
         return events
 
     def _repetition_events(self, old: int, new: int) -> list[CurriculumEvent]:
         before, after = self.schedule.picks_before(old), self.schedule.picks_before(new)
         events = []
-        for d, name in enumerate(self.domain_names):
+        for d, stream in enumerate(self.streams):
+            name = stream.name
             size = int(self._sizes[d])
             epochs_before, epochs_after = -(-int(before[d]) // size), -(-int(after[d]) // size)
             for epoch in range(max(epochs_before, 1), epochs_after):  # epoch e (0-based) begins: e-th repetition
                 where = self._first_sample_with_picks(d, epoch * size + 1, old, new)
                 stage = self.schedule.stage_of(where)
-                limit = max_repetition(self.cfg, self.cfg.stages[stage], name)
+                limit = max_repetition(self.cfg, self.cfg.stages[stage], stream.domain)
                 events.append(CurriculumEvent(
                     "domain_repetition", where,
                     f"domain {name!r} ran out of unseen data ({size:,} samples) and starts epoch {epoch + 1} "
@@ -261,7 +297,7 @@ class Mixer:
                 "name": stage.name,
                 "start": self.schedule.starts[index],
                 "end": self.schedule.ends[index],
-                "seats": {name: int(n) for name, n in zip(self.domain_names, self.counts_of(index)) if n},
+                "seats": {name: int(n) for name, n in zip(self.schedule.stream_names, self.counts_of(index)) if n},
             })
         return out
 

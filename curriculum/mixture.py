@@ -6,19 +6,64 @@ rule, so the domain of any position is a table lookup and every prefix of a peri
 per domain of its exact share. Cursors persist across stages. No data is read here: the mixer
 (`curriculum/mixer.py`) turns cursors into samples, and the plan and the repetition checks use the same schedule.
 
+The columns of the schedule are streams: a domain read at one sample shape (seq_len, and the shortest
+document it admits). A curriculum whose stages all read at train.seq_len has one stream per domain, named as
+the domain; a stage at another seq_len, or with `min_document_tokens`, reads a stream of its own (its own
+order, cursor and epochs), which later stages of the same shape continue. Global indices count slots of
+train.seq_len tokens; a stage at L' = f x train.seq_len trains one sample per f slots.
+
 May import: `curriculum.config`, `curriculum.schedule`, numpy.
 """
 from __future__ import annotations
 
 import bisect
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
-from curriculum.config import CurriculumConfig, CurriculumError, domains_used
-from curriculum.schedule import stage_at_sample, stage_ends, stage_starts
+from curriculum.config import CurriculumConfig, CurriculumError, Stage, domains_used
+from curriculum.schedule import stage_at_sample, stage_ends, stage_seq_lens, stage_starts
 
 PERIOD = 10_000
+
+
+# -- streams: a domain at one sample shape ---------------------------------------------------------
+@dataclass(frozen=True)
+class Stream:
+    """One domain read at one sample shape; `base` streams (train.seq_len, no filter) are named as the domain."""
+
+    domain: str
+    seq_len: int
+    min_document_tokens: int = 0
+    base: bool = True
+
+    @property
+    def name(self) -> str:
+        if self.base:
+            return self.domain
+        return self.domain + (f"@{self.seq_len}" if self.seq_len else "") + (
+            f"/min{self.min_document_tokens}" if self.min_document_tokens else "")
+
+
+def stage_stream(stage: Stage, domain: str, seq_len: int) -> Stream:
+    """The stream `stage` reads `domain` from, given the run's seq_len."""
+    length = int(stage.seq_len) or seq_len
+    shortest = int(stage.min_document_tokens.get(domain, 0))
+    return Stream(domain, length, shortest, base=length == seq_len and shortest == 0)
+
+
+def streams_of(cfg: CurriculumConfig, seq_len: int, domain_names: Sequence[str]) -> list[Stream]:
+    """The schedule's columns: one per domain while every stage reads at train.seq_len unfiltered (in
+    `domain_names` order), else each stream in order of first use."""
+    used = [stage_stream(stage, name, seq_len) for stage in cfg.stages for name, w in stage.weights.items() if w > 0]
+    if all(stream.base for stream in used):
+        return [Stream(name, seq_len) for name in domain_names]
+    out: list[Stream] = []
+    for stream in used:
+        if stream not in out:
+            out.append(stream)
+    return out
 
 
 # -- one stage's interleave ------------------------------------------------------------------------
@@ -60,23 +105,38 @@ def interleave(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 class MixtureSchedule:
     """Global sample -> (stage, domain, domain cursor), from the curriculum alone (no data)."""
 
-    def __init__(self, cfg: CurriculumConfig, seq_len: int, domain_names: Sequence[str] | None = None):
+    def __init__(self, cfg: CurriculumConfig, seq_len: int, domain_names: Sequence[str] | None = None,
+                 global_batch: int = 1):
         if not cfg.stages:
             raise CurriculumError("a mixture needs at least one stage (an empty curriculum means ShuffledDomains)")
         if seq_len < 1:
             raise CurriculumError(f"seq_len must be >= 1, got {seq_len}")
         self.cfg = cfg
         self.seq_len = seq_len
+        self.global_batch = global_batch
         self.domain_names = list(domain_names if domain_names is not None else domains_used(cfg))
-        self.starts = stage_starts(cfg.stages, seq_len)
-        self.ends = stage_ends(cfg.stages, seq_len)
-        num_domains = len(self.domain_names)
+        self.stage_seq_lens = stage_seq_lens(cfg.stages, seq_len)
+        shape_problems = stage_length_problems(cfg, seq_len, global_batch)
+        if shape_problems:
+            raise CurriculumError(f"curriculum {cfg.name!r} is invalid:\n  " + "\n  ".join(shape_problems))
+        self.factors = [length // seq_len for length in self.stage_seq_lens]
+        """Slots (global indices) per sample of each stage: its seq_len / train.seq_len."""
+        self.starts = stage_starts(cfg.stages, seq_len, global_batch)
+        self.ends = stage_ends(cfg.stages, seq_len, global_batch)
+        self.streams = streams_of(cfg, seq_len, self.domain_names)
+        self.stream_names = [stream.name for stream in self.streams]
+        self.stream_domain = [self.domain_names.index(stream.domain) for stream in self.streams]
+        """Domain index (into domain_names) of each stream."""
+        num_domains = len(self.streams)  # the columns are streams (one per domain in the usual case)
         self.counts = np.zeros((len(cfg.stages), num_domains), dtype=np.int64)
-        self._domain = []  # per stage: [PERIOD] int16 domain of each position
-        self._seat = []    # per stage: [PERIOD] int32 seat number (rank of the position among its domain's)
-        self._prefix = []  # per stage: [PERIOD + 1, domains] picks of each domain before each position
+        self._domain = []  # per stage: [PERIOD] int16 stream of each position
+        self._seat = []    # per stage: [PERIOD] int32 seat number (rank of the position among its stream's)
+        self._prefix = []  # per stage: [PERIOD + 1, streams] picks of each stream before each position
         for index, stage in enumerate(cfg.stages):
-            weights = [float(stage.weights.get(name, 0.0)) for name in self.domain_names]
+            weights = [0.0] * num_domains
+            for name, weight in stage.weights.items():
+                if weight > 0:
+                    weights[self.streams.index(stage_stream(stage, name, seq_len))] = float(weight)
             self.counts[index] = period_counts(weights)
             domain, seat = interleave(self.counts[index])
             prefix = np.zeros((PERIOD + 1, num_domains), dtype=np.int64)
@@ -103,8 +163,8 @@ class MixtureSchedule:
         return stage_at_sample(self.starts, sample)
 
     def _picks_in_stage(self, stage: int, length: int) -> np.ndarray:
-        """Per-domain picks among the first `length` samples of `stage`."""
-        full, rest = divmod(int(length), PERIOD)
+        """Per-stream picks among the samples of `stage` that begin in its first `length` slots."""
+        full, rest = divmod(-(-int(length) // self.factors[stage]), PERIOD)
         return full * self.counts[stage] + self._prefix[stage][rest]
 
     def picks_before(self, position: int) -> np.ndarray:
@@ -125,19 +185,20 @@ class MixtureSchedule:
             return None
         full, rest = divmod(room, per_period)
         within = int(np.searchsorted(self._prefix[stage][:, domain], rest, side="right")) - 1
-        return full * PERIOD + within
+        return (full * PERIOD + within) * self.factors[stage]
 
     def locate(self, sample: int) -> tuple[int, int]:
-        """(domain index, cursor in that domain's stream) of global sample `sample`."""
+        """(stream index, cursor in that stream) of global sample `sample` (a slot: the sample beginning
+        there, or, in a stage of longer samples, the one holding it)."""
         stage = bisect.bisect_right(self.starts, sample) - 1
-        full, offset = divmod(sample - self.starts[stage], PERIOD)
+        full, offset = divmod((sample - self.starts[stage]) // self.factors[stage], PERIOD)
         domain = self._domain_list[stage][offset]
         cursor = (self._cursor_start_list[stage][domain] + full * self._counts_list[stage][domain]
                   + self._seat_list[stage][offset])
         return domain, cursor
 
     def locate_many(self, first: int, count: int) -> tuple[np.ndarray, np.ndarray]:
-        """`locate` for samples [first, first + count), vectorised: (domains int16, cursors int64)."""
+        """`locate` for slots [first, first + count), vectorised: (streams int16, cursors int64)."""
         domains = np.empty(count, dtype=np.int16)
         cursors = np.empty(count, dtype=np.int64)
         stop = first + count
@@ -147,6 +208,7 @@ class MixtureSchedule:
             end = stop if stage + 1 >= self.num_stages else min(stop, max(self.starts[stage + 1], position))
             if end > position:
                 offsets = np.arange(position - self.starts[stage], end - self.starts[stage], dtype=np.int64)
+                offsets //= self.factors[stage]  # the slots of one longer sample name that sample
                 full, offsets = np.divmod(offsets, PERIOD)
                 d = self._domain[stage][offsets]
                 out = slice(position - first, end - first)
@@ -157,10 +219,25 @@ class MixtureSchedule:
         return domains, cursors
 
     def stage_picks(self, run_samples: int | None = None) -> np.ndarray:
-        """[stages, domains] samples each stage takes from each domain (the last stage up to `run_samples`)."""
+        """[stages, streams] samples each stage takes from each stream (the last stage up to `run_samples`)."""
         out = np.zeros_like(self.counts)
         for index in range(self.num_stages):
             start = self.starts[index]
             end = self.ends[index] if index + 1 < self.num_stages or run_samples is None else max(run_samples, start)
             out[index] = self._picks_in_stage(index, end - start)
         return out
+
+
+def stage_length_problems(cfg: CurriculumConfig, seq_len: int, global_batch: int) -> list[str]:
+    """Stage seq_lens the slot index cannot express: not a multiple of train.seq_len, or not fitting a step."""
+    problems = []
+    for index, (stage, length) in enumerate(zip(cfg.stages, stage_seq_lens(cfg.stages, seq_len))):
+        where = f"curriculum.stages.{index}.seq_len={length}"
+        if length % seq_len:
+            problems.append(f"{where} is not a multiple of train.seq_len={seq_len}: set train.seq_len to the run's "
+                            "shortest length (each stage's seq_len a multiple of it)")
+        elif global_batch % (length // seq_len):
+            problems.append(f"{where}: one step of {global_batch} samples of train.seq_len={seq_len} does not "
+                            f"divide into samples of {length} tokens; make train.global_batch_size a multiple of "
+                            f"{length // seq_len}")
+    return problems

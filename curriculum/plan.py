@@ -31,9 +31,9 @@ from typing import Any, Mapping
 
 from curriculum.config import CurriculumConfig, CurriculumError, config_problems, domains_used, enabled, max_repetition
 from curriculum.declared import register_curriculum_domains
-from curriculum.mixture import MixtureSchedule
+from curriculum.mixture import MixtureSchedule, stage_stream, streams_of
 from curriculum.repetition import repetition_problems, shuffled_epochs, shuffled_repetition_problems
-from data.domains import open_run_data
+from data.domains import open_run_data, stream_opener
 from data.manifest import ManifestError
 from data.packed import PackedSamples
 from data.shards import ShardFormatError, TokenizerMismatchError
@@ -160,6 +160,8 @@ class StageRow:
     end_sample: int
     steps: float
     """Optimizer steps the stage spans (fractional: a boundary may fall inside a step)."""
+    seq_len: int = 0
+    """Tokens per sample in the stage (its own seq_len, else train.seq_len)."""
 
 
 @dataclass
@@ -348,30 +350,41 @@ def _fill_stage_rows(plan: Plan, cfg: CurriculumConfig, run: RunShape, domain_to
                      domain_samples: Mapping[str, int] | None) -> None:
     """Stage rows always; stage x domain rows and the repetition check when the data could be counted."""
     names = domains_used(cfg)
-    schedule = MixtureSchedule(cfg, run.seq_len, names)
+    try:
+        schedule = MixtureSchedule(cfg, run.seq_len, names, run.global_batch)
+    except CurriculumError as err:
+        plan.problems.append(PlanProblem("config", str(err)))
+        return
     for index, stage in enumerate(cfg.stages):
         first = schedule.starts[index]
         end = schedule.ends[index] if index + 1 < len(cfg.stages) else max(run.total_samples, first)
-        plan.stages.append(StageRow(stage.name, stage.tokens, first, end, (end - first) / run.global_batch))
+        plan.stages.append(StageRow(stage.name, stage.tokens, first, end, (end - first) / run.global_batch,
+                                    schedule.stage_seq_lens[index]))
     if domain_samples is None:
         return
-    empty = [name for name in names if domain_samples.get(name, 0) == 0]
+    # Counted per stream: a domain at a stage's own seq_len or document filter is a stream of its own.
+    empty = [name for name in schedule.stream_names if domain_samples.get(name, 0) == 0]
     if empty:
-        plan.problems.append(PlanProblem("data", f"domain(s) {', '.join(empty)} hold no complete sample of "
-                                                 f"{run.seq_len + 1} tokens: prepare data for them or drop them"))
+        plan.problems.append(PlanProblem("data", f"{', '.join(empty)} hold(s) no complete sample (of seq_len + 1 "
+                                                 "tokens, from the documents admitted): prepare data for them or "
+                                                 "drop them"))
         return
     picks = schedule.stage_picks(run.total_samples)
     cumulative = picks.cumsum(axis=0)
     for index, stage in enumerate(cfg.stages):
         total_weight = sum(w for w in stage.weights.values() if w > 0)
-        for d, name in enumerate(names):
+        for name in names:
             weight = stage.weights.get(name, 0.0)
             if weight <= 0:
                 continue
+            stream = stage_stream(stage, name, run.seq_len)
+            d = schedule.streams.index(stream)
             plan.domains.append(DomainRow(
-                stage=index, domain=name, weight=weight / total_weight, tokens=int(picks[index, d]) * run.seq_len,
-                available_tokens=int((domain_tokens or {}).get(name, 0)),
-                epochs=int(cumulative[index, d]) / domain_samples[name], max_epochs=max_repetition(cfg, stage, name),
+                stage=index, domain=stream.name, weight=weight / total_weight,
+                tokens=int(picks[index, d]) * stream.seq_len,
+                available_tokens=int((domain_tokens or {}).get(stream.name, 0)),
+                epochs=int(cumulative[index, d]) / domain_samples[stream.name],
+                max_epochs=max_repetition(cfg, stage, name),
             ))
     plan.problems += [PlanProblem("repetition", p)
                       for p in repetition_problems(cfg, schedule, domain_samples, run.total_samples, run.global_batch)]
@@ -447,7 +460,27 @@ def plan_from_config(cfg: Any, num_parameters: int, tokens_per_s: float | None =
             return plan
     if not enabled(curriculum) and getattr(cfg.data, "domains", None):
         counts = {name: n for name, n in counts.items() if name in cfg.data.domains}
+    if enabled(curriculum):
+        try:
+            more_tokens, more_counts = stream_sizes(curriculum, cfg.data.root, train.seq_len)
+        except DATA_ERRORS as err:
+            plan = make_plan(curriculum, run, None, None, shape, tokens_per_s, free_bytes)
+            plan.problems.insert(0, PlanProblem("data", f"{err} (per-domain availability and repetition are unchecked)"))
+            return plan
+        tokens, counts = {**tokens, **more_tokens}, {**counts, **more_counts}
     return make_plan(curriculum, run, tokens, counts, shape, tokens_per_s, free_bytes)
+
+
+def stream_sizes(curriculum: CurriculumConfig, data_root: str | os.PathLike,
+                 seq_len: int) -> tuple[dict[str, int], dict[str, int]]:
+    """(tokens, samples) of each stream a stage reads at its own seq_len or document filter (none when every
+    stage reads at train.seq_len), by stream name."""
+    streams = [stream for stream in streams_of(curriculum, seq_len, domains_used(curriculum)) if not stream.base]
+    if not streams:
+        return {}, {}
+    opened = {stream.name: stream_opener(data_root)(stream) for stream in streams}
+    return ({name: samples.num_tokens for name, samples in opened.items()},
+            {name: len(samples) for name, samples in opened.items()})
 
 
 # -- printing ----------------------------------------------------------------------------------------
@@ -487,8 +520,10 @@ def format_plan(plan: Plan, sections: list[str] = ()) -> str:
         header = f"{'stage':<22} {'domain':<12} {'weight':>7} {'requested':>10} {'available':>10} {'epochs':>7} {'max':>6}  status"
         lines += [header, "-" * len(header)]
         for index, stage in enumerate(plan.stages):
+            length = f", seq_len {stage.seq_len}" if stage.seq_len and stage.seq_len != run.seq_len else ""
             lines.append(f"{index + 1} {stage.name:<20} {'':<12} {'':>7} {human_count(stage.tokens):>10} "
-                         f"{'':>10} {'':>7} {'':>6}  {stage.steps:,.1f} steps, samples [{stage.first_sample:,}, {stage.end_sample:,})")
+                         f"{'':>10} {'':>7} {'':>6}  {stage.steps:,.1f} steps, samples [{stage.first_sample:,}, "
+                         f"{stage.end_sample:,}){length}")
             for row in (r for r in plan.domains if r.stage == index):
                 lines.append(f"{'':<22} {row.domain:<12} {row.weight:>7.3f} {human_count(row.tokens):>10} "
                              f"{human_count(row.available_tokens):>10} {row.epochs:>6.2f}x {_limit(row.max_epochs):>6}  "

@@ -83,15 +83,15 @@ def repetition_problems(cfg: CurriculumConfig, schedule: MixtureSchedule, domain
     problems = []
     cumulative = np.cumsum(schedule.stage_picks(run_samples), axis=0)
     for index, stage in enumerate(cfg.stages):
-        for d, name in enumerate(schedule.domain_names):
-            available = int(domain_samples.get(name, 0))
+        for d, stream in enumerate(schedule.streams):  # a domain at another seq_len or filter is read apart
+            available = int(domain_samples.get(stream.name, 0))
             picks = int(cumulative[index, d])
             if picks == 0:
                 continue
-            limit = max_repetition(cfg, stage, name)
+            limit = max_repetition(cfg, stage, stream.domain)
             epochs = picks / available if available else math.inf
             if epochs > limit:
-                problems.append(_stage_problem(cfg, schedule, index, d, name, epochs, limit, picks, available,
+                problems.append(_stage_problem(cfg, schedule, index, d, stream.name, epochs, limit, picks, available,
                                                run_samples, global_batch))
     return problems
 
@@ -100,9 +100,10 @@ def _stage_problem(cfg: CurriculumConfig, schedule: MixtureSchedule, index: int,
                    limit: float, picks: int, available: int, run_samples: int | None,
                    global_batch: int | None) -> str:
     stage = cfg.stages[index]
-    own = f"curriculum.stages.{index}.max_repetition.{name}"
+    domain = schedule.streams[d].domain
+    own = f"curriculum.stages.{index}.max_repetition.{domain}"
     set_to = limit_to_set(epochs)
-    if name in stage.max_repetition:
+    if domain in stage.max_repetition:
         limit_field, raise_limit = own, f"{own}={set_to}"
     else:  # a key the stage does not have yet: Hydra adds it with '+'
         limit_field = DEFAULT_LIMIT_FIELD

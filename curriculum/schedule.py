@@ -9,6 +9,10 @@ for a step: a step whose global batch straddles it trains on both stages' sample
 
 Past the last budget (the final step overshooting train.tokens, or skipped batches extending the
 run) the last stage continues with the same mixture.
+
+A stage with its own, longer seq_len L' (a short-to-long schedule) keeps the index in L-token slots:
+each of its samples spans L' / L consecutive indices, so positions, skips and step boundaries mean the
+same in every stage, and the stage boundaries are rounded as `stage_starts` says.
 """
 from __future__ import annotations
 
@@ -35,14 +39,36 @@ def stage_at(stages: Sequence[Stage], tokens: int) -> tuple[int, Stage]:
     return index, stages[index]
 
 
-def stage_starts(stages: Sequence[Stage], seq_len: int) -> list[int]:
-    """First global sample of each stage (see the module doc for the rounding)."""
-    return [0] + [-(-cum // seq_len) for cum in cumulative_tokens(stages)[:-1]]
+def stage_seq_lens(stages: Sequence[Stage], seq_len: int) -> list[int]:
+    """Tokens per sample of each stage: its own `seq_len`, else the run's."""
+    return [int(stage.seq_len) or seq_len for stage in stages]
 
 
-def stage_ends(stages: Sequence[Stage], seq_len: int) -> list[int]:
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def stage_starts(stages: Sequence[Stage], seq_len: int, global_batch: int = 1) -> list[int]:
+    """First global sample of each stage (see the module doc for the rounding).
+
+    A stage with a longer seq_len L' spans L' / L global samples per sample it trains (the global index
+    counts L-token slots, L = the run's seq_len), so it starts on a multiple of L' / L; a stage whose length
+    differs from the one before starts on a step (a multiple of `global_batch`), since one step's batch
+    holds samples of one length.
+    """
+    lengths = stage_seq_lens(stages, seq_len)
+    starts = [0]
+    for index, cum in enumerate(cumulative_tokens(stages)[:-1]):
+        following = index + 1
+        align = global_batch if lengths[following] != lengths[index] else lengths[following] // seq_len
+        starts.append(max(starts[-1], round_up(-(-cum // seq_len), max(1, align))))
+    return starts
+
+
+def stage_ends(stages: Sequence[Stage], seq_len: int, global_batch: int = 1) -> list[int]:
     """One past the planned last sample of each stage (the last stage may run past its end)."""
-    return [-(-cum // seq_len) for cum in cumulative_tokens(stages)]
+    last = round_up(-(-cumulative_tokens(stages)[-1] // seq_len), max(1, stage_seq_lens(stages, seq_len)[-1] // seq_len))
+    return stage_starts(stages, seq_len, global_batch)[1:] + [max(last, stage_starts(stages, seq_len, global_batch)[-1])]
 
 
 def stage_at_sample(starts: Sequence[int], sample: int) -> int:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from data.integrity import check_domain_record, open_listed_shards, wants_checksum
 from data.manifest import load_manifest
-from data.packed import BlendedSamples, EodAppended, PackedSamples
+from data.packed import BlendedSamples, EodAppended, LongDocuments, PackedSamples
 from data.shards import ShardFormatError
 
 
@@ -30,12 +30,15 @@ def select_domains(manifest: dict, root: Path, names: list[str] | None) -> list[
 
 
 def open_domain(root: Path, name: str, record: dict, split: str, seq_len: int, vocab_size: int | None,
-                checksum: bool) -> PackedSamples | BlendedSamples:
-    """One domain's split as samples, every shard checked against its record."""
+                checksum: bool, min_document_tokens: int = 0) -> PackedSamples | BlendedSamples:
+    """One domain's split as samples, every shard checked against its record; with `min_document_tokens`,
+    from its documents of at least that many tokens only (data.packed.LongDocuments)."""
     readers = open_listed_shards(root, name, record, split, checksum)
     shards = record["splits"][split]["shards"]
     readers = [EodAppended(reader, shard["eod_id"]) if shard.get("append_eod") else reader
                for reader, shard in zip(readers, shards)]
+    if min_document_tokens:
+        readers = [LongDocuments(reader, min_document_tokens) for reader in readers]
     weights = [shard.get("weight") for shard in shards]
     if any(weight is not None for weight in weights):
         samples = BlendedSamples([PackedSamples([reader], seq_len, name, vocab_size) for reader in readers],
@@ -44,6 +47,21 @@ def open_domain(root: Path, name: str, record: dict, split: str, seq_len: int, v
         samples = PackedSamples(readers, seq_len, name, vocab_size)
     samples.fingerprint = _fingerprint(shards)
     return samples
+
+
+def stream_opener(root: str | Path, vocab_size: int | None = None, verify: str = "sizes"):
+    """A function opening one domain's training split at a curriculum stream's shape (its seq_len and
+    shortest document: curriculum/mixture.py's `Stream`), as the mixer asks for it."""
+    root = Path(root)
+    manifest = load_manifest(root)
+
+    def open_stream(stream) -> PackedSamples | BlendedSamples:
+        record = manifest["domains"][stream.domain]
+        checksum = wants_checksum(verify, [(record, "train")])
+        return open_domain(root, stream.domain, record, "train", stream.seq_len, vocab_size, checksum,
+                           stream.min_document_tokens)
+
+    return open_stream
 
 
 def _fingerprint(shards: list[dict]) -> str:

@@ -127,6 +127,38 @@ class EodAppended:
         return out
 
 
+class LongDocuments:
+    """A shard read as the concatenation of its documents of at least `min_tokens` tokens (each with its
+    end-of-document token, which counts), for a curriculum stage that asks for long documents.
+
+    The shard's index already holds every document's length, so choosing them reads no tokens.
+    """
+
+    def __init__(self, reader: ShardReader | EodAppended, min_tokens: int):
+        bounds = reader._starts if isinstance(reader, EodAppended) else reader.doc_offsets
+        lengths = np.diff(bounds)
+        kept = np.flatnonzero(lengths >= min_tokens)
+        self.reader, self.min_tokens = reader, min_tokens
+        self.bin_path = reader.bin_path
+        self.num_docs = int(kept.size)
+        self._doc_starts = bounds[kept]
+        self._starts = np.concatenate([[0], np.cumsum(lengths[kept])]).astype(np.int64)
+        self.num_tokens = int(self._starts[-1])
+
+    def slice(self, start: int, stop: int) -> np.ndarray:
+        pieces = []
+        doc = int(np.searchsorted(self._starts, start, side="right")) - 1
+        position = start
+        while position < stop:
+            offset = position - int(self._starts[doc])
+            take = min(stop, int(self._starts[doc + 1])) - position
+            first = int(self._doc_starts[doc]) + offset
+            pieces.append(np.asarray(self.reader.slice(first, first + take), dtype=np.int64))
+            position += take
+            doc += 1
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+
 class BlendedSamples:
     """A domain made of several Megatron prefixes with weights (`0.3 A 0.7 B`, as in Megatron's --data-path).
 
@@ -244,6 +276,10 @@ class ShuffledDomains:
                 "cannot resume: the training data changed since the checkpoint was written (" + "; ".join(changes)
                 + "), so the shuffled stream would not continue where it stopped. Fix: restore the data the run "
                 "started with, or start a new run (a new run_dir) on the new data")
+
+    def sample_slots(self, global_index: int) -> int:
+        """Every sample is one global index (only a curriculum stage may have longer samples)."""
+        return 1
 
     def get(self, global_index: int) -> tuple[np.ndarray, int]:
         _, flat = self.order(global_index)

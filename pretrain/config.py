@@ -32,6 +32,7 @@ from pretrain.job.hang_watchdog import HangConfig
 from pretrain.ranges import Range, Rule, above, at_least, between, one_of, range_problems
 from pretrain.model.sequence_parallel import sequence_parallel_problems
 from pretrain.model.tensor_parallel import tensor_parallel_problems
+from pretrain.stages import stage_problems
 from pretrain.stability.config import StabilityConfig, StabilityConfigError, check_stability_config
 from common.status import BAD_INPUT
 from common.conf import (
@@ -539,6 +540,7 @@ def config_problems(cfg: AyumiConfig) -> list[str]:
                         "the tasks' text into ids")
     if not problems:  # the tensor- and sequence-parallel rules divide by the sizes checked above
         problems = tensor_parallel_problems(cfg) + sequence_parallel_problems(cfg)
+        problems += stage_problems(cfg.curriculum.stages, cfg.model, cfg.train.seq_len, cfg.train.micro_batch_size)
     return problems
 
 

@@ -5,6 +5,10 @@ and the only state is how many global samples were consumed. Step s's global bat
 [consumed, consumed + global_batch); rank r takes a contiguous slice of it, micro-batch by
 micro-batch. The same samples form each global batch whatever the data-parallel size, so a run
 can resume on a different number of ranks and see the same data.
+
+A curriculum stage with longer samples (its seq_len = f x train.seq_len) counts each of them as f
+global indices (`source.sample_slots`): its micro batch holds micro_batch / f samples of f times the
+length, so a step trains the same number of tokens in the same number of micro-batches.
 """
 from __future__ import annotations
 
@@ -22,6 +26,9 @@ class SampleSource(Protocol):
     domain_names: list[str]
 
     def get(self, global_index: int) -> tuple[np.ndarray, int]: ...
+
+    def sample_slots(self, global_index: int) -> int:
+        """Global indices one sample spans at `global_index` (1 unless a curriculum stage has longer samples)."""
 
 
 @dataclass
@@ -58,7 +65,8 @@ class BatchLoader:
         return consumed + self.rank * self.micro_batch * self.grad_accum
 
     def _assemble(self, first: int) -> tuple[np.ndarray, np.ndarray]:
-        samples, domains = zip(*(self.source.get(first + i) for i in range(self.micro_batch)))
+        stride = self.source.sample_slots(first)
+        samples, domains = zip(*(self.source.get(first + i) for i in range(0, self.micro_batch, stride)))
         return np.stack(samples).astype(np.int64, copy=False), np.asarray(domains, dtype=np.int64)
 
     def _step_arrays(self, consumed: int) -> list[tuple[int, np.ndarray, np.ndarray]]:

@@ -49,7 +49,7 @@ from curriculum.config import enabled as curriculum_enabled
 from curriculum.declared import register_curriculum_domains
 from curriculum.mixer import Mixer
 from curriculum.plan import PlanRefused, checkpoint_shape, raise_if_refused
-from data.domains import open_run_data
+from data.domains import open_run_data, stream_opener
 from data.manifest import MANIFEST_NAME, ManifestError, check_manifest_tokenizer, load_manifest
 from data.packed import CorruptShardError, DataChangedError, PackedSamples, ShuffledDomains
 from data.shards import ShardFormatError, TokenizerMismatchError
@@ -146,7 +146,8 @@ def build_data(cfg: AyumiConfig, tokenizer: dict,
     if hardware.gpu_bytes and int(os.environ.get("RANK", 0)) == 0:
         print(format_memory(plan.memory, hardware.gpu_bytes, hardware.where), flush=True)
     if curriculum_enabled(cfg.curriculum):
-        return Mixer(cfg.curriculum, train, cfg.train.seq_len, cfg.train.global_batch_size, cfg.train.seed), val
+        return Mixer(cfg.curriculum, train, cfg.train.seq_len, cfg.train.global_batch_size, cfg.train.seed,
+                     open_stream=stream_opener(root, cfg.model.vocab_size)), val
     return ShuffledDomains(train, seed=cfg.train.seed), val
 
 

@@ -37,9 +37,11 @@ from pretrain.job.signals import StopSignal
 from pretrain.loader import BatchLoader
 from pretrain.metrics import NullLogger, format_count
 from pretrain.model.documents import span_sum
+from pretrain.model.flops import flops_per_token
 from pretrain.progress import StepFigures, start_line, step_metrics
 from pretrain.stability.policy import Action, ring_checkpoints_to_delete
 from pretrain.skips import SkippedData
+from pretrain.stages import model_in_stage, rope_fields
 from pretrain.stability.recovery import StabilityMonitor
 
 
@@ -123,6 +125,7 @@ class Trainer:
         self.hooks: list[StepHook] = [TelemetryHook(cfg, engine), HistogramHook(cfg, logger, self.stability.percentiles),
                                       StragglerHook(stragglers, logger), *(hooks or [])]
         self._pending: tuple[int, float] | None = None  # (step, all-reduced loss) for the update gate
+        self._stage: int | None = None  # the curriculum stage the last step began in (follow_stage)
         if stab.enabled:
             engine.set_update_gate(self._update_gate)
             if not engine.can_withhold_updates:
@@ -285,6 +288,8 @@ class Trainer:
     def begin_step(self, step: int) -> float:
         """LR (schedule x stage policy x cool-down x injected fault) and clip for step `step`."""
         self.skip_recorded_ranges()
+        if self.mixer is not None:
+            self.follow_stage(self.mixer.stage_index())
         self.stability.new_step()
         lr = lr_at(step, self.cfg.optim, self.total_steps)
         if self.mixer is not None:
@@ -295,6 +300,26 @@ class Trainer:
             self.engine.set_grad_clip(self.stability.clip_threshold())
         self.engine.withhold_next_update(False)
         return lr
+
+    def follow_stage(self, index: int) -> None:
+        """A step begins in curriculum stage `index`: its RoPE and sample length from now on (pretrain/stages.py).
+
+        The batches take the stage's length from the loader; here the model's RoPE tables, the checkpoints'
+        model record and the FLOP count follow. A rollback into an earlier stage comes back through here.
+        """
+        if index == self._stage:
+            return
+        self._stage = index
+        model = model_in_stage(self.cfg.model, self.cfg.curriculum.stages, index)
+        rope = rope_fields(model)
+        if any(self.run_meta["model"][key] != value for key, value in rope.items()):
+            self.engine.set_rope(model)
+            self.run_meta["model"].update(rope)
+            self.logger.info(f"stage {index + 1}: RoPE theta {model.rope_theta:g}, scaling "
+                             f"{model.rope_scaling.type} (factor {model.rope_scaling.factor:g}) from this step on")
+        length = self.mixer.schedule.stage_seq_lens[index]
+        if length != self.figures.seq_len:
+            self.figures = replace(self.figures, seq_len=length, flops_per_token=flops_per_token(model, length))
 
     def _update_gate(self) -> bool:
         """Asked inside the optimizer step, once DeepSpeed knows the global grad norm."""
@@ -363,6 +388,7 @@ class Trainer:
         metrics = step_metrics(self.figures, mean_loss, lr, result, step_time, reduced, self.state.skipped_steps,
                                self.state.tokens, self.domain_names, self.stability.metrics(self.state.step - 1),
                                self.mixer.metrics() if self.mixer is not None else {})
+        metrics["train/seq_len"] = int(batches[0].input_ids.shape[-1])  # a curriculum stage may set its own
         report = StepReport(step, self.state.step, self.state.tokens, own, applied, metrics)
         for hook in self.hooks:
             hook.after_step(report)

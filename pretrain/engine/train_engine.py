@@ -8,7 +8,7 @@ docs/deepspeed-on-cpu.md are handled here once.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from pretrain.config import (
 )
 from pretrain.engine.grad_accum import Fp32GradAccumulator, fp32_accumulation_by
 from pretrain.engine.optimizer import param_groups
+from pretrain.model.config import ModelConfig
 from pretrain.model.tensor_parallel import shard_dim
 from pretrain.engine.distributed import DistInfo, deepspeed_mpu, sequence_parallel_group, tensor_parallel_group
 from pretrain.engine.ds_config import render_ds_config
@@ -183,6 +184,13 @@ class TrainEngine:
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor):
         return self.engine(input_ids, labels)
+
+    def set_rope(self, model: ModelConfig) -> None:
+        """Train with `model`'s RoPE from now on (a curriculum stage's, pretrain/stages.py): the tables are
+        rebuilt, no weight changes."""
+        llama = self.engine.module
+        llama.cfg = replace(llama.cfg, rope_theta=model.rope_theta, rope_scaling=model.rope_scaling)
+        llama.model.rotary_emb.retune(model.rope_theta, model.rope_scaling)
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The model's logits [B, T, V] for input_ids (downstream evaluation; collective under ZeRO-3 and TP)."""

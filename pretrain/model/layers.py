@@ -62,6 +62,11 @@ class RotaryEmbedding(nn.Module):
             return angles.cos(), angles.sin()
         return angles.cos() * magnitude, angles.sin() * magnitude
 
+    def retune(self, theta: float, scaling: RopeScaling) -> None:
+        """Another RoPE base or scaling from now on (a curriculum stage's, pretrain/stages.py)."""
+        self.theta, self.scaling = theta, scaling
+        self.cos, self.sin = self._tables(self.cos.device, self.max_seq_len)
+
     def _apply(self, fn, recurse=True):
         # `model.bfloat16()` would round the tables to bf16 (~3 significant digits, bad at large
         # positions). Rebuild them in fp32 on the new device after any move or cast instead.

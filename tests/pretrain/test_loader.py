@@ -16,6 +16,9 @@ class CountingSource:
     def get(self, g):
         return np.arange(g, g + self.seq_len + 1), g % 2
 
+    def sample_slots(self, g):
+        return 1
+
 
 def first_ids(batches):
     return [int(x) for b in batches for x in b.input_ids[:, 0]]
