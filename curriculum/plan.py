@@ -517,15 +517,15 @@ def format_plan(plan: Plan, sections: list[str] = ()) -> str:
              f"global batch {run.global_batch} = {human_count(run.tokens_per_step)} tokens/step, "
              f"{run.total_steps:,} steps ({human_count(run.total_samples * run.seq_len)} tokens trained)", ""]
     if plan.stages:
-        header = f"{'stage':<22} {'domain':<12} {'weight':>7} {'requested':>10} {'available':>10} {'epochs':>7} {'max':>6}  status"
+        header = f"{'stage':<22} {'domain':<16} {'weight':>7} {'requested':>10} {'available':>10} {'epochs':>7} {'max':>6}  status"
         lines += [header, "-" * len(header)]
         for index, stage in enumerate(plan.stages):
             length = f", seq_len {stage.seq_len}" if stage.seq_len and stage.seq_len != run.seq_len else ""
-            lines.append(f"{index + 1} {stage.name:<20} {'':<12} {'':>7} {human_count(stage.tokens):>10} "
+            lines.append(f"{index + 1} {stage.name:<20} {'':<16} {'':>7} {human_count(stage.tokens):>10} "
                          f"{'':>10} {'':>7} {'':>6}  {stage.steps:,.1f} steps, samples [{stage.first_sample:,}, "
                          f"{stage.end_sample:,}){length}")
             for row in (r for r in plan.domains if r.stage == index):
-                lines.append(f"{'':<22} {row.domain:<12} {row.weight:>7.3f} {human_count(row.tokens):>10} "
+                lines.append(f"{'':<22} {row.domain:<16} {row.weight:>7.3f} {human_count(row.tokens):>10} "
                              f"{human_count(row.available_tokens):>10} {row.epochs:>6.2f}x {_limit(row.max_epochs):>6}  "
                              f"{'ok' if row.ok else 'OVER'}")
         lines.append("")

@@ -8,13 +8,14 @@ The GPUs come from `pretrain/plan/hardware.py`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from curriculum.plan import Plan, PlanProblem, format_plan, plan_from_config
 from curriculum.plan import human_count as format_count
 from pretrain.plan.hardware import Hardware
-from pretrain.plan.memory import MemoryEstimate, estimate_memory, format_memory, memory_problem, memory_shape
+from pretrain.plan.memory import (MemoryEstimate, MemoryShape, estimate_memory, format_memory, memory_problem,
+                                  memory_shape)
 
 
 @dataclass
@@ -25,6 +26,9 @@ class RunPlan:
     memory: MemoryEstimate
     hardware: Hardware
     num_parameters: int = 0
+    stage_memory: list[tuple[str, MemoryEstimate]] = field(default_factory=list)
+    """(label, estimate) of each curriculum stage with its own seq_len (pretrain/stages.py): the same tokens per
+    micro batch in fewer, longer samples; the run must fit in the largest."""
 
     @property
     def problems(self) -> list[PlanProblem]:
@@ -39,11 +43,28 @@ def run_plan(cfg: Any, num_parameters: int, hardware: Hardware, tokens_per_s: fl
     if problem := batch_problem(cfg, hardware):
         plan.problems.append(PlanProblem("batch", problem))
     memory = estimate_memory(memory_shape(cfg, hardware.data_parallel, gqa_kernel=gqa_kernel))
+    stages = memory_by_stage(cfg, memory.shape)
     if hardware.gpu_bytes:
-        problem = memory_problem(memory, hardware.gpu_bytes, cfg.train.global_batch_size, hardware.where)
-        if problem:
-            plan.problems.append(PlanProblem("memory", problem))
-    return RunPlan(plan, memory, hardware, num_parameters)
+        for label, estimate in [("", memory), *stages]:
+            problem = memory_problem(estimate, hardware.gpu_bytes, cfg.train.global_batch_size, hardware.where)
+            if problem:
+                plan.problems.append(PlanProblem("memory", f"{label}: {problem}" if label else problem))
+                break
+    return RunPlan(plan, memory, hardware, num_parameters, stages)
+
+
+def memory_by_stage(cfg: Any, shape: MemoryShape) -> list[tuple[str, MemoryEstimate]]:
+    """The estimate of each curriculum stage whose seq_len is not train.seq_len: micro_batch x train.seq_len /
+    seq_len samples of seq_len tokens (the loader's rule), everything else as the run's."""
+    curriculum = getattr(cfg, "curriculum", None)
+    out = []
+    for index, stage in enumerate(curriculum.stages if curriculum is not None else []):
+        length = int(stage.seq_len)
+        if length and length != shape.seq_len:
+            micro = max(1, shape.micro_batch * shape.seq_len // length)
+            label = f"stage {index + 1} {stage.name!r} (seq_len {length}, micro batch {micro})"
+            out.append((label, estimate_memory(replace(shape, seq_len=length, micro_batch=micro))))
+    return out
 
 
 def batch_problem(cfg: Any, hardware: Hardware) -> str | None:
@@ -73,6 +94,9 @@ def batch_line(run: RunPlan) -> str:
 def format_run_plan(run: RunPlan) -> str:
     model = f"model: {run.num_parameters:,} parameters ({format_count(run.num_parameters)})"
     memory = model + "\n" + batch_line(run) + "\n" + format_memory(run.memory, run.hardware.gpu_bytes, run.hardware.where)
+    for label, estimate in run.stage_memory:
+        memory += (f"\n  {label}: peak allocated {estimate.peak_allocated / 2**30:.1f} GiB, required "
+                   f"{estimate.required / 2**30:.1f} GiB")
     if not run.hardware.gpu_bytes and run.hardware.device == "GPU":
         memory += (f"\n  not checked: {run.hardware.where} (e.g. train.gpu_memory_gib=80 train.num_gpus=8 "
                    "to plan for 8 H100 80GB)")

@@ -214,3 +214,23 @@ def test_the_plan_names_the_parameters_and_on_a_cpu_the_ranks_ayumi_train_starts
     assert f"model: {count_parameters(cfg.model):,} parameters" in out
     assert f"x {hardware.CPU_RANKS} data-parallel rank(s), on {hardware.CPU_RANKS} CPU rank(s)" in out
     assert "GPU(s)" not in out and "train.gpu_memory_gib=80 train.num_gpus=8" not in out
+
+
+def test_a_longer_curriculum_stage_is_planned_with_its_own_shape_and_must_fit_too():
+    """llama_1b_example (seq_len 2048, micro batch 8) with eager attention, whose scores grow as micro x seq_len^2:
+    the run fits, and a final stage at 16k tokens (micro batch 1: the same tokens per micro batch) does not.
+    The refusal names the stage and its shape; the plan prints each stage's estimate."""
+    stages = ("curriculum.stages=[{name:short,tokens:1000000,weights:{ja:1}},"
+              "{name:long,tokens:1000000,seq_len:16384,weights:{ja:1}}]")
+    cfg = to_object(compose_config(["experiment=llama_1b_example", "model.attention=eager",
+                                    "deepspeed.activation_checkpointing=attention", "curriculum=tiny", stages,
+                                    "train.tokens=2000000", "model.max_seq_len=16384"]))
+    planned = run_plan(cfg, count_parameters(cfg.model), planned_hardware(cfg), free_bytes=2**50)
+    assert planned.memory.required < 80 * GIB
+    [(label, long_stage)] = planned.stage_memory
+    assert label == "stage 2 'long' (seq_len 16384, micro batch 1)"
+    assert (long_stage.shape.seq_len, long_stage.shape.micro_batch) == (16384, 1)
+    assert long_stage.required > 80 * GIB
+    [problem] = [p.message for p in planned.problems if p.kind == "memory"]
+    assert problem.startswith(f"{label}: the run needs about ")
+    assert f"  {label}: peak allocated " in format_run_plan(planned)
