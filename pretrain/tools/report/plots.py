@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from pretrain.metrics import format_count
-from pretrain.tools.report.timeline import Series, Stage, Timeline, continued
+from pretrain.tools.report.timeline import Series, Stage, Timeline, continued, lengths_differ
 FIGSIZE_WIDTH = 12.0  # inches; at DPI this is ~1300 px: readable on a laptop and in a PR comment
 DPI = 110
 MAX_PLOT_POINTS = 4000  # per line; longer series are min/max-decimated so spikes survive
@@ -146,12 +146,14 @@ def plot_series(ax, data: Series, label: str, color: str, window: int, draw_raw:
 
 def draw_stages(ax, stages: list[Stage], label: bool) -> None:
     """Vertical lines where stages begin; names along the top of the first panel."""
+    lengths = lengths_differ(stages)
     for stage in stages:
         if stage.tokens > 0:
             ax.axvline(stage.tokens, color="tab:blue", linestyle=":", linewidth=1.2, alpha=0.8)
         if label:
             # Inside the panel, under the top edge: above it is the title's place.
-            ax.text(stage.tokens, 0.985, f" stage {stage.index}: {stage.name}", transform=ax.get_xaxis_transform(),
+            text = f" stage {stage.index}: {stage.name}" + (f" (seq {stage.seq_len})" if lengths else "")
+            ax.text(stage.tokens, 0.985, text, transform=ax.get_xaxis_transform(),
                     fontsize=9, color="tab:blue", va="top", ha="left",
                     bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.7, "pad": 1}, zorder=6)
 

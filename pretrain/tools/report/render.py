@@ -17,7 +17,7 @@ import numpy as np
 from pretrain.metrics import EVENTS_FILE, METRICS_FILE, format_count, format_duration
 from pretrain.tools.report.plots import downstream_plot_name
 from pretrain.tools.report.timeline import (CONFIG_FILE, JsonlFile, Stage, Timeline, downstream_metrics,
-                                            is_train_record)
+                                            is_train_record, lengths_differ)
 LAST_N = 10  # "mean of the last N logged values" in the loss table: one step alone is noisy
 
 
@@ -191,9 +191,11 @@ def summary_blocks(run_dir: Path, config: dict[str, Any], timeline: Timeline, ev
                                        "best at tokens"], loss_rows(timeline))),
                            ("img", ("loss.png", "train and validation loss"))]
     if stages:
+        lengths = lengths_differ(stages)  # a short-to-long schedule: each stage's sequence length too
         blocks += [("h2", "Curriculum stages"),
-                   ("table", (["stage", "name", "begins at tokens", "step"],
-                              [[str(s.index), s.name, format_count(s.tokens), f"{s.step:,}"] for s in stages]))]
+                   ("table", (["stage", "name", "begins at tokens", "step"] + (["seq_len"] if lengths else []),
+                              [[str(s.index), s.name, format_count(s.tokens), f"{s.step:,}"]
+                               + ([str(s.seq_len or "")] if lengths else []) for s in stages]))]
     blocks += downstream_blocks(timeline)
     blocks += [("h2", "Optimizer"), ("img", ("optim.png", "learning rate, grad norm, loss scale")),
                ("h2", "Throughput"), ("img", ("throughput.png", "tokens per second and step time")),

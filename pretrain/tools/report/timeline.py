@@ -215,6 +215,13 @@ class Stage:
     name: str
     tokens: float
     step: int
+    seq_len: int = 0
+    """Tokens per sample in the stage (0: not recorded, as in runs before stages had their own length)."""
+
+
+def lengths_differ(stages: list[Stage]) -> bool:
+    """Whether the stages trained at different sequence lengths (then plots and tables name each one's)."""
+    return len({stage.seq_len for stage in stages if stage.seq_len}) > 1
 
 
 def stage_boundaries(records: list[Record], events: list[dict[str, Any]]) -> list[Stage]:
@@ -226,7 +233,7 @@ def stage_boundaries(records: list[Record], events: list[dict[str, Any]]) -> lis
             name = str(event.get("stage_name", f"stage {index}"))
             # The first stage begins at 0 whatever step its event was logged at.
             tokens = 0.0 if index == 1 else float(event.get("tokens", 0))
-            by_index[index] = Stage(index, name, tokens, int(event.get("step", 0)))
+            by_index[index] = Stage(index, name, tokens, int(event.get("step", 0)), int(event.get("seq_len", 0)))
     if by_index:
         return [by_index[i] for i in sorted(by_index)]
     stages: list[Stage] = []

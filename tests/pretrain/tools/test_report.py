@@ -125,6 +125,24 @@ def test_full_report_from_a_run_with_a_rollback(tmp_path):
     assert "Downstream" not in summary and not list(out.glob("downstream_*"))
 
 
+def test_stages_of_different_lengths_show_each_length(tmp_path):
+    """A short-to-long curriculum: the stage_switch events carry each stage's seq_len, and the summary's stage
+    table (and the plots' stage labels) name it; runs whose stages share a length keep the table as it was."""
+    run_dir = write_run(tmp_path / "run")
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    for record in events:
+        if record["event"] == "stage_switch":
+            record["seq_len"] = 64 if record["stage"] == 1 else 256
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    assert report.main([str(run_dir)]) == 0
+    summary = (run_dir / "report" / "summary.md").read_text()
+    assert "| stage | name | begins at tokens | step | seq_len |" in summary
+    assert "| 2 | en_heavy | " in summary and summary.split("| 2 | en_heavy | ")[1].split("\n")[0].endswith("| 256 |")
+    plain = write_run(tmp_path / "plain")
+    assert report.main([str(plain)]) == 0
+    assert "| stage | name | begins at tokens | step |\n" in (plain / "report" / "summary.md").read_text()
+
+
 def test_rollback_marks_the_replaced_stretch_abandoned(tmp_path):
     records = build_timeline(read_jsonl(write_run(tmp_path / "run") / "metrics.jsonl").rows)
     abandoned = sorted({r.step for r in records if r.abandoned})
