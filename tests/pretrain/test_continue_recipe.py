@@ -40,7 +40,9 @@ def yaml_header() -> str:
 
 DOCUMENTS = {
     "README.md": readme_section,
-    "docs/continued-pretraining.md": lambda: (REPO / "docs" / "continued-pretraining.md").read_text(encoding="utf-8"),
+    # The page up to its context-extension recipe (tests/pretrain/test_extend_recipe.py composes that one).
+    "docs/continued-pretraining.md": lambda: (REPO / "docs" / "continued-pretraining.md").read_text(
+        encoding="utf-8").split("## Extending the context to 32k")[0],
     "conf/experiment/continue_ja.yaml": yaml_header,
 }
 

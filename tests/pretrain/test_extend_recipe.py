@@ -1,0 +1,98 @@
+"""The context-extension recipe as documented: every `ayumi` command of docs/continued-pretraining.md's "Extending
+the context to 32k" and of the header of conf/experiment/extend_32k.yaml composes as written, with a Llama-3.1-8B
+config.json standing in for the base: two stages of 8192 then 32768 tokens under sequence parallelism 4 with document
+masking, the curriculum fits the data command's domains, each stage's memory fits the planned GPUs, and the RoPE-base
+variant for a base without scaling gives the long stage its base."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.helpers import REPO
+from tests.pretrain.test_continue_recipe import documented_commands
+
+BASE = "/models/Llama-3.1-Swallow-8B"
+LLAMA31_8B = {"architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+              "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
+              "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072,
+              "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32,
+              "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+              "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+              "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 128256}
+"""config.json of meta-llama/Llama-3.1-8B, the architecture of the base the documents name (no weights are read)."""
+
+
+def docs_section() -> str:
+    text = (REPO / "docs" / "continued-pretraining.md").read_text(encoding="utf-8")
+    start = text.index("## Extending the context to 32k")
+    return text[start:]
+
+
+def yaml_header() -> str:
+    lines = (REPO / "conf" / "experiment" / "extend_32k.yaml").read_text(encoding="utf-8").splitlines()
+    comments = [line[1:] for line in lines if line.startswith("#") and not line.startswith("# @package")]
+    return "```bash\n" + "\n".join(comments) + "\n```"
+
+
+def bullets_commands(text: str) -> list[list[str]]:
+    """`ayumi ...` commands quoted inline (`...`) in the text, e.g. the RoPE-base variant."""
+    import re
+    import shlex
+
+    return [shlex.split(found)[1:] for found in re.findall(r"`(ayumi train [^`]+)`", text)]
+
+
+@pytest.fixture
+def base(tmp_path) -> str:
+    folder = tmp_path / "Llama-3.1-Swallow-8B"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA31_8B))
+    return str(folder)
+
+
+@pytest.mark.parametrize("document", ["docs", "yaml"])
+def test_the_documented_extension_composes_and_each_stage_fits(document, base):
+    from curriculum.config import config_problems
+    from data.cli import compose as compose_data
+    from data.config import check_prepare_config, prepare_config
+    from pretrain.config import config_from_args
+    from pretrain.model.flops import count_parameters
+    from pretrain.plan.hardware import planned_hardware
+    from pretrain.plan.run_plan import run_plan
+    from pretrain.stages import stage_problems
+
+    text = docs_section() if document == "docs" else yaml_header()
+    commands = [[arg.replace(BASE, base) for arg in args] for args in documented_commands(text)]
+    verbs = [" ".join(args[:2]) if args[0] in ("data", "export") else args[0] for args in commands]
+    assert {"data prepare", "plan", "train"} <= set(verbs), verbs
+    prepared = prepare_config(compose_data(commands[verbs.index("data prepare")][2:]))
+    check_prepare_config(prepared)
+    assert prepared.tokenizer_dir == base  # the base's own tokenizer makes the data
+    domains = list(prepared.data.domains)
+    for args in (args for verb, args in zip(verbs, commands) if verb in ("plan", "train")):
+        cfg = config_from_args(args[1:])
+        assert cfg.model.init_from == base and cfg.data.tokenizer_dir == base and cfg.data.root == prepared.data.root
+        assert (cfg.model.hidden_size, cfg.model.num_kv_heads, cfg.model.rope_scaling.type) == (4096, 8, "llama3")
+        assert cfg.model.attention == "document" and cfg.parallel.sequence == 4
+        assert [stage.seq_len or cfg.train.seq_len for stage in cfg.curriculum.stages] == [8192, 32768]
+        assert cfg.curriculum.stages[1].min_document_tokens == {"ja": 8192}
+        assert config_problems(cfg.curriculum, cfg.train.tokens, known_domains=domains) == []
+        assert stage_problems(cfg.curriculum.stages, cfg.model, cfg.train.seq_len, cfg.train.micro_batch_size) == []
+        planned = run_plan(cfg, count_parameters(cfg.model), planned_hardware(cfg), free_bytes=2**50)
+        assert [p.kind for p in planned.problems] == ["data"]  # only the data is missing here
+        [(label, long_stage)] = planned.stage_memory
+        assert label == "stage 2 'long_32k' (seq_len 32768, micro batch 1)"
+        assert long_stage.required < 80 * 2**30
+
+
+def test_the_rope_base_variant_sets_the_long_stage_base(base):
+    from pretrain.config import config_from_args
+    from pretrain.stages import model_in_stage
+
+    [variant] = bullets_commands(docs_section())
+    args = [arg.replace("/models/Llama-3-Swallow-8B", base) for arg in variant]
+    cfg = config_from_args(args[1:])
+    stages = cfg.curriculum.stages
+    assert [model_in_stage(cfg.model, stages, i).rope_theta for i in range(2)] == [500000.0, 8000000.0]
