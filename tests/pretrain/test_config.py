@@ -11,8 +11,9 @@ from common.conf import CONF_DIR, group_options
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 
 
-STARTS_FROM_A_MODEL = {"continue_ja"}
-"""Experiments whose shape comes from model.init_from's config.json (a base model folder)."""
+STARTS_FROM_A_MODEL = {"continue_ja": 4096, "extend_32k": 131072}
+"""Experiments whose shape comes from model.init_from's config.json (a base model folder), with the base's length
+(extend_32k trains a 32k stage: its base must reach that far, as Llama 3.1's 131,072 positions do)."""
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
@@ -23,10 +24,11 @@ def test_every_experiment_composes_and_checks(name, tmp_path):
         from pretrain.config import config_from_args
 
         LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=4, max_position_embeddings=4096).save_pretrained(tmp_path / "base")
+                    num_key_value_heads=4, max_position_embeddings=STARTS_FROM_A_MODEL[name]
+                    ).save_pretrained(tmp_path / "base")
         cfg = config_from_args([f"experiment={name}", f"model.init_from={tmp_path / 'base'}",
                                 f"data.tokenizer_dir={tmp_path / 'no_tokenizer_yet'}"])
-        assert cfg.model.max_seq_len == 4096 and cfg.model.vocab_size == 32000
+        assert cfg.model.max_seq_len == STARTS_FROM_A_MODEL[name] and cfg.model.vocab_size == 32000
     else:
         cfg = to_object(compose_config([f"experiment={name}"]))
     assert isinstance(cfg, AyumiConfig)
@@ -35,8 +37,10 @@ def test_every_experiment_composes_and_checks(name, tmp_path):
 
 
 GROUPS = ("model", "deepspeed", "optim", "logging", "stability", "stability/inject", "curriculum")
-NEEDS = {("curriculum", "megatron_example"): ["data.tokenizer_dir=/models/tokenizer.model"]}
-"""What an option needs beside it to be a valid run (the template declares Megatron data, checked against a tokenizer)."""
+NEEDS = {("curriculum", "megatron_example"): ["data.tokenizer_dir=/models/tokenizer.model"],
+         ("curriculum", "extend_32k"): ["train.seq_len=8192", "train.micro_batch_size=4", "model.max_seq_len=32768"]}
+"""What an option needs beside it to be a valid run (the template declares Megatron data, checked against a tokenizer;
+the context extension's stages are 8k and 32k tokens long, so the run's length and micro batch must suit them)."""
 GROUP_OPTIONS = [(group, option) for group in GROUPS for option in group_options(group, CONF_DIR)]
 
 
