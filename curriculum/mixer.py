@@ -21,6 +21,10 @@ How g maps to data:
 4. Sample: cursor c of domain d is sample `EpochPermutation(n_d, seed_d)(c)`: a fresh seeded shuffle
    per epoch, so running out of a domain repeats it in a new order (a `domain_repetition` event).
 
+A stage with its own seq_len or document filter reads streams rather than domains (curriculum/mixture.py:
+a domain at one sample shape, with its own order, cursor and epochs); g still counts train.seq_len-token
+slots, a longer sample spanning several (`sample_slots`), so everything below holds in every stage.
+
 Skips (spike recovery): skip ranges live in the global index space. `skip(n)` at position p
 records [p, p + n * global_batch) and moves past it; the loader's `consumed_samples` moves the same
 way (`BatchLoader.skip`), so skipped samples are consumed positions that are never trained on.
@@ -133,9 +137,8 @@ class Mixer:
         if stream.base:
             samples = domains[stream.domain]
         elif open_stream is None:
-            raise CurriculumError(f"stream {stream.name!r} (domain {stream.domain!r} at seq_len {stream.seq_len}"
-                                  f"{', documents of ' + str(stream.min_document_tokens) + '+ tokens' if stream.min_document_tokens else ''}) "
-                                  "needs its data opened at that shape, and this mixer was given no opener")
+            raise CurriculumError(f"stream {stream.name!r} (domain {stream.domain!r} at another seq_len or with a "
+                                  "document filter) needs its data opened at that shape: pass open_stream")
         else:
             samples = open_stream(stream)
         if samples.seq_len != stream.seq_len:
