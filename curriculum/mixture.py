@@ -23,7 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from curriculum.config import CurriculumConfig, CurriculumError, Stage, domains_used
-from curriculum.schedule import stage_at_sample, stage_ends, stage_seq_lens, stage_starts
+from curriculum.schedule import length_problem, stage_at_sample, stage_ends, stage_seq_lens, stage_starts
 
 PERIOD = 10_000
 
@@ -232,12 +232,10 @@ def stage_length_problems(cfg: CurriculumConfig, seq_len: int, global_batch: int
     """Stage seq_lens the slot index cannot express: not a multiple of train.seq_len, or not fitting a step."""
     problems = []
     for index, (stage, length) in enumerate(zip(cfg.stages, stage_seq_lens(cfg.stages, seq_len))):
-        where = f"curriculum.stages.{index}.seq_len={length}"
-        if length % seq_len:
-            problems.append(f"{where} is not a multiple of train.seq_len={seq_len}: set train.seq_len to the run's "
-                            "shortest length (each stage's seq_len a multiple of it)")
+        if problem := length_problem(index, length, seq_len):
+            problems.append(problem)
         elif global_batch % (length // seq_len):
-            problems.append(f"{where}: one step of {global_batch} samples of train.seq_len={seq_len} does not "
+            problems.append(f"curriculum.stages.{index}.seq_len={length}: one step of {global_batch} samples of train.seq_len={seq_len} does not "
                             f"divide into samples of {length} tokens; make train.global_batch_size a multiple of "
                             f"{length // seq_len}")
     return problems

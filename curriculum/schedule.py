@@ -44,6 +44,14 @@ def stage_seq_lens(stages: Sequence[Stage], seq_len: int) -> list[int]:
     return [int(stage.seq_len) or seq_len for stage in stages]
 
 
+def length_problem(index: int, length: int, seq_len: int) -> str | None:
+    """Why stage `index`'s seq_len cannot be trained in a run of train.seq_len `seq_len` (None when it can)."""
+    if length % seq_len:
+        return (f"curriculum.stages.{index}.seq_len={length} is not a multiple of train.seq_len={seq_len}: set "
+                "train.seq_len to the run's shortest length (every stage's seq_len a multiple of it)")
+    return None
+
+
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 

@@ -24,6 +24,7 @@ from dataclasses import asdict, replace
 from typing import Any, Sequence
 
 from curriculum.config import Stage
+from curriculum.schedule import length_problem
 from pretrain.model.config import ModelConfig, RopeScaling, scaling_problems
 
 
@@ -52,9 +53,8 @@ def stage_problems(stages: Sequence[Stage], model: ModelConfig, seq_len: int, mi
         where = f"curriculum.stages.{index}"
         length = int(stage.seq_len)
         if length:
-            if length % seq_len:
-                problems.append(f"{where}.seq_len={length} is not a multiple of train.seq_len={seq_len}: set "
-                                "train.seq_len to the run's shortest length (every stage's seq_len a multiple of it)")
+            if problem := length_problem(index, length, seq_len):
+                problems.append(problem)
             elif micro_batch % (length // seq_len):
                 problems.append(f"{where}.seq_len={length} is {length // seq_len} x train.seq_len, so "
                                 f"train.micro_batch_size={micro_batch} must be a multiple of {length // seq_len} (a "
