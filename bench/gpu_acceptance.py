@@ -26,7 +26,8 @@ Parts, the most valuable figures first (letters as in docs/performance.md):
                    (these three run side by side: small models, mostly process start-up)
   long_context     (h) document masking through compiled FlexAttention: each packed document's losses equal it
                    alone; a step's time against causal attention (1b-like layers, seq 4096, ~512-token
-                   documents); llama3 RoPE scaling's logits against transformers'
+                   documents); llama3 RoPE scaling's logits against transformers'; a short-to-long curriculum
+                   (256 then 1024 tokens, compiled, document masking) trains at each stage's length
   speed_7b_layers  (b, c) Llama-2-7B's layers (4 of them), seq 2048
   checkpoint_save  (e) the asynchronous save's blocked time against a synchronous save, 1b model (bench/checkpoint_async.py)
   demo_train       (g) the demo's training phase (`ayumi train experiment=demo`) on the GPU, timed; needs
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -775,7 +777,45 @@ def worker_long_context(args, work: Path) -> dict:
     figures.update(document_step_ms=masked_ms, causal_step_ms=causal_ms, document_over_causal=masked_ms / causal_ms)
     rows.append(["a step with document masking / causal", f"{masked_ms:.1f} / {causal_ms:.1f} ms = "
                  f"{masked_ms / causal_ms:.2f}", "", None])
+    switched, detail = short_to_long_run(args, work)
+    rows.append(["short-to-long curriculum, document masking (compiled on the GPU)", detail, "lengths as staged",
+                 switched])
+    checks.append(check("short_to_long", switched, detail))
     return {"figures": figures, "rows": rows, "checks": checks}
+
+
+def short_to_long_run(args, work: Path) -> tuple[bool, str]:
+    """A two-stage curriculum trained as a user runs it, compiled blocks and document masking on: 256-token samples,
+    then 1024-token ones from long documents with a larger RoPE base (64 then 256 on the CPU). Passes when every
+    step's batches had its stage's length (the model recompiles once for the longer shape) and every loss is
+    finite. The CPU smoke run trains it eager (the compiled path's CPU tests live in the suite; here it would add
+    two compilations to every suite run). Returns (passed, what was seen)."""
+    seq, steps = (64, 6) if args.cpu_smoke else (256, 20)
+    model = TINY_MODEL if args.cpu_smoke else SMALL_GPU_MODEL
+    tokens = steps * 8 * seq
+    stages = (f"curriculum.stages=[{{name:short,tokens:{tokens},weights:{{code:0.5,docs:0.5}}}},"
+              f"{{name:long,tokens:{tokens},seq_len:{4 * seq},rope_theta:40000,weights:{{code:0.5,docs:0.5}},"
+              f"min_document_tokens:{{code:{seq}}}}}]")
+    overrides = run_overrides(
+        work, "short_to_long", device_of(args), *model, f"model.max_seq_len={4 * seq}",
+        f"model.compile={'off' if args.cpu_smoke else 'blocks'}",
+        "model.attention=document", "deepspeed=zero1", f"deepspeed.precision={'fp32' if args.cpu_smoke else 'bf16'}",
+        "curriculum=tiny", stages, f"train.seq_len={seq}", "train.micro_batch_size=8", "train.global_batch_size=8",
+        "train.grad_accum=1", f"train.tokens={2 * tokens}", "train.eval_interval=0", "checkpoint.interval=0",
+        "checkpoint.save_final=false", "checkpoint.resume=false", "stability.recovery.ring_interval=0")
+    log = work / "short_to_long.log"
+    if start_training(overrides, log).wait() != 0:
+        return False, f"the run failed: {last_error(log)}"
+    from pretrain.metrics import METRICS_FILE
+    from pretrain.tools.report.timeline import read_jsonl
+
+    rows = [r for r in read_jsonl(work / "runs" / "short_to_long" / METRICS_FILE).rows if "train/loss" in r]
+    lengths = [r["train/seq_len"] for r in rows]
+    finite = all(math.isfinite(r["train/loss"]) for r in rows)
+    wanted = [seq] * steps + [4 * seq] * steps
+    return lengths == wanted and finite, (f"{len(rows)} steps, lengths {sorted(set(lengths))} "
+                                          f"({'as staged' if lengths == wanted else 'NOT as staged'}), "
+                                          f"losses {'finite' if finite else 'NOT finite'}")
 
 
 def documents_alone_gap(device: str) -> float:

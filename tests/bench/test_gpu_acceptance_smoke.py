@@ -28,7 +28,7 @@ BEHAVIOUR = {  # part -> checks that must pass on the CPU too
     "checkpoint_kill": {"latest_intact", "resumed_exactly"},
     "stability": {"spike_detected", "rolled_back", "batches_skipped", "no_false_alarm", "final_loss"},
     "demo_train": {"demo_exit"},
-    "long_context": {"documents_alone", "llama3_rope"},
+    "long_context": {"documents_alone", "llama3_rope", "short_to_long"},
 }
 
 
