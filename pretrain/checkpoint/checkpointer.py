@@ -25,6 +25,7 @@ trainer drains before rollbacks and at the end. *When* to save
 """
 from __future__ import annotations
 
+import copy
 import errno
 import json
 import random
@@ -178,6 +179,9 @@ class Checkpointer:
 
     def save(self, engine, step: int, shared_state: dict[str, Any], meta: dict[str, Any]) -> Path:
         self.wait()  # one write in flight at most: the previous one is durable and published first
+        # The record is published later under an async write; the caller's dict may change meanwhile (a curriculum
+        # stage retunes the model's RoPE in run_meta), so the record is what held at this step.
+        meta = copy.deepcopy(meta)
         tag = tag_for(step)
         tag_dir = self.root / tag
         if self.rank == 0:

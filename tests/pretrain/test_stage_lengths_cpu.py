@@ -38,7 +38,7 @@ def record(run_dir: Path, step: int) -> dict:
 def test_short_to_long_switches_in_process_resumes_exactly_and_exports_the_stage_rope(tmp_path):
     corpus = write_tiny_corpus(tmp_path / "corpus")
     whole = tmp_path / "whole"
-    log = train(corpus, whole)
+    log = train(corpus, whole, "checkpoint.async_save=true", "checkpoint.interval=32")
     assert "stage 2/2 'long' begins at sample 256 (16,384 tokens)" in log and "at seq_len 256" in log
     assert "stage 2: RoPE theta 40000" in log
     rows = {r["step"]: r for r in read_jsonl(whole / "cpu_tiny" / "metrics.jsonl") if "train/loss" in r}
@@ -47,6 +47,10 @@ def test_short_to_long_switches_in_process_resumes_exactly_and_exports_the_stage
     assert {rows[s]["train/seq_len"] for s in range(1, 33)} == {64}
     assert {rows[s]["train/seq_len"] for s in range(33, 65)} == {256}
     assert rows[64]["curriculum/tokens/ja"] + rows[64]["curriculum/tokens/en"] == 32768
+    # Step 32's asynchronous save is published while step 33 already trains with the long stage's RoPE: its record
+    # holds the RoPE of step 32 (it held step 33's before the checkpointer copied the record at save).
+    assert record(whole / "cpu_tiny", 32)["model"]["rope_theta"] == 10000.0
+    assert record(whole / "cpu_tiny", 64)["model"]["rope_theta"] == 40000.0
 
     # Stopped before the switch, resumed (the switch happens in the resumed process), stopped inside the long
     # stage, resumed again (the RoPE is retuned at resume): the same losses, bit for bit.
