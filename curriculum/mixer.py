@@ -39,16 +39,17 @@ import os
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from curriculum.config import CurriculumConfig, CurriculumError, domains_used, max_repetition, validate
 from curriculum.repetition import repetition_problems
 from curriculum.schedule import stage_lr, step_in_stage
+from data.domains import open_streams as open_shaped
 from data.manifest import write_json_atomic
 from data.packed import EpochPermutation, PackedSamples
-from curriculum.mixture import MixtureSchedule, Stream
+from curriculum.mixture import MixtureSchedule, Stream, streams_of
 STATE_FORMAT = "ayumi-curriculum-mixer"
 STATE_VERSION = 1
 
@@ -56,6 +57,15 @@ STATE_VERSION = 1
 def domain_seed(seed: int, name: str) -> int:
     """Per-domain shuffle seed from the run seed and the domain's *name*, so adding a domain changes no other's order."""
     return (int(seed) << 32) | zlib.crc32(name.encode("utf-8"))
+
+
+def open_streams(cfg: CurriculumConfig, data_root: str | os.PathLike, seq_len: int,
+                 vocab_size: int | None = None) -> dict[str, PackedSamples]:
+    """The streams a stage reads at its own seq_len or document filter, opened once, by stream name (none when
+    every stage reads at train.seq_len); the plan counts them and the mixer reads them."""
+    shapes = {stream.name: (stream.domain, stream.seq_len, stream.min_document_tokens)
+              for stream in streams_of(cfg, seq_len, domains_used(cfg)) if not stream.base}
+    return open_shaped(data_root, shapes, vocab_size) if shapes else {}
 
 
 # -- events ------------------------------------------------------------------------------------------
@@ -93,18 +103,15 @@ def merge_ranges(ranges: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
 
 
 # -- the mixer ---------------------------------------------------------------------------------------
-OpenStream = Callable[[Stream], PackedSamples]
-"""Opens a domain at another sample shape (a stage's own seq_len or document filter): data/domains.py."""
-
-
 class Mixer:
     """A `pretrain.loader.SampleSource` over a staged curriculum, with events, skips and resumable state.
 
-    `domains` are the domains at train.seq_len; `open_stream` opens the other streams a stage reads
-    (curriculum/mixture.py: a stage with its own seq_len or `min_document_tokens`)."""
+    `domains` holds the samples of every stream the stages read, by stream name: each domain at train.seq_len
+    under its own name, and the streams of a stage with its own seq_len or `min_document_tokens`
+    (curriculum/mixture.py) as `open_streams` opens them."""
 
     def __init__(self, cfg: CurriculumConfig, domains: Mapping[str, PackedSamples], seq_len: int,
-                 global_batch: int, seed: int, open_stream: OpenStream | None = None):
+                 global_batch: int, seed: int):
         validate(cfg, known_domains=list(domains))
         names = domains_used(cfg)
         self.cfg = cfg
@@ -114,7 +121,7 @@ class Mixer:
         self.schedule = MixtureSchedule(cfg, seq_len, names, global_batch)
         self.domain_names = names
         self.streams = self.schedule.streams
-        self._samples = [self._open(stream, domains, open_stream) for stream in self.streams]
+        self._samples = [self._samples_of(stream, domains) for stream in self.streams]
         empty = [stream.name for stream, samples in zip(self.streams, self._samples) if len(samples) == 0]
         if empty:
             raise CurriculumError(
@@ -133,14 +140,11 @@ class Mixer:
         self.skips: list[tuple[int, int]] = []
 
     @staticmethod
-    def _open(stream: Stream, domains: Mapping[str, PackedSamples], open_stream: OpenStream | None) -> PackedSamples:
-        if stream.base:
-            samples = domains[stream.domain]
-        elif open_stream is None:
-            raise CurriculumError(f"stream {stream.name!r} (domain {stream.domain!r} at another seq_len or with a "
-                                  "document filter) needs its data opened at that shape: pass open_stream")
-        else:
-            samples = open_stream(stream)
+    def _samples_of(stream: Stream, domains: Mapping[str, PackedSamples]) -> PackedSamples:
+        if stream.name not in domains:
+            raise CurriculumError(f"stream {stream.name!r} (domain {stream.domain!r} at seq_len {stream.seq_len}) was "
+                                  "not opened: open it with curriculum.mixer.open_streams")
+        samples = domains[stream.name]
         if samples.seq_len != stream.seq_len:
             raise CurriculumError(f"domain {stream.domain!r} was cut at seq_len {samples.seq_len}, "
                                   f"the stream {stream.name!r} needs {stream.seq_len}")
@@ -156,10 +160,6 @@ class Mixer:
     def sample_slots(self, global_index: int) -> int:
         """Global indices one sample spans at `global_index`: its stage's seq_len / train.seq_len."""
         return self.schedule.factors[self.schedule.stage_of(global_index)]
-
-    def seq_len_at(self, global_index: int) -> int:
-        """Tokens per sample of the stage holding `global_index`."""
-        return self.schedule.stage_seq_lens[self.schedule.stage_of(global_index)]
 
     def sample_ids(self, first: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(stream, epoch, sample id within the stream) of slots [first, first + count), vectorised."""

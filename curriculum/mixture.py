@@ -42,8 +42,7 @@ class Stream:
     def name(self) -> str:
         if self.base:
             return self.domain
-        return self.domain + (f"@{self.seq_len}" if self.seq_len else "") + (
-            f"/min{self.min_document_tokens}" if self.min_document_tokens else "")
+        return f"{self.domain}@{self.seq_len}" + (f"/min{self.min_document_tokens}" if self.min_document_tokens else "")
 
 
 def stage_stream(stage: Stage, domain: str, seq_len: int) -> Stream:
@@ -235,7 +234,7 @@ def stage_length_problems(cfg: CurriculumConfig, seq_len: int, global_batch: int
         if problem := length_problem(index, length, seq_len):
             problems.append(problem)
         elif global_batch % (length // seq_len):
-            problems.append(f"curriculum.stages.{index}.seq_len={length}: one step of {global_batch} samples of train.seq_len={seq_len} does not "
-                            f"divide into samples of {length} tokens; make train.global_batch_size a multiple of "
-                            f"{length // seq_len}")
+            problems.append(f"curriculum.stages.{index}.seq_len={length}: one step of {global_batch} samples of "
+                            f"train.seq_len={seq_len} does not divide into samples of {length} tokens; make "
+                            f"train.global_batch_size a multiple of {length // seq_len}")
     return problems

@@ -31,9 +31,10 @@ from typing import Any, Mapping
 
 from curriculum.config import CurriculumConfig, CurriculumError, config_problems, domains_used, enabled, max_repetition
 from curriculum.declared import register_curriculum_domains
-from curriculum.mixture import MixtureSchedule, stage_stream, streams_of
+from curriculum.mixer import open_streams
+from curriculum.mixture import MixtureSchedule, stage_stream
 from curriculum.repetition import repetition_problems, shuffled_epochs, shuffled_repetition_problems
-from data.domains import open_run_data, stream_opener
+from data.domains import open_run_data
 from data.manifest import ManifestError
 from data.packed import PackedSamples
 from data.shards import ShardFormatError, TokenizerMismatchError
@@ -437,7 +438,8 @@ def plan_from_config(cfg: Any, num_parameters: int, tokens_per_s: float | None =
     """The plan of a composed training config (an `AyumiConfig`, read by attribute; no pretrain import).
 
     Reads `curriculum` (absent or without stages: no curriculum), `train`, `checkpoint`, `data.root`,
-    `deepspeed.precision` and `.zero_stage`, and `stability.recovery` (the ring). The trainer passes the train `domains` it has already opened; without
+    `deepspeed.precision` and `.zero_stage`, and `stability.recovery` (the ring). The trainer passes the train `domains` it has already opened (with
+    the curriculum's streams, `curriculum.mixer.open_streams`); without
     them the curriculum's own domains are registered (curriculum/declared.py) and the shards under data.root
     counted. A missing data root is a `data` problem, not an exception.
     """
@@ -452,6 +454,10 @@ def plan_from_config(cfg: Any, num_parameters: int, tokens_per_s: float | None =
         try:
             register_curriculum_domains(cfg)
             tokens, counts = available_samples(cfg.data.root, train.seq_len)
+            if enabled(curriculum):  # the streams of stages with their own seq_len or document filter too
+                streams = open_streams(curriculum, cfg.data.root, train.seq_len)
+                tokens.update({name: samples.num_tokens for name, samples in streams.items()})
+                counts.update({name: len(samples) for name, samples in streams.items()})
         except CurriculumError:  # a misdeclared domain of the curriculum: make_plan lists it with the config problems
             return make_plan(curriculum, run, None, None, shape, tokens_per_s, free_bytes)
         except DATA_ERRORS as err:
@@ -460,27 +466,7 @@ def plan_from_config(cfg: Any, num_parameters: int, tokens_per_s: float | None =
             return plan
     if not enabled(curriculum) and getattr(cfg.data, "domains", None):
         counts = {name: n for name, n in counts.items() if name in cfg.data.domains}
-    if enabled(curriculum):
-        try:
-            more_tokens, more_counts = stream_sizes(curriculum, cfg.data.root, train.seq_len)
-        except DATA_ERRORS as err:
-            plan = make_plan(curriculum, run, None, None, shape, tokens_per_s, free_bytes)
-            plan.problems.insert(0, PlanProblem("data", f"{err} (per-domain availability and repetition are unchecked)"))
-            return plan
-        tokens, counts = {**tokens, **more_tokens}, {**counts, **more_counts}
     return make_plan(curriculum, run, tokens, counts, shape, tokens_per_s, free_bytes)
-
-
-def stream_sizes(curriculum: CurriculumConfig, data_root: str | os.PathLike,
-                 seq_len: int) -> tuple[dict[str, int], dict[str, int]]:
-    """(tokens, samples) of each stream a stage reads at its own seq_len or document filter (none when every
-    stage reads at train.seq_len), by stream name."""
-    streams = [stream for stream in streams_of(curriculum, seq_len, domains_used(curriculum)) if not stream.base]
-    if not streams:
-        return {}, {}
-    opened = {stream.name: stream_opener(data_root)(stream) for stream in streams}
-    return ({name: samples.num_tokens for name, samples in opened.items()},
-            {name: len(samples) for name, samples in opened.items()})
 
 
 # -- printing ----------------------------------------------------------------------------------------

@@ -69,14 +69,15 @@ def stage_starts(stages: Sequence[Stage], seq_len: int, global_batch: int = 1) -
     for index, cum in enumerate(cumulative_tokens(stages)[:-1]):
         following = index + 1
         align = global_batch if lengths[following] != lengths[index] else lengths[following] // seq_len
-        starts.append(max(starts[-1], round_up(-(-cum // seq_len), max(1, align))))
+        starts.append(max(starts[-1], round_up(-(-cum // seq_len), align)))
     return starts
 
 
 def stage_ends(stages: Sequence[Stage], seq_len: int, global_batch: int = 1) -> list[int]:
     """One past the planned last sample of each stage (the last stage may run past its end)."""
-    last = round_up(-(-cumulative_tokens(stages)[-1] // seq_len), max(1, stage_seq_lens(stages, seq_len)[-1] // seq_len))
-    return stage_starts(stages, seq_len, global_batch)[1:] + [max(last, stage_starts(stages, seq_len, global_batch)[-1])]
+    starts = stage_starts(stages, seq_len, global_batch)
+    last = round_up(-(-cumulative_tokens(stages)[-1] // seq_len), stage_seq_lens(stages, seq_len)[-1] // seq_len)
+    return starts[1:] + [max(last, starts[-1])]
 
 
 def stage_at_sample(starts: Sequence[int], sample: int) -> int:

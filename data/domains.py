@@ -49,21 +49,19 @@ def open_domain(root: Path, name: str, record: dict, split: str, seq_len: int, v
     return samples
 
 
-def stream_opener(root: str | Path, vocab_size: int | None = None, verify: str = "sizes"):
-    """A function opening one domain's training split at a curriculum stream's shape (its seq_len and
-    shortest document: curriculum/mixture.py's `Stream`), as the mixer asks for it."""
+def open_streams(root: str | Path, shapes: dict[str, tuple[str, int, int]], vocab_size: int | None = None,
+                 verify: str = "sizes") -> dict[str, PackedSamples | BlendedSamples]:
+    """Training splits opened at other sample shapes, for a curriculum's streams: name -> (domain, seq_len,
+    shortest document in tokens, 0 = any). The manifest is read once; sizes only by default (a run opened
+    its domains with its own `data.verify` already)."""
     root = Path(root)
     manifest = load_manifest(root)
-
-    def open_stream(stream) -> PackedSamples | BlendedSamples:
-        record = manifest["domains"][stream.domain]
-        checksum = wants_checksum(verify, [(record, "train")])
-        return open_domain(root, stream.domain, record, "train", stream.seq_len, vocab_size, checksum,
-                           stream.min_document_tokens)
-
-    return open_stream
-
-
+    out = {}
+    for name, (domain, seq_len, min_document_tokens) in shapes.items():
+        record = manifest["domains"][domain]
+        out[name] = open_domain(root, domain, record, "train", seq_len, vocab_size,
+                                wants_checksum(verify, [(record, "train")]), min_document_tokens)
+    return out
 def _fingerprint(shards: list[dict]) -> str:
     """What identifies the data: each shard's name, size and checksum (or size alone when none is recorded)."""
     keys = [[shard["name"], shard.get("prefix"), shard["bytes"], shard.get("sha256")] for shard in shards]

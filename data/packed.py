@@ -105,19 +105,20 @@ class EodAppended:
         self.bin_path = reader.bin_path
         self.num_docs = reader.num_docs
         self.num_tokens = reader.num_tokens + reader.num_docs
-        # Start of document d in the stream with separators: its start in the shard plus d separators.
-        self._starts = reader.doc_offsets + np.arange(reader.num_docs + 1, dtype=np.int64)
+        # Start of document d in the stream with separators: its start in the shard plus d separators (num_docs + 1
+        # values, as ShardReader.doc_offsets).
+        self.doc_offsets = reader.doc_offsets + np.arange(reader.num_docs + 1, dtype=np.int64)
 
     def slice(self, start: int, stop: int) -> np.ndarray:
         out = np.empty(stop - start, dtype=np.int64)
-        doc = int(np.searchsorted(self._starts, start, side="right")) - 1
+        doc = int(np.searchsorted(self.doc_offsets, start, side="right")) - 1
         filled = 0
         while start + filled < stop:
             position = start + filled
-            doc_end = int(self._starts[doc + 1]) - 1  # where this document's separator sits
+            doc_end = int(self.doc_offsets[doc + 1]) - 1  # where this document's separator sits
             if position < doc_end:
                 take = min(stop, doc_end) - position
-                inner = int(self.reader.doc_offsets[doc]) + position - int(self._starts[doc])
+                inner = int(self.reader.doc_offsets[doc]) + position - int(self.doc_offsets[doc])
                 out[filled:filled + take] = self.reader.tokens[inner:inner + take]
             else:
                 take = 1
@@ -135,7 +136,7 @@ class LongDocuments:
     """
 
     def __init__(self, reader: ShardReader | EodAppended, min_tokens: int):
-        bounds = reader._starts if isinstance(reader, EodAppended) else reader.doc_offsets
+        bounds = reader.doc_offsets
         lengths = np.diff(bounds)
         kept = np.flatnonzero(lengths >= min_tokens)
         self.reader, self.min_tokens = reader, min_tokens
@@ -153,7 +154,7 @@ class LongDocuments:
             offset = position - int(self._starts[doc])
             take = min(stop, int(self._starts[doc + 1])) - position
             first = int(self._doc_starts[doc]) + offset
-            pieces.append(np.asarray(self.reader.slice(first, first + take), dtype=np.int64))
+            pieces.append(self.reader.slice(first, first + take))
             position += take
             doc += 1
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)

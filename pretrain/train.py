@@ -47,9 +47,9 @@ from omegaconf import OmegaConf
 from curriculum.config import CurriculumError
 from curriculum.config import enabled as curriculum_enabled
 from curriculum.declared import register_curriculum_domains
-from curriculum.mixer import Mixer
+from curriculum.mixer import Mixer, open_streams
 from curriculum.plan import PlanRefused, checkpoint_shape, raise_if_refused
-from data.domains import open_run_data, stream_opener
+from data.domains import open_run_data
 from data.manifest import MANIFEST_NAME, ManifestError, check_manifest_tokenizer, load_manifest
 from data.packed import CorruptShardError, DataChangedError, PackedSamples, ShuffledDomains
 from data.shards import ShardFormatError, TokenizerMismatchError
@@ -140,14 +140,15 @@ def build_data(cfg: AyumiConfig, tokenizer: dict,
     settle_document_end(cfg, manifest, root)
     _, train, val = open_run_data(root, cfg.data.domains or None, cfg.train.seq_len, cfg.model.vocab_size,
                                   cfg.data.verify, cfg.data.validation)
+    if curriculum_enabled(cfg.curriculum):  # stages at their own seq_len or document filter read streams of their own
+        train.update(open_streams(cfg.curriculum, root, cfg.train.seq_len, cfg.model.vocab_size))
     # The same checks as `ayumi plan`: budgets vs run length, repetition, disk, GPU memory. Refuse before step 1.
     plan = run_plan(cfg, count_parameters(cfg.model), hardware, domains=train)
     raise_if_refused(plan.plan)
     if hardware.gpu_bytes and int(os.environ.get("RANK", 0)) == 0:
         print(format_memory(plan.memory, hardware.gpu_bytes, hardware.where), flush=True)
     if curriculum_enabled(cfg.curriculum):
-        return Mixer(cfg.curriculum, train, cfg.train.seq_len, cfg.train.global_batch_size, cfg.train.seed,
-                     open_stream=stream_opener(root, cfg.model.vocab_size)), val
+        return Mixer(cfg.curriculum, train, cfg.train.seq_len, cfg.train.global_batch_size, cfg.train.seed), val
     return ShuffledDomains(train, seed=cfg.train.seed), val
 
 

@@ -105,7 +105,6 @@ class Trainer:
         self.state = TrainState()
         self.domain_names = list(loader.source.domain_names)
         self.figures = StepFigures.of(cfg, dist)  # what the step's metrics derive from (pretrain/progress.py)
-        self.tokens_per_step = self.figures.tokens_per_step
         self.stop = StopSignal()
         self.mixer = loader.source if isinstance(loader.source, Mixer) else None
         self.skipped = SkippedData(Path(cfg.run_dir), loader, self.mixer, dist.is_main)
@@ -120,7 +119,7 @@ class Trainer:
         self.evaluator = Evaluator(cfg, dist, engine, val_sets, logger, self.watchdog, total_steps)
         self.downstream = DownstreamEvaluator(cfg, dist, engine, downstream or DownstreamTasks(), logger, self.watchdog,
                                               total_steps)
-        self.drills = FaultDrills(cfg, dist, self.stability.injector, logger, self.tokens_per_step)
+        self.drills = FaultDrills(cfg, dist, self.stability.injector, logger, self.figures.tokens_per_step)
         stragglers = StragglerMonitor(cfg.hang, self._gather_per_rank)
         self.hooks: list[StepHook] = [TelemetryHook(cfg, engine), HistogramHook(cfg, logger, self.stability.percentiles),
                                       StragglerHook(stragglers, logger), *(hooks or [])]
@@ -346,7 +345,7 @@ class Trainer:
             # The mixer advances over the samples this step trains before the step is judged, so a stage that
             # begins in it has its grace period from this very step. Events carry the step's 1-based number.
             self.log_curriculum_events(self.mixer.advance(self.loader.consumed_samples), step, step + 1,
-                                       self.state.tokens + self.tokens_per_step)
+                                       self.state.tokens + self.figures.tokens_per_step)
         fault, delayed = self.drills.apply(step, batches, self.state.tokens)
         own += delayed
         # Per-domain [loss sum, sample count], the total loss sum and the stop flag: one all-reduce per step
@@ -382,7 +381,7 @@ class Trainer:
         step_time = time.perf_counter() - start
         applied, action = self.judge_step(step, mean_loss, result)
         self.state.step += 1
-        self.state.tokens += self.tokens_per_step
+        self.state.tokens += self.figures.tokens_per_step
         self.state.wall_time += step_time
         self.state.skipped_steps += 0 if applied else 1
         metrics = step_metrics(self.figures, mean_loss, lr, result, step_time, reduced, self.state.skipped_steps,
@@ -416,7 +415,7 @@ class Trainer:
         metrics report the steps done after it (k + 1), like the progress line."""
         event = dict(event)
         kind, step, message = event.pop("event"), event.pop("step"), event.pop("message")
-        tokens = (step + 1) * self.tokens_per_step
+        tokens = (step + 1) * self.figures.tokens_per_step
         self.logger.event(kind, step + 1, tokens, message, **event)
 
     # -- recovery -------------------------------------------------------------------------------

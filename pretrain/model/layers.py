@@ -65,13 +65,16 @@ class RotaryEmbedding(nn.Module):
     def retune(self, theta: float, scaling: RopeScaling) -> None:
         """Another RoPE base or scaling from now on (a curriculum stage's, pretrain/stages.py)."""
         self.theta, self.scaling = theta, scaling
+        self._rebuild()
+
+    def _rebuild(self) -> None:
         self.cos, self.sin = self._tables(self.cos.device, self.max_seq_len)
 
     def _apply(self, fn, recurse=True):
         # `model.bfloat16()` would round the tables to bf16 (~3 significant digits, bad at large
         # positions). Rebuild them in fp32 on the new device after any move or cast instead.
         super()._apply(fn, recurse)
-        self.cos, self.sin = self._tables(self.cos.device, self.max_seq_len)
+        self._rebuild()
         return self
 
     def forward(self, seq_len: int) -> tuple[Tensor, Tensor]:

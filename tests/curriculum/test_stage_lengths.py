@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from curriculum.config import CurriculumConfig, CurriculumError, Stage
-from curriculum.mixer import Mixer
+from curriculum.mixer import Mixer, open_streams
 from curriculum.plan import RunShape, format_plan, make_plan
-from data.domains import stream_opener
 from data.token_root import TokenRoot
 from pretrain.loader import BatchLoader
 from pretrain.model.config import ModelConfig
@@ -56,7 +55,7 @@ def mixer_for(root: Path, cfg: CurriculumConfig, seed: int = 3) -> Mixer:
     from data.domains import open_run_data
 
     _, train, _ = open_run_data(root, None, SEQ, verify="sizes", validation=False)
-    return Mixer(cfg, train, SEQ, GLOBAL, seed, open_stream=stream_opener(root))
+    return Mixer(cfg, {**train, **open_streams(cfg, root, SEQ)}, SEQ, GLOBAL, seed)
 
 
 def test_a_stage_of_another_length_starts_on_a_step_and_spans_its_slots(data_root):
