@@ -146,9 +146,15 @@ def test_export_merges_the_tensor_parallel_shards(runs, tmp_path):
     assert len(slices) == 2
     for state in slices:
         assert {k: tuple(v.shape) for k, v in state.items()} == local_parameter_shapes(model, 2)
+    configs = [json.loads((exported[name] / "config.json").read_text()) for name in ("tp1", "tp2")]
+    assert configs[0] == configs[1]
+    # The two runs' weights differ by fp32 rounding (their reductions run in another order): 4e-7 at most on an
+    # AVX-512 Xeon. This tiny trained model is that sensitive: a random 2e-7 nudge of every weight moved its logits
+    # by 2.5e-4 there. A wrong merge (a shard swapped or split along the wrong axis) moves them by whole units.
     ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
-    logits = [LlamaForCausalLM.from_pretrained(exported[name]).eval()(ids).logits for name in ("tp1", "tp2")]
-    assert torch.allclose(logits[0], logits[1], atol=1e-4)
+    with torch.no_grad():
+        logits = [LlamaForCausalLM.from_pretrained(exported[name]).eval()(ids).logits for name in ("tp1", "tp2")]
+    assert torch.allclose(logits[0], logits[1], atol=2e-3), float((logits[0] - logits[1]).abs().max())
 
 
 def test_zero0_and_zero2_train_with_tensor_parallelism(runs):
