@@ -66,7 +66,8 @@ class Stage:
     token included) in this stage, e.g. the long documents for a long-context stage. Such a domain is a
     stream of its own (its own order and epochs), as is a domain at another seq_len."""
     rope_theta: float = 0.0
-    """RoPE base during this stage and after, for a context extension (0 = the model's, model.rope_theta)."""
+    """RoPE base during this stage and after, for a context extension (0 = the model's, model.rope_theta). A
+    stage that sets it (or rope_scaling) begins on a step boundary, so each step trains with one RoPE."""
     rope_scaling: dict[str, Any] = field(default_factory=dict)
     """RoPE scaling during this stage and after, as model.rope_scaling's fields (e.g. {type: yarn, factor: 4,
     original_max_seq_len: 8192}); empty = the model's."""

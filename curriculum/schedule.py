@@ -12,7 +12,8 @@ run) the last stage continues with the same mixture.
 
 A stage with its own, longer seq_len L' (a short-to-long schedule) keeps the index in L-token slots:
 each of its samples spans L' / L consecutive indices, so positions, skips and step boundaries mean the
-same in every stage, and the stage boundaries are rounded as `stage_starts` says.
+same in every stage, and the stage boundaries are rounded as `stage_starts` says: a stage of another
+length, or one that sets its own RoPE, begins on a step.
 """
 from __future__ import annotations
 
@@ -60,17 +61,24 @@ def stage_starts(stages: Sequence[Stage], seq_len: int, global_batch: int = 1) -
     """First global sample of each stage (see the module doc for the rounding).
 
     A stage with a longer seq_len L' spans L' / L global samples per sample it trains (the global index
-    counts L-token slots, L = the run's seq_len), so it starts on a multiple of L' / L; a stage whose length
+    counts L-token slots, L = the run's seq_len), so it starts on a multiple of L' / L. A stage whose length
     differs from the one before starts on a step (a multiple of `global_batch`), since one step's batch
-    holds samples of one length.
+    holds samples of one length; so does a stage that sets its own RoPE, since one step's forward uses one
+    RoPE table (else the samples of that step from the new stage would train with the old RoPE).
     """
     lengths = stage_seq_lens(stages, seq_len)
     starts = [0]
     for index, cum in enumerate(cumulative_tokens(stages)[:-1]):
         following = index + 1
-        align = global_batch if lengths[following] != lengths[index] else lengths[following] // seq_len
+        on_a_step = lengths[following] != lengths[index] or sets_rope(stages[following])
+        align = global_batch if on_a_step else lengths[following] // seq_len
         starts.append(max(starts[-1], round_up(-(-cum // seq_len), align)))
     return starts
+
+
+def sets_rope(stage: Stage) -> bool:
+    """Whether a stage sets its own RoPE (rope_theta or rope_scaling), in force from its first step."""
+    return bool(stage.rope_theta) or bool(stage.rope_scaling)
 
 
 def stage_ends(stages: Sequence[Stage], seq_len: int, global_batch: int = 1) -> list[int]:

@@ -74,6 +74,16 @@ def test_a_stage_of_another_length_starts_on_a_step_and_spans_its_slots(data_roo
     assert schedule.stream_names == ["a", "b", f"a@{4 * SEQ}/min{LONG}", f"b@{4 * SEQ}"]
 
 
+@pytest.mark.parametrize("rope", [{}, {"rope_theta": 40000.0}, {"rope_scaling": {"type": "linear", "factor": 2.0}}])
+def test_a_stage_that_sets_its_rope_starts_on_a_step(rope):
+    """Same length, another RoPE: one step's forward uses one RoPE table, so the stage begins on a step (45 x 16 + 3
+    tokens end inside step 5: step 6 is sample 48); without a RoPE of its own it begins at its first slot, 46."""
+    from curriculum.schedule import stage_starts
+
+    stages = [Stage("first", 45 * SEQ + 3, {"a": 1.0}), Stage("second", 40 * SEQ, {"a": 1.0}, **rope)]
+    assert stage_starts(stages, SEQ, GLOBAL) == [0, 48 if rope else 46]
+
+
 def test_the_long_stage_reads_only_long_documents_where_asked(data_root):
     mixer = mixer_for(data_root, short_to_long())
     long_a = short_b = 0
