@@ -171,8 +171,8 @@ class Checkpointer:
                 raise self._write_failed(tag_dir, step, err) from err
             if self.rank == 0:
                 shutil.rmtree(tag_dir, ignore_errors=True)
-            raise CheckpointWriteFailed(f"saving {tag_dir} failed on another rank (its log says why); "
-                                        f"{self._full_disk_advice(step)}")
+            advice = self._failed_save_advice(step, "see that rank's line, then start the job again")
+            raise CheckpointWriteFailed(f"saving {tag_dir} failed on another rank (its log says why); {advice}")
         if self.rank == 0 and prune:
             self._prune(step)
         return tag_dir
@@ -243,11 +243,15 @@ class Checkpointer:
         return tag_dir
 
     def _full_disk_advice(self, step: int) -> str:
+        return self._failed_save_advice(step, "free space there (old runs, other files) or point checkpoint.dir at "
+                                              "a larger disk, then start the job again")
+
+    def _failed_save_advice(self, step: int, fix: str = "start the job again") -> str:
+        """What was kept of a failed save and how to go on: `fix` then resume from the last good checkpoint."""
         last = latest_tag(self.root)
         kept = f"{self.root / last} is the last good checkpoint" if last else "no checkpoint of this run exists yet"
         resume = f"it resumes from {last}" if last else "it starts again from step 0"
-        return (f"nothing of step {step} was kept and {kept}. Fix: free space there (old runs, other files) or point "
-                f"checkpoint.dir at a larger disk, then start the job again: {resume}")
+        return f"nothing of step {step} was kept and {kept}. Fix: {fix}: {resume}"
 
     def _check_room(self, step: int) -> None:
         """Refuse on every rank alike, before anything is written, when the disk cannot hold the checkpoint."""
@@ -270,7 +274,9 @@ class Checkpointer:
             return CheckpointWriteFailed(
                 f"the disk at {self.root} is full ({human_bytes(_free_bytes(self.root))} free) while saving step {step} "
                 f"on rank {self.rank}; {self._full_disk_advice(step)}")
-        return CheckpointWriteFailed(f"saving {tag_dir} failed on rank {self.rank}: {err}; {self._full_disk_advice(step)}")
+        # Not the disk (a peer lost in the save's collectives, a permission, an I/O error): no advice to free space.
+        return CheckpointWriteFailed(f"saving {tag_dir} failed on rank {self.rank}: {err}; "
+                                     f"{self._failed_save_advice(step)}")
 
     def _prune(self, step: int) -> None:
         """Drop old complete checkpoints beyond keep_last (but those `protect` names) and incomplete leftovers.

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from common.status import HANG
+from pretrain.job.exit_status import record_exit
 from pretrain.ranges import Range, at_least
 
 EXIT_HANG = HANG
@@ -214,6 +215,9 @@ class HangWatchdog:
     def _hang(self, stalled: float) -> None:
         """Dump this rank's stack; the first rank to claim the report (a stopped rank resumed to dump its
         stack finds it claimed) gathers the others' and writes it; then leave with EXIT_HANG."""
+        # Recorded first, for `ayumi train`: the hang is why the job ends, whatever a rank resumed to dump its
+        # stack says later (a stopped rank's save then fails on the connection this one closes).
+        record_exit(EXIT_HANG)
         try:
             faulthandler.dump_traceback(file=self._stack_file, all_threads=True)
             self._stack_file.flush()

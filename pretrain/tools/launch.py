@@ -249,11 +249,14 @@ def ranks_status(folder: str, status: int) -> int | None:
     """The status the ranks left in `folder` when the launcher failed (torchrun reports their 2 or 3 as 1), their
     message repeated last so the launcher's report above does not bury it; None when they left none (a crash, a hang)."""
     from pretrain.job.exit_status import agreed_exit, read_exits
+    from pretrain.job.hang_watchdog import EXIT_HANG
 
     agreed = agreed_exit(read_exits(folder)) if status != 0 else None
     if agreed is None:
         return None
     chosen, messages = agreed
+    if chosen == EXIT_HANG:  # the watchdog's, recorded before any other rank left: hang_status says it, with its report
+        return None
     if chosen == status:  # a plain process (--nproc 1): its own line is already the last one
         return chosen
     for message in messages:

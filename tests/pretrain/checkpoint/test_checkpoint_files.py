@@ -12,14 +12,15 @@ from pretrain.checkpoint.checkpointer import (
 class FakeEngine:
     """Writes a file where DeepSpeed would write its shards (the mechanism under test is ayumi's)."""
 
-    def __init__(self, fail=False):
+    def __init__(self, fail=False, error=None):
         self.fail = fail
+        self.error = error or OSError("No space left on device")
 
     def save(self, root, tag, client_state, collector=None):
         (root / tag).mkdir(parents=True, exist_ok=True)
         (root / tag / "mp_rank_00_model_states.pt").write_bytes(b"weights")  # written directly: rank 0 hashes it
         if self.fail:
-            raise OSError("No space left on device")
+            raise self.error
 
 
 class LoadingEngine(FakeEngine):
@@ -55,6 +56,20 @@ def test_crash_mid_save_keeps_latest_on_the_previous_checkpoint(tmp_path):
     assert not (root / tag_for(20)).exists()  # rank 0 removed what the failed save left
     assert latest_tag(root) == tag_for(10)
     assert complete_tags(root) == [tag_for(10)]
+
+
+def test_a_save_that_fails_for_another_reason_than_the_disk_gives_no_disk_advice(tmp_path):
+    """A peer lost in the save's collectives (a drill's stopped rank, resumed after the watchdog ended the job):
+    the line says what failed and where to resume, not to free space."""
+    ckpt = make(tmp_path)
+    ckpt.save(FakeEngine(), 10, {}, {})
+    lost = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:9605: Connection reset by peer")
+    with pytest.raises(CheckpointWriteFailed) as failed:
+        ckpt.save(FakeEngine(fail=True, error=lost), 20, {}, {})
+    root = tmp_path / "checkpoints"
+    assert str(failed.value) == (f"saving {root / tag_for(20)} failed on rank 0: {lost}; nothing of step 20 was kept "
+                                 f"and {root / tag_for(10)} is the last good checkpoint. Fix: start the job again: it "
+                                 f"resumes from {tag_for(10)}")
 
 
 def test_latest_pointing_at_an_incomplete_folder_falls_back(tmp_path):

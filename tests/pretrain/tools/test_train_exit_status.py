@@ -112,3 +112,30 @@ def test_without_ayumi_train_the_ranks_leave_no_status_file(tmp_path, monkeypatc
     record_exit(2)  # a rank that followed: the status, no message
     assert sorted(os.listdir(tmp_path)) == ["rank_00000.json", "rank_00001.json"]
     assert agreed_exit(read_exits(tmp_path)) == (2, ["the disk at /x is full"])
+
+
+def test_a_hang_recorded_first_ends_the_job_with_status_4_whatever_a_rank_says_after(tmp_path, capsys):
+    """As in a drill that stopped rank 1 inside a checkpoint save: rank 0's watchdog records the hang (4) and writes
+    its report; rank 1, resumed to dump its stack, then fails its save on the connection rank 0 closed and records
+    2; torchrun reports 1. `ayumi train` (run_job, with a stand-in for the launcher) returns 4 and says why."""
+    from pretrain.tools.launch import run_job
+
+    run_dir = tmp_path / "run"
+    launcher = f"""
+import os, time
+from pathlib import Path
+from pretrain.job.exit_status import record_exit
+os.environ["RANK"] = "0"
+record_exit(4)
+(Path({str(run_dir)!r}) / "hang").mkdir(parents=True)
+(Path({str(run_dir)!r}) / "hang" / "report.txt").write_text("did not arrive: rank 1\\n")
+time.sleep(0.01)
+os.environ["RANK"] = "1"
+record_exit(2, "saving step_0000040 failed on rank 1: Connection reset by peer")
+raise SystemExit(1)
+"""
+    status = run_job([sys.executable, "-c", launcher], {**cpu_env(), "PYTHONPATH": str(REPO)}, str(run_dir))
+    assert status == 4
+    err = capsys.readouterr().err
+    assert f"ayumi train: the job hung and was ended by the watchdog (exit status 4); report: {run_dir / 'hang' / 'report.txt'}" in err
+    assert "Connection reset" not in err
