@@ -247,7 +247,8 @@ def run_job(cmd: list[str], env: dict[str, str], run_dir: str) -> int:
 
 def ranks_status(folder: str, status: int) -> int | None:
     """The status the ranks left in `folder` when the launcher failed (torchrun reports their 2 or 3 as 1), their
-    message repeated last so the launcher's report above does not bury it; None when they left none (a crash, a hang)."""
+    message repeated last so the launcher's report above does not bury it; None when they left none (a crash) or the
+    first to leave was the hang watchdog (hang_status says that, naming its report)."""
     from pretrain.job.exit_status import agreed_exit, read_exits
     from pretrain.job.hang_watchdog import EXIT_HANG
 
