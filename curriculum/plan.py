@@ -184,8 +184,12 @@ class Plan:
 def available_samples(data_root: str | os.PathLike, seq_len: int) -> tuple[dict[str, int], dict[str, int]]:
     """(tokens, samples) per domain of DATA_ROOT's manifest, counted from the shard indices (sizes checked, no checksums)."""
     _, train, _ = open_run_data(data_root, None, seq_len, verify="sizes", validation=False)
-    return ({name: domain.num_tokens for name, domain in train.items()},
-            {name: len(domain) for name, domain in train.items()})
+    return sizes_of(train)
+
+
+def sizes_of(samples: Mapping[str, PackedSamples]) -> tuple[dict[str, int], dict[str, int]]:
+    """(tokens, samples) of each opened domain or stream, by name."""
+    return ({name: s.num_tokens for name, s in samples.items()}, {name: len(s) for name, s in samples.items()})
 
 
 SHUFFLED = "none (all domains shuffled)"
@@ -438,26 +442,24 @@ def plan_from_config(cfg: Any, num_parameters: int, tokens_per_s: float | None =
     """The plan of a composed training config (an `AyumiConfig`, read by attribute; no pretrain import).
 
     Reads `curriculum` (absent or without stages: no curriculum), `train`, `checkpoint`, `data.root`,
-    `deepspeed.precision` and `.zero_stage`, and `stability.recovery` (the ring). The trainer passes the train `domains` it has already opened (with
-    the curriculum's streams, `curriculum.mixer.open_streams`); without
-    them the curriculum's own domains are registered (curriculum/declared.py) and the shards under data.root
-    counted. A missing data root is a `data` problem, not an exception.
+    `deepspeed.precision` and `.zero_stage`, and `stability.recovery` (the ring). The trainer passes the train
+    `domains` it has already opened (with the curriculum's streams, `curriculum.mixer.open_streams`); without them
+    the curriculum's own domains are registered (curriculum/declared.py) and the shards under data.root counted.
+    A missing data root is a `data` problem, not an exception.
     """
     curriculum = getattr(cfg, "curriculum", None)
     train = cfg.train
     run = RunShape(train.tokens, train.seq_len, train.global_batch_size, getattr(train, "max_steps", 0))
     shape = checkpoint_shape(cfg, num_parameters)
     if domains is not None:
-        tokens = {name: samples.num_tokens for name, samples in domains.items()}
-        counts = {name: len(samples) for name, samples in domains.items()}
+        tokens, counts = sizes_of(domains)
     else:
         try:
             register_curriculum_domains(cfg)
             tokens, counts = available_samples(cfg.data.root, train.seq_len)
             if enabled(curriculum):  # the streams of stages with their own seq_len or document filter too
-                streams = open_streams(curriculum, cfg.data.root, train.seq_len)
-                tokens.update({name: samples.num_tokens for name, samples in streams.items()})
-                counts.update({name: len(samples) for name, samples in streams.items()})
+                stream_tokens, stream_counts = sizes_of(open_streams(curriculum, cfg.data.root, train.seq_len))
+                tokens, counts = {**tokens, **stream_tokens}, {**counts, **stream_counts}
         except CurriculumError:  # a misdeclared domain of the curriculum: make_plan lists it with the config problems
             return make_plan(curriculum, run, None, None, shape, tokens_per_s, free_bytes)
         except DATA_ERRORS as err:

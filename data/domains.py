@@ -62,6 +62,8 @@ def open_streams(root: str | Path, shapes: dict[str, tuple[str, int, int]], voca
         out[name] = open_domain(root, domain, record, "train", seq_len, vocab_size,
                                 wants_checksum(verify, [(record, "train")]), min_document_tokens)
     return out
+
+
 def _fingerprint(shards: list[dict]) -> str:
     """What identifies the data: each shard's name, size and checksum (or size alone when none is recorded)."""
     keys = [[shard["name"], shard.get("prefix"), shard["bytes"], shard.get("sha256")] for shard in shards]
