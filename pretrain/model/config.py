@@ -116,9 +116,11 @@ class ModelConfig:
     """torch.compile: blocks (each decoder block, static shapes), full (the whole model), off; auto = blocks on
     CUDA, off on CPU (where compiling costs more than it saves on small runs). A recompile happens only when a
     shape changes (another micro batch or sequence length, e.g. a last partial batch) or the checkpointing policy does."""
-    loss_chunk_tokens: int = 0
-    """LM head + cross-entropy in chunks of this many tokens, recomputed in backward, so the whole
-    [tokens x vocab] fp32 logits never exist (pretrain/model/chunked_loss.py); 0 = one pass (fastest when it fits)."""
+    loss_chunk_tokens: int = 4096
+    """LM head fused with its cross-entropy, in chunks of this many tokens, gradients made in the forward pass
+    with GEMMs in the training dtype (pretrain/model/chunked_loss.py): the whole [tokens x vocab] logits never
+    exist, and nothing is recomputed. 0 = the plain path: whole logits, then cross-entropy (what transformers
+    does; more memory, and no faster)."""
     init_from: str | None = None
     """A local Hugging Face Llama folder (config.json + safetensors) to start from: its config.json sets the shape
     (a model.* override that contradicts it is an error), its weights replace the random init at step 0. With a
@@ -137,7 +139,7 @@ class ModelConfig:
                                           "num_heads", "num_kv_heads", "max_seq_len")},
         "rope_theta": above(0), "norm_eps": above(0), "init_std": above(0), "z_loss": at_least(0, "0 = off"),
         "embedding_grad_alpha": between(0, 1, low_open=True, note="1.0 = off"),
-        "loss_chunk_tokens": at_least(0, "0 = one pass"),
+        "loss_chunk_tokens": at_least(0, "0 = the plain path, whole logits"),
     }
     """Allowed values (pretrain/ranges.py); shapes must also divide, see model_problems."""
 

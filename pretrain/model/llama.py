@@ -147,9 +147,10 @@ class Llama(nn.Module):
                 h = block(h, cos, sin, recompute if self.training else "", mask)
         h = self.model.norm(h)
         chunk = self.cfg.loss_chunk_tokens
-        if labels is not None and chunk > 0 and not return_logits:
-            token_ce, token_lse = self.lm_head(h, labels, chunk)  # never the whole [B, T, vocab] logits
-            return self.loss_from_tokens(token_ce, token_lse, labels, whole_labels, split)
+        if labels is not None and chunk > 0 and not return_logits:  # never the whole [B, T, vocab] logits
+            scale = self.loss_scale(labels, whole_labels, split)
+            loss, token_ce, token_lse = self.lm_head(h, labels, chunk, scale, self.cfg.z_loss)
+            return self.loss_from_tokens(token_ce, token_lse, labels, whole_labels, split, loss=loss)
         logits = self.lm_head(h)
         if labels is None:
             return LlamaOutput(loss=None, logits=logits)
@@ -178,24 +179,36 @@ class Llama(nn.Module):
         del logits32
         return self.loss_from_tokens(token_ce, token_lse, labels, whole_labels, split)
 
+    @staticmethod
+    def loss_scale(labels: Tensor, whole_labels: Tensor | None = None, split: SequenceSlice | None = None) -> Tensor:
+        """What a sum over this rank's tokens is multiplied by to give the batch's mean: 1/tokens, times the
+        group size under sequence parallelism (loss_from_tokens says why); a 0-dim fp32 tensor on the device."""
+        counted = labels if split is None else whole_labels
+        tokens = (counted != IGNORE_INDEX).sum().clamp(min=1)  # all-ignored batch: loss 0, not NaN
+        return (split.size if split is not None else 1) / tokens.float()
+
     def loss_from_tokens(self, token_ce: Tensor, token_lse: Tensor | None, labels: Tensor,
-                         whole_labels: Tensor | None = None, split: SequenceSlice | None = None) -> LlamaOutput:
+                         whole_labels: Tensor | None = None, split: SequenceSlice | None = None,
+                         loss: Tensor | None = None) -> LlamaOutput:
         """Mean loss, z-loss and per-sample losses from per-token CE and log Z (0 where ignored) of either path.
 
-        Sequence-parallel (`split`): `labels` are this rank's slice, `whole_labels` the whole sequences; the
-        sums are this slice's, divided by the whole sequences' token counts and times the group size, so the
-        group's mean is the whole batch's (pretrain/model/sequence_parallel.py)."""
+        `loss`, when given, is the fused head's (chunked_loss.py): the same value, with its gradient already
+        made, and the per-token values are then detached. Sequence-parallel (`split`): `labels` are this
+        rank's slice, `whole_labels` the whole sequences; the sums are this slice's, divided by the whole
+        sequences' token counts and times the group size, so the group's mean is the whole batch's
+        (pretrain/model/sequence_parallel.py)."""
         mask = labels != IGNORE_INDEX
         counted = mask if split is None else whole_labels != IGNORE_INDEX
         tokens = counted.sum()
         ce = token_ce.sum() / tokens.clamp(min=1)  # all-ignored batch: loss 0, not NaN
         if split is not None:
             ce = ce * split.size
-        loss = ce
-        if self.cfg.z_loss > 0:
-            # PaLM z-loss: pulls log Z toward 0 so the softmax normaliser cannot drift.
-            z = (token_lse.square() * mask).sum() / tokens.clamp(min=1)
-            loss = ce + self.cfg.z_loss * (z if split is None else z * split.size)
+        if loss is None:
+            loss = ce
+            if self.cfg.z_loss > 0:
+                # PaLM z-loss: pulls log Z toward 0 so the softmax normaliser cannot drift.
+                z = (token_lse.square() * mask).sum() / tokens.clamp(min=1)
+                loss = ce + self.cfg.z_loss * (z if split is None else z * split.size)
         sample_tokens = counted.sum(dim=1)
         sample_loss = token_ce.sum(dim=1).detach() / sample_tokens.clamp(min=1)
         if split is not None:

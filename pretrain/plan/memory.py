@@ -274,11 +274,13 @@ def block_activation_bytes(shape: MemoryShape, recompute: str) -> int:
 
 
 def head_activation_bytes(shape: MemoryShape) -> int:
-    """The final norm and what the loss keeps for backward (plain: fp32 log-probabilities; chunked: one float a token)."""
+    """The final norm and what the loss keeps for backward. Plain: the fp32 log-probabilities. Fused
+    (chunked_loss.py): the gradients it made in forward, the hidden states' in place of the hidden states
+    themselves (counted with the norm's output) and the weight's in fp32."""
     model, e = shape.model, shape.compute_bytes
     n = shape.local_tokens
     kept = norm_activation_bytes(n, model.hidden_size, e)
-    return kept + (4 * n if model.loss_chunk_tokens > 0 else 4 * n * model.vocab_size)
+    return kept + (4 * model.vocab_size * model.hidden_size if model.loss_chunk_tokens > 0 else 4 * n * model.vocab_size)
 
 
 def activation_bytes(shape: MemoryShape) -> int:
@@ -294,7 +296,9 @@ def transient_bytes(shape: MemoryShape) -> int:
     vocab, h = model.vocab_size, model.hidden_size
     if model.loss_chunk_tokens > 0:
         chunk = min(model.loss_chunk_tokens, n)
-        loss = (4 + e) * chunk * vocab + 3 * 4 * vocab * h + e * n * h  # chunk logits, fp32 weight copy and grads
+        forward = (4 + e) * chunk * vocab  # a chunk's fp32 logits and their gradient in the model dtype
+        backward = (4 + e) * (vocab * h + n * h)  # the kept gradients scaled in fp32, then cast
+        loss = max(forward, backward)
     else:
         loss = (8 + e) * n * vocab  # logits in the model dtype, fp32 copy, log-softmax gradient
     plan = checkpointing_plan(shape.checkpointing, model.num_layers)
@@ -317,7 +321,7 @@ def estimate_memory(shape: MemoryShape) -> MemoryEstimate:
                                      + ", "
                                      f"checkpointing {shape.checkpointing} ({sum(1 for p in plan if p)} of "
                                      f"{len(plan)} blocks recompute)"))
-    head = "chunked" if shape.model.loss_chunk_tokens > 0 else "whole fp32 logits"
+    head = "fused, chunked" if shape.model.loss_chunk_tokens > 0 else "whole fp32 logits"
     # The step's own buffers come after backward freed the activations: they raise the peak only past those.
     step = step_bytes(parameters, shape) - estimate.term("activations")
     estimate.terms.append(MemoryTerm("transients", max(transient_bytes(shape), step), f"loss: {head}"))
