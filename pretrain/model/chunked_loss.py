@@ -45,6 +45,7 @@ def _fp32_out_kind(device: str) -> str:
 
     torch has `mm`/`addmm` with `out_dtype` on CUDA only (2.8+); probed once on a small product against an
     fp32 reference, so a torch without them, or one that computes them wrongly, falls back instead of failing.
+    Never asked while torch.compile traces (model.compile=full): the callers leave the product to inductor then.
     """
     if not device.startswith("cuda"):
         return "cast"
@@ -66,7 +67,7 @@ def matmul_fp32(a: Tensor, b: Tensor) -> Tensor:
     """a @ b in the inputs' dtype (tensor cores for bf16), the result in fp32."""
     if a.dtype == torch.float32:
         return a @ b
-    if _fp32_out_kind(str(a.device)) == "dtype":
+    if not torch.compiler.is_compiling() and _fp32_out_kind(str(a.device)) == "dtype":
         return torch.mm(a, b, out_dtype=torch.float32)
     return (a @ b).float()
 
@@ -75,7 +76,7 @@ def accumulate_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:
     """acc (fp32) += a @ b, the product computed in the inputs' dtype."""
     if a.dtype == torch.float32:
         acc.addmm_(a, b)
-    elif _fp32_out_kind(str(a.device)) == "dtype":
+    elif not torch.compiler.is_compiling() and _fp32_out_kind(str(a.device)) == "dtype":
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     else:
         acc.add_(a @ b)
@@ -107,7 +108,7 @@ _compile_failed = False
 def loss_terms_for(device: torch.device):
     """chunk_loss_terms, compiled on CUDA (one fused pass over a chunk's logits instead of five) and eager elsewhere."""
     global _compiled_terms
-    if device.type != "cuda" or _compile_failed:
+    if device.type != "cuda" or _compile_failed or torch.compiler.is_compiling():  # already inside a compiled model
         return chunk_loss_terms
     if _compiled_terms is None:
         _compiled_terms = torch.compile(chunk_loss_terms, dynamic=False)
