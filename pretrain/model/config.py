@@ -107,7 +107,7 @@ class ModelConfig:
     attention: str = "sdpa"
     """Attention: sdpa (torch scaled_dot_product_attention, causal; flash/efficient kernels on GPU), eager (a
     reference), or document: causal within each document of a packed sample, documents ending with
-    document_end_id (FlexAttention on CUDA, SDPA with a mask elsewhere; pretrain/model/documents.py)."""
+    document_end_id (flash varlen attention on CUDA in bf16/fp16, SDPA with a mask elsewhere; pretrain/model/documents.py)."""
     document_end_id: int = -1
     """attention=document: the token that ends a document; -1 = the data's end-of-document id (its manifest)."""
     restart_positions: bool = False

@@ -10,14 +10,42 @@ computed exactly as if it were alone.
 The documents are found from the tokens themselves: the token after an end-of-document token starts a
 new one. The end token belongs to the document it ends (it is predicted from inside it).
 
-Kernels, the fastest exact one the platform has: on CUDA, FlexAttention with a block mask (blocks of
-the mask that are all masked are skipped, so the work follows the documents' lengths); elsewhere, SDPA
-with a boolean [B, 1, T, T] mask.
+Kernels (`mask_kernel` picks one from what the device, dtype and head size support):
+
+* "varlen": torch's variable-length flash attention (`torch.nn.attention.varlen.varlen_attn`, the
+  FlashAttention-2 kernel that SDPA's causal path runs), as OLMo-core and torchtitan use flash varlen with
+  the documents' boundaries. The batch's documents become the kernel's sequences, each attended causally:
+  exact by construction (a document is computed as a sequence of its own), the work is the sum of the
+  squared document lengths, and a sample that is one long document runs the same kernel as causal
+  attention. Every length runs: there is no block size to meet. Needs CUDA with flash attention (compute
+  capability 8.0+), a torch that has varlen_attn, fp16/bf16, a head size that is a multiple of 8 up to 256.
+* "sdpa": SDPA with a boolean [B, 1, T, T] mask everywhere else (the CPU, fp32, other GPUs or head sizes):
+  exact for every dtype and shape; it computes the whole T x T.
+
+FlexAttention is not used: its compiled kernels failed on shapes real runs have (torch 2.11 on an H200:
+inductor's NoValidChoicesError in create_flex_decoding_kernel for a fp32 query of 90 tokens; flex picks
+its decoding kernel below 128 query tokens), and with long documents it was 10% slower than the flash
+kernel, skipping almost nothing.
+
+The varlen kernel takes the documents' count and longest length as host integers, so building its spans
+waits for the device once per forward (llama.py builds them before the first block, from the whole
+sequence; torchtitan takes the same wait). Inside compiled blocks the varlen call runs outside the graph
+(torch.compiler.disable): its inputs' sizes change with every batch, and a graph that took them would
+recompile for each new document count.
 """
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+
+VARLEN_DTYPES = (torch.float16, torch.bfloat16)
+"""The dtypes flash attention computes in."""
+VARLEN_MAX_HEAD_DIM = 256
+"""Flash attention's largest head size (a multiple of 8)."""
 
 
 def document_ids(input_ids: Tensor, end_id: int) -> Tensor:
@@ -27,12 +55,17 @@ def document_ids(input_ids: Tensor, end_id: int) -> Tensor:
     return starts.cumsum(1)
 
 
+def document_starts(documents: Tensor) -> Tensor:
+    """[B, T] True at each document's first token (every row's first token starts one)."""
+    first = torch.ones_like(documents, dtype=torch.bool)
+    first[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return first
+
+
 def positions_in_document(documents: Tensor) -> Tensor:
     """[B, T] each token's position within its own document (0 at its first token)."""
     steps = torch.arange(documents.shape[1], device=documents.device).expand_as(documents)
-    first = torch.ones_like(documents, dtype=torch.bool)
-    first[:, 1:] = documents[:, 1:] != documents[:, :-1]
-    start_of_own = torch.where(first, steps, torch.zeros_like(steps)).cummax(1).values
+    start_of_own = torch.where(document_starts(documents), steps, torch.zeros_like(steps)).cummax(1).values
     return steps - start_of_own
 
 
@@ -55,37 +88,157 @@ def dense_mask(documents: Tensor) -> Tensor:
     return ((documents[:, :, None] == documents[:, None, :]) & causal)[:, None]
 
 
-def block_mask(documents: Tensor):
-    """FlexAttention's BlockMask for causal attention within documents."""
-    from torch.nn.attention.flex_attention import create_block_mask
+class DocumentSpans:
+    """The batch's documents as the varlen kernel's sequences. `bounds`: int32 [N + 1] offsets into the
+    [B * T] flattened tokens (0, the first token of each later document, B * T; a row's first token always
+    starts a document, so none spans two rows); `longest`: the longest document's length."""
 
-    def within_document(batch, head, query, key):
-        return (query >= key) & (documents[batch, query] == documents[batch, key])
+    def __init__(self, bounds: Tensor, longest: int):
+        self.bounds, self.longest = bounds, longest
 
+
+def document_spans(documents: Tensor) -> DocumentSpans:
+    """The spans of [B, T] document ids. Waits for the device once (nonzero's count sizes its result); the
+    longest length is read right after, from a device with nothing left to run."""
+    _outside_graphs()  # made here, before any compiled block calls it (it imports dynamo)
     b, t = documents.shape
-    return create_block_mask(within_document, b, None, t, t, device=documents.device)
+    starts = document_starts(documents).flatten().nonzero().flatten()
+    bounds = torch.cat([starts, starts.new_tensor([b * t])]).to(torch.int32)
+    return DocumentSpans(bounds, int((bounds[1:] - bounds[:-1]).max()))
 
 
-def attention_mask(documents: Tensor, kernel: str):
-    """The mask Attention takes: "flex" (a BlockMask) or "sdpa" (a boolean tensor)."""
-    return block_mask(documents) if kernel == "flex" else dense_mask(documents)
+class DocumentMask:
+    """What attention needs to keep each token within its document, built once per forward from the whole
+    sequence (llama.py): the [B, T] document ids and, for the kernel the device runs, the dense mask
+    ("sdpa") or the documents' spans ("varlen"). A layer whose dtype or head size varlen cannot take
+    (mask_kernel) builds the dense mask from the ids itself."""
+
+    def __init__(self, documents: Tensor, dense: Tensor | None = None, spans: DocumentSpans | None = None):
+        self.documents, self.dense, self.spans = documents, dense, spans
+
+    def dense_mask(self) -> Tensor:
+        return self.dense if self.dense is not None else dense_mask(self.documents)
 
 
-def mask_kernel(device: torch.device) -> str:
-    """FlexAttention on CUDA (compiled there); SDPA with a dense mask on other devices."""
-    return "flex" if device.type == "cuda" else "sdpa"
+def attention_mask(documents: Tensor, kernel: str) -> DocumentMask:
+    """The mask Attention takes, prepared for `kernel` (mask_kernel's answer for the device)."""
+    if kernel == "varlen":
+        return DocumentMask(documents, spans=document_spans(documents))
+    if kernel == "sdpa":
+        return DocumentMask(documents, dense=dense_mask(documents))
+    raise ValueError(f"unknown document-masking kernel {kernel!r}: varlen or sdpa")
 
 
-_compiled_flex = None
+def mask_kernel(device: torch.device, dtype: torch.dtype | None = None, head_dim: int | None = None) -> str:
+    """The document-masking kernel for tensors of `dtype` with heads of `head_dim` on `device`: "varlen" where
+    torch's flash varlen attention runs them (module docstring), else "sdpa" (a dense mask: any device, dtype
+    and shape). The sequence length does not enter: varlen takes every length, 1 token included.
+
+    llama.py asks with the device alone when it builds the mask (dtype and head size None: "if they fit",
+    the model's dtype is not known there); each layer asks again with its q (document_attention)."""
+    return "varlen" if varlen_device(device) and varlen_fits(dtype, head_dim) else "sdpa"
 
 
-def flex_attention(q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
-    """FlexAttention over grouped K/V heads; compiled on CUDA (its fast kernel), eager elsewhere (tests)."""
-    global _compiled_flex
-    from torch.nn.attention.flex_attention import flex_attention as flex
+@functools.lru_cache(maxsize=None)
+def varlen_device(device: torch.device) -> bool:
+    """Whether `device` runs torch's flash varlen attention: CUDA (not ROCm, untried here) with flash attention
+    built in, compute capability 8.0+, and a torch that has torch.nn.attention.varlen (2.9+)."""
+    if device.type != "cuda" or torch.version.hip or not torch.cuda.is_available():
+        return False
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    if not torch.backends.cuda.is_flash_attention_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 0) and varlen_works(device)
 
-    if q.is_cuda:
-        if _compiled_flex is None:
-            _compiled_flex = torch.compile(flex, dynamic=False)
-        return _compiled_flex(q, k, v, block_mask=mask, enable_gqa=True)
-    return flex(q, k, v, block_mask=mask, enable_gqa=True)
+
+def varlen_works(device: torch.device) -> bool:
+    """Whether varlen_attn really computes document masking here: one small grouped-head call, forward and
+    backward, against SDPA with the dense mask. Checked once per device, so that a torch whose varlen_attn
+    takes other arguments, or lacks a backward, leaves document masking on the dense kernel instead of
+    failing the run's first step."""
+    generator = torch.Generator().manual_seed(0)
+    documents = torch.tensor([[0] * 5 + [1] * 11 + [2] * 16]).to(device)
+    q, k, v = (torch.randn(1, heads, 32, 32, generator=generator).to(device, torch.bfloat16).requires_grad_()
+               for heads in (4, 2, 2))
+    try:
+        out = varlen_attention(q, k, v, document_spans(documents))
+        out.float().sum().backward()
+    except (RuntimeError, TypeError, ValueError, NotImplementedError):
+        return False
+    expected = masked_sdpa(q.detach(), k.detach(), v.detach(), dense_mask(documents))
+    return bool(q.grad is not None and torch.isfinite(q.grad).all() and torch.allclose(out.detach().float(),
+                                                                                      expected.float(), atol=3e-2))
+
+
+def varlen_fits(dtype: torch.dtype | None, head_dim: int | None) -> bool:
+    """Whether flash attention takes this dtype and head size (None: not asked)."""
+    dtype_fits = dtype is None or dtype in VARLEN_DTYPES
+    return dtype_fits and (head_dim is None or (head_dim % 8 == 0 and head_dim <= VARLEN_MAX_HEAD_DIM))
+
+
+def document_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask | Tensor) -> Tensor:
+    """Causal attention within documents on [B, heads, T, head_dim] (K/V heads may be fewer): varlen where the
+    mask has spans and q's dtype and head size fit, else SDPA with the dense mask (a plain boolean tensor is
+    taken as that mask)."""
+    if isinstance(mask, DocumentMask) and mask.spans is not None and varlen_fits(q.dtype, q.shape[-1]):
+        return _outside_graphs()(q, k, v, mask.spans)
+    dense = mask if isinstance(mask, Tensor) else mask.dense_mask()
+    return masked_sdpa(q, k, v, dense)
+
+
+def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, dense: Tensor) -> Tensor:
+    """SDPA with a boolean mask; K/V heads repeated to q's (the fused masked kernels need equal head counts)."""
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = (x.repeat_interleave(n_rep, dim=1) if n_rep > 1 else x for x in (k, v))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+
+
+def varlen_attention(q: Tensor, k: Tensor, v: Tensor, spans: DocumentSpans) -> Tensor:
+    """Causal attention within documents by the flash varlen kernel, [B, heads, T, head_dim] in and out: the
+    tokens flattened to [B * T, heads, head_dim] (a view of the projections' layout), each document a
+    sequence. Grouped K/V heads are read in place, as SDPA's causal flash path reads them."""
+    b, heads, t, d = q.shape
+
+    def tokens_major(x: Tensor) -> Tensor:
+        return x.transpose(1, 2).reshape(b * t, x.shape[1], d)
+
+    out = flash_varlen(tokens_major(q), tokens_major(k), tokens_major(v), spans.bounds, spans.longest)
+    return out.view(b, t, heads, d).transpose(1, 2)
+
+
+def flash_varlen(q: Tensor, k: Tensor, v: Tensor, bounds: Tensor, longest: int) -> Tensor:
+    """torch's varlen_attn, causal, on [tokens, heads, head_dim] (K/V heads may be fewer)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn(q, k, v, bounds, bounds, longest, longest, **varlen_options(q.shape[1] != k.shape[1]))
+
+
+@functools.lru_cache(maxsize=None)
+def varlen_options(grouped: bool) -> dict:
+    """varlen_attn's keywords for causal attention, by the installed torch's signature: its first release
+    took `is_causal`, later ones `window_size=(-1, 0)`; where it has `enable_gqa` (2.12's, 2.13's), that
+    must be set for fewer K/V heads. The flash kernel itself takes them (SDPA's GQA path relies on it), and
+    the wrappers without the flag pass them through unchecked."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    parameters = inspect.signature(varlen_attn).parameters
+    options = {"window_size": (-1, 0)} if "window_size" in parameters else {"is_causal": True}
+    if grouped and "enable_gqa" in parameters:
+        options["enable_gqa"] = True
+    return options
+
+
+_varlen_eager = None
+"""varlen_attention behind torch.compiler.disable, made by the first spans (module docstring says why)."""
+
+
+def _outside_graphs():
+    """varlen_attention as compiled code must call it: outside the graph. Made on first use, not at import,
+    so runs without document masking never import dynamo (as pretrain/engine/sequence_parallel.py)."""
+    global _varlen_eager
+    if _varlen_eager is None:
+        _varlen_eager = torch.compiler.disable(varlen_attention)
+    return _varlen_eager

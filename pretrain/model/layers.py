@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from pretrain.model.config import ModelConfig, RopeScaling
-from pretrain.model.documents import flex_attention
+from pretrain.model.documents import document_attention
 from pretrain.model.rope import inverse_frequencies, original_length
 
 # `enable_gqa` arrived in torch 2.5; older torch repeats K/V heads instead (same result).
@@ -124,9 +124,9 @@ class Attention(nn.Module):
         self.exchange = None  # sequence parallelism's all-to-all (pretrain/engine/sequence_parallel.py), in training
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask=None) -> Tensor:
-        """`mask`: None (causal), or document masking's (pretrain/model/documents.py): a boolean [B, 1, T, T]
-        tensor for SDPA or FlexAttention's BlockMask. Under sequence parallelism x, cos and sin hold this
-        rank's tokens and the mask the whole sequence's."""
+        """`mask`: None (causal), or document masking's (pretrain/model/documents.py: its DocumentMask, or a
+        boolean [B, 1, T, T] tensor). Under sequence parallelism x, cos and sin hold this rank's tokens and the
+        mask the whole sequence's."""
         b, t, _ = x.shape
         # Head counts come from the projections' widths, not the config: a tensor-parallel rank's
         # projections hold a whole-head slice of them (pretrain/model/tensor_parallel.py), and the same code runs.
@@ -163,10 +163,9 @@ class Attention(nn.Module):
         return F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), is_causal=True)
 
     def _masked(self, q: Tensor, k: Tensor, v: Tensor, mask) -> Tensor:
-        if isinstance(mask, Tensor):
-            n_rep = q.shape[1] // k.shape[1]
-            return F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), attn_mask=mask)
-        return flex_attention(q, k, v, mask)
+        """Causal attention within documents, by the kernel documents.mask_kernel picks for q's dtype and head
+        size: flash varlen on CUDA in bf16/fp16, SDPA with the dense mask otherwise."""
+        return document_attention(q, k, v, mask)
 
     def _eager(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Reference path: explicit scores, causal mask, fp32 softmax."""

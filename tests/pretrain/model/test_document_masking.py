@@ -1,17 +1,15 @@
 """model.attention=document: in a packed sample each token attends only within its own document, so each document's
 per-token losses equal those of the document run alone (with model.restart_positions, its positions from 0 too;
-without, RoPE is relative and they still equal within fp32 rounding). The SDPA mask (CPU) and FlexAttention (CUDA's
-kernel, run eagerly here) give the same attention."""
+without, RoPE is relative and they still equal within fp32 rounding). The kernels themselves (flash varlen on CUDA,
+SDPA with a dense mask elsewhere) and their choice are tested in test_document_kernels.py."""
 from __future__ import annotations
-
-import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from pretrain.model.config import ModelConfig, ModelConfigError
-from pretrain.model.documents import attention_mask, dense_mask, document_ids, positions_in_document, span_sum
+from pretrain.model.documents import dense_mask, document_ids, positions_in_document, span_sum
 from pretrain.model.flops import flops_per_token
 from pretrain.model.llama import Llama
 
@@ -69,20 +67,6 @@ def test_each_documents_losses_equal_the_document_alone(restart):
     crossing = token_losses(plain, inputs, labels)[0]
     assert (crossing[5:] - packed[5:]).abs().max() > 1e-2
     assert torch.equal(crossing[:5], packed[:5])  # the first document sees nothing before it either way
-
-
-def test_flex_attention_computes_what_the_sdpa_mask_computes():
-    torch.manual_seed(1)
-    inputs, _ = packed_sample()
-    documents = document_ids(torch.cat([inputs, inputs.flip(1)]), END)
-    q, k, v = torch.randn(2, 4, 22, 16), torch.randn(2, 2, 22, 16), torch.randn(2, 2, 22, 16)
-    model = tiny(attention="document", document_end_id=END)
-    attention = model.model.layers[0].self_attn
-    dense = attention._masked(q, k, v, attention_mask(documents, "sdpa"))
-    with warnings.catch_warnings():  # torch warns that flex_attention runs uncompiled (a test's CPU path only)
-        warnings.simplefilter("ignore")
-        flex = attention._masked(q, k, v, attention_mask(documents, "flex"))
-    assert torch.allclose(dense, flex, rtol=0, atol=1e-5)
 
 
 def test_a_model_without_its_end_token_is_refused():
