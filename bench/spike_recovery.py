@@ -240,7 +240,7 @@ def load_worker(argv: list[str]) -> int:
 
     from pretrain.checkpoint.checkpointer import latest_tag
     from pretrain.config import check_config, compose_config, to_object
-    from pretrain.engine.distributed import barrier, finalize_distributed, init_distributed
+    from pretrain.engine.distributed import barrier, exit_process, init_distributed
     from pretrain.train import build_trainer
 
     cfg = to_object(compose_config(overrides))
@@ -262,8 +262,7 @@ def load_worker(argv: list[str]) -> int:
         Path(ns.out).write_text(json.dumps({"times_s": times, "tag": tag, "bytes": size}))
     trainer.loader.close()
     logger.close()
-    finalize_distributed()
-    return 0
+    exit_process(0)  # not a plain return: gloo can abort in Python's shutdown (distributed.exit_process)
 
 
 # ----------------------------------------------------------------------------------------------

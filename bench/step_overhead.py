@@ -341,7 +341,7 @@ def worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from pretrain.config import check_config
-    from pretrain.engine.distributed import init_distributed, finalize_distributed
+    from pretrain.engine.distributed import exit_process, init_distributed
     from pretrain.engine.train_engine import render_ds_config
     from pretrain.loader import BatchLoader
     from pretrain.model.flops import count_parameters, flops_per_token
@@ -552,8 +552,7 @@ def worker(args: argparse.Namespace) -> int:
     logger.close()
     if console_file is not None:
         console_file.close()
-    finalize_distributed()
-    return 0
+    exit_process(0)  # not a plain return: gloo can abort in Python's shutdown (distributed.exit_process)
 
 
 if __name__ == "__main__":

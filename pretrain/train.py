@@ -63,7 +63,8 @@ from pretrain.config import (
 )
 from pretrain.engine.train_engine import DistInfo, TrainEngine, build_model
 from pretrain.engine.distributed import (
-    all_reduce_tensor, any_rank, barrier, broadcast_object, finalize_distributed, first_problem, init_distributed,
+    all_reduce_tensor, any_rank, barrier, broadcast_object, exit_process, finalize_distributed, first_problem,
+    init_distributed,
 )
 from pretrain.engine.ds_config import save_ds_config
 from pretrain.evaluation import DownstreamTasks
@@ -454,17 +455,12 @@ def refuse(err: Exception, say: bool) -> int:
 
 
 def exit_now(status: int) -> None:
-    """Leave without running C++ static destructors.
+    """Leave without Python's shutdown, where gloo's worker threads can still abort a finished rank
+    ("terminate called without an active exception"; pretrain.engine.distributed.exit_process says why).
 
-    By now every rank has saved, closed its files and W&B, passed a barrier and destroyed the
-    process group. What remains is interpreter teardown, where DeepSpeed/gloo processes on CPU
-    sometimes abort ("terminate called without an active exception", docs/deepspeed-on-cpu.md;
-    seen here once in ~40 runs even with the barrier and the shm op off), turning a finished run
-    into a failed one for the launcher.
+    By now every rank has saved, closed its files and W&B, passed a barrier and destroyed the process group.
     """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    exit_process(status)
 
 
 if __name__ == "__main__":

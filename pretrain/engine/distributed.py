@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -211,10 +212,33 @@ def tensor_parallel_group():
 
 
 def finalize_distributed() -> None:
-    """barrier + destroy: with the shm op off this avoids the flaky abort at exit (docs/deepspeed-on-cpu.md)."""
+    """barrier + destroy: every rank has finished its collectives, and torch forgets the process group.
+
+    This alone does not make the process's end safe: gloo's worker threads outlive it (exit_process says why)."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def exit_process(status: int = 0) -> NoReturn:
+    """End this rank's process with `status`: finalize_distributed, flush stdout and stderr, then `os._exit`.
+
+    Call it last, once every file, logger and W&B run is closed: nothing after it runs, atexit handlers
+    included. Python's own shutdown is skipped on purpose. gloo runs collectives on worker threads of its
+    own (ProcessGroupGloo::runLoop), which drop their last reference to a finished collective (and, through
+    a barrier, to the collectives before it) only after the caller's wait() has returned;
+    destroy_process_group does not stop them (gloo has no shutdown), only C++ teardown does. Under load a
+    worker can still hold a collective's tensors (under ZeRO-3, those of DeepSpeed's parameter all-gathers)
+    when interpreter shutdown frees their Python objects; releasing them then needs the GIL, a thread that
+    asks for it during shutdown is ended by Python with pthread_exit, and that unwind through a C++
+    destructor is std::terminate: "terminate called without an active exception" (SIGABRT) after the work
+    was done. torch gives no way to wait for those threads, so the process leaves without a shutdown for
+    them to race (docs/deepspeed-on-cpu.md).
+    """
+    finalize_distributed()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 # -- distributed agreement ----------------------------------------------------------------------

@@ -7,12 +7,14 @@ docs/deepspeed-on-cpu.md are handled here once.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 import deepspeed
 import torch.distributed as dist
@@ -57,36 +59,96 @@ class StepResult:
     """fp16 dynamic loss scale after the step (None in bf16/fp32)."""
 
 
+class _DrawOnCpu(TorchFunctionMode):
+    """Under ZeRO-3 construction, each random fill runs on a CPU tensor of its target's shape, then is copied in.
+
+    deepspeed.zero.Init makes each tensor on the accelerator, so `nn.Linear`'s and `nn.Embedding`'s own
+    initializers would draw from the GPU's generator, where the whole model (built on the CPU) draws from the
+    CPU's: the CPU generator would then stand elsewhere when the real init begins, and every weight would
+    differ. Drawn here in `dtype` (the default dtype, which the whole model's parameters have) the fills
+    consume exactly the CPU random numbers the whole model's construction does, whatever device or dtype the
+    parameter lives in. Their values are overwritten by `init_parameter` afterwards; only the draws matter.
+    """
+
+    # What initializers call (nn.init and the in-place fills it rests on); creators such as torch.randn are
+    # not covered, and no ayumi module uses one while it is built.
+    FILLS = frozenset([
+        torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.random_, torch.Tensor.bernoulli_,
+        torch.Tensor.exponential_, torch.Tensor.geometric_, torch.Tensor.cauchy_, torch.Tensor.log_normal_,
+        torch.nn.init.uniform_, torch.nn.init.normal_, torch.nn.init.trunc_normal_, torch.nn.init.kaiming_uniform_,
+        torch.nn.init.kaiming_normal_, torch.nn.init.xavier_uniform_, torch.nn.init.xavier_normal_,
+        torch.nn.init.orthogonal_, torch.nn.init.sparse_,
+    ])
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        # A Tensor method gets its tensor first; nn.init's functions reach a mode with every argument by name.
+        target = (args[0] if args else kwargs.get("tensor")) if func in self.FILLS else None
+        if not isinstance(target, torch.Tensor):
+            return func(*args, **kwargs)
+        # new_empty, not torch.empty: zero.Init replaces torch.empty with one that casts to the training dtype.
+        scratch = target.new_empty(target.shape, dtype=self.dtype if target.is_floating_point() else target.dtype,
+                                   device="cpu")
+        if args:
+            func(scratch, *args[1:], **kwargs)
+        else:
+            func(**{**kwargs, "tensor": scratch})
+        with torch.no_grad():
+            target.copy_(scratch)
+        return target
+
+
+def initial_value(model: torch.nn.Module, name: str, shape: torch.Size) -> torch.Tensor:
+    """Parameter `name`'s initial value by the model's own rule (`init_parameter`), drawn on the CPU.
+
+    A fresh CPU tensor of the whole parameter's shape in the default dtype is what `init_weights` fills when
+    the model is built whole, so the value, and the CPU random numbers consumed, are the same bit for bit;
+    copying it into a parameter of another dtype rounds it as casting the whole model does."""
+    value = torch.empty(shape, dtype=torch.get_default_dtype(), device="cpu")
+    model.init_parameter(name, value)
+    return value
+
+
 def build_model(factory, cfg: AyumiConfig, dist_info: DistInfo, initial=None) -> torch.nn.Module:
     """The model from `factory(init_weights: bool)`, partitioned as it is built under ZeRO-3.
 
     With `deepspeed.zero3_init` on stage 3 every parameter is cut across ranks as soon as its
     module exists (deepspeed.zero.Init), so no rank ever holds the whole model: what makes a 7B+
     model fit nodes whose host memory cannot hold one copy per GPU. Each parameter is then
-    gathered in turn, initialized on rank 0 by the model's own rule and scattered back. The
-    parameters are visited in the same order and consume the same random numbers as
-    `factory(init_weights=True)` does, so both ways give the same initial weights.
+    gathered in turn, initialized on rank 0 by the model's own rule and scattered back.
+
+    Either way the initial weights are those of `factory(init_weights=True)` built on the CPU from the
+    same seed, bit for bit, on any device: every random number comes from the CPU generator, in the same
+    order. ZeRO 0-2 build the whole model on the CPU (DeepSpeed moves it later). Under ZeRO-3 the
+    parameters live on the accelerator, whose generator is another one, so rank 0 replays the
+    construction's fills on the CPU (_DrawOnCpu) and draws each parameter's values into a CPU tensor
+    (initial_value) before copying them in.
 
     `initial(name)`, when given, returns the starting tensor of each parameter instead (a Hugging
     Face folder, model.init_from): under ZeRO-3 only rank 0 reads it, one tensor at a time.
     """
     if cfg.deepspeed.zero_stage != 3 or not cfg.deepspeed.zero3_init:
-        model = factory(init_weights=initial is None)
+        with torch.device("cpu"):  # the CPU generator, even where a caller made another device the default
+            model = factory(init_weights=initial is None)
         if initial is not None:
             with torch.no_grad():
                 for name, param in model.named_parameters():
                     param.copy_(initial(name))
         return model
-    with deepspeed.zero.Init(config_dict_or_path=render_ds_config(cfg, dist_info.world_size)):
+    draws = dist_info.is_main and initial is None  # only rank 0's values are kept (GatheredParameters below)
+    replay = _DrawOnCpu(torch.get_default_dtype()) if draws else contextlib.nullcontext()
+    with deepspeed.zero.Init(config_dict_or_path=render_ds_config(cfg, dist_info.world_size)), replay:
         model = factory(init_weights=False)
     for name, param in model.named_parameters():
         with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
             if dist_info.is_main:
-                if initial is None:
-                    model.init_parameter(name, param)
-                else:
-                    with torch.no_grad():
-                        param.copy_(initial(name))
+                value = initial_value(model, name, param.shape) if initial is None else initial(name)
+                with torch.no_grad():
+                    param.copy_(value)
     return model
 
 

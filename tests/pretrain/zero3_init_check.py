@@ -3,7 +3,9 @@
 Builds the cpu_tiny model through pretrain.engine.train_engine.build_model with deepspeed.zero3_init on, and
 writes OUT_DIR/rank<N>.json per rank (OUT_DIR = argv[1]): whether every parameter was partitioned at construction (no rank
 held it whole), whether each one, gathered, equals the same-seed model built whole (cast to the
-training dtype), and whether the weight-decay groups came out the same.
+training dtype), whether the weight-decay groups came out the same, and on rank 0 (the rank that draws the
+initial values) whether the CPU random generator ends where the whole model's build leaves it. It leaves
+through exit_process, as pretrain.train does: a plain end of the script could abort in Python's shutdown.
 """
 import json
 import os
@@ -15,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from pretrain.config import compose_config, to_object  # noqa: E402
 from pretrain.engine.train_engine import build_model  # noqa: E402
-from pretrain.engine.distributed import finalize_distributed, init_distributed
+from pretrain.engine.distributed import exit_process, init_distributed  # noqa: E402
 from pretrain.model.llama import Llama, no_weight_decay  # noqa: E402
 from pretrain.engine.optimizer import param_groups  # noqa: E402
 
@@ -26,8 +28,10 @@ cfg = to_object(compose_config(["experiment=cpu_tiny", "deepspeed.zero_stage=3",
 dist = init_distributed("cpu")
 torch.manual_seed(cfg.train.seed)
 model = build_model(lambda init_weights: Llama(cfg.model, init_weights=init_weights), cfg, dist)
+generator_after = torch.get_rng_state()
 torch.manual_seed(cfg.train.seed)
 whole = Llama(cfg.model).to(torch.bfloat16)
+same_generator = torch.equal(generator_after, torch.get_rng_state()) if dist.is_main else None
 
 expected = dict(whole.named_parameters())
 partitioned = all(p.numel() == 0 and 0 < p.ds_tensor.numel() < p.ds_numel for p in model.parameters())
@@ -37,7 +41,8 @@ for name, param in model.named_parameters():
         same &= param.dtype == torch.bfloat16 and torch.equal(param.data, expected[name].data)
 names = [[no_weight_decay(n, p) for n, p in model.named_parameters()], [no_weight_decay(n, p) for n, p in whole.named_parameters()]]
 groups = [len(g["params"]) for g in param_groups(model.named_parameters(), 0.1)]
-result = dict(rank=dist.rank, partitioned=partitioned, same_init=same, same_decay_split=names[0] == names[1], groups=groups)
+result = dict(rank=dist.rank, partitioned=partitioned, same_init=same, same_decay_split=names[0] == names[1],
+              groups=groups, same_generator=same_generator)
 with open(os.path.join(sys.argv[1], f"rank{dist.rank}.json"), "w") as handle:
     json.dump(result, handle)
-finalize_distributed()
+exit_process(0)

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirna
 
 from pretrain.config import compose_config, to_object  # noqa: E402
 from pretrain.engine.train_engine import TrainEngine  # noqa: E402
-from pretrain.engine.distributed import finalize_distributed, init_distributed
+from pretrain.engine.distributed import exit_process, init_distributed
 from pretrain.model.llama import Llama  # noqa: E402
 
 GRAD_ACCUM = 8
@@ -105,7 +105,7 @@ def main() -> None:
             }
     with open(os.path.join(out_dir, f"rank{dist_info.rank}.json"), "w") as handle:
         json.dump(result, handle)
-    finalize_distributed()
+    exit_process(0)
 
 
 if __name__ == "__main__":

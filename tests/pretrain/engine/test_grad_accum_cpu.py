@@ -132,7 +132,7 @@ import json, sys, torch
 sys.path.insert(0, {repo!r})
 from pretrain.config import compose_config, to_object
 from pretrain.engine.train_engine import TrainEngine
-from pretrain.engine.distributed import finalize_distributed, init_distributed
+from pretrain.engine.distributed import exit_process, init_distributed
 from pretrain.model.llama import Llama
 
 dist = init_distributed("cpu")
@@ -153,7 +153,7 @@ for stage in (1, 2, 3):
         seen[stage].append([engine.engine.is_gradient_accumulation_boundary(), sorted(set(flags))])
         engine.micro_step()
 print("RESULT " + json.dumps(seen))
-finalize_distributed()
+exit_process(0)
 """
 
 

@@ -12,7 +12,7 @@ CHECK = r"""
 import json, os, sys, torch
 sys.path.insert(0, {repo!r})
 from pretrain.config import compose_config, to_object
-from pretrain.engine.distributed import init_distributed, finalize_distributed
+from pretrain.engine.distributed import exit_process, init_distributed
 from pretrain.engine.train_engine import TrainEngine
 from pretrain.model.llama import Llama
 
@@ -43,7 +43,7 @@ for stage, precision in ((0, "fp32"), (1, "bf16"), (2, "fp32"), (3, "fp32")):
         said.append(engine.state_problem())
     found[stage] = dict(name=name, said=said)
 print("RESULT " + json.dumps(found))
-finalize_distributed()
+exit_process(0)
 """
 
 

@@ -165,7 +165,7 @@ import json, os, sys, torch
 sys.path.insert(0, {repo!r})
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 from pretrain.config import compose_config, to_object
-from pretrain.engine.distributed import init_distributed, finalize_distributed
+from pretrain.engine.distributed import exit_process, init_distributed
 from pretrain.engine.train_engine import TrainEngine
 from pretrain.model.llama import Llama
 
@@ -211,7 +211,7 @@ params3, _ = snapshot()
 moved = any(not torch.equal(params2[k], params3[k]) for k in params2)
 print("RESULT " + json.dumps(dict(same_params=same_params, same_moments=same_moments, finite=finite,
                                   applied=applied, moved_after=moved)))
-finalize_distributed()
+exit_process(0)
 """
 
 
