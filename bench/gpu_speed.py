@@ -20,8 +20,11 @@ it); a global batch of 4 micro batches (grad accum 4).
 Without a CUDA device (and without --cpu-smoke) it says so and measures nothing. Ends with, per combination:
   RESULT gpu_speed_<shape>_<compile>_<ckpt>_mfu ours=<pct>% baseline=<anchor>% ratio=<r> target=>=45% ok=<bool>
   RESULT gpu_speed_<shape>_<compile>_<ckpt>_memory ours=<plan GiB>GiB baseline=<measured GiB>GiB ratio=<r> target=0.90..1.10 ok=<bool>
+  RESULT gpu_speed_1b_<compile>_none_memory_peak ours=<measured GiB>GiB baseline=64.5GiB ... target=<=64.5GiB
+           (1b at seq 2048 and micro batch 16 only)
 The MFU baseline is OLMo-core's published H100 figure for its size (1B: 40%, 7B: 47%; 125m compared with the
-1B figure); the 45% target applies to 1b only (issue 13), the others print ok=true when measured.
+1B figure). The MFU targets (TARGET_MFU: 1b at seq 2048 and 4096 >= 55%, the 7B layers at seq 2048 >= 58%, on one
+H100/H200 with ayumi's defaults) judge the shapes and lengths they name; the others print ok=true when measured.
 """
 from __future__ import annotations
 
@@ -42,8 +45,14 @@ from bench.result_form import machine_line, result_line  # noqa: E402  (first: i
 
 ANCHOR_MFU = {"125m": 0.40, "1b": 0.40, "7b_short": 0.47}
 """OLMo-core on H100, bf16: 1B 39-41%, 7B 47-48% (the issue's anchors)."""
-TARGET_MFU_1B = 0.45
+TARGET_MFU = {("1b", 2048): 0.55, ("1b", 4096): 0.55, ("7b_short", 2048): 0.58}
+"""MFU targets by (shape, sequence length) on one H100/H200, compiled blocks, no checkpointing (issue 37; issue 13's
+was 45% for 1b at seq 2048). The 7B layers' matmuls are larger (hidden 4096), so they should reach more."""
 MEMORY_BAND = (0.90, 1.10)
+"""The memory plan's peak_allocated over the measured max_memory_allocated: within 10% either way."""
+MEMORY_CEILING_GIB = {("1b", 2048, 16): 64.5}
+"""The most max_memory_allocated may reach, by (shape, sequence length, micro batch), without checkpointing: 1b at
+micro 16 measured 64.5 GiB on the H200 (2026-11-26). A change that keeps more activations must say why."""
 SHAPES = {
     "125m": ["model=125m"],
     "1b": ["model=1b"],
@@ -84,19 +93,36 @@ def combinations(args: argparse.Namespace) -> list[tuple[str, str, str]]:
     return [(shape, comp, ckpt) for shape in shapes for comp in args.compile.split(",") for ckpt in args.checkpointing.split(",")]
 
 
-def result_lines(shape: str, comp: str, ckpt: str, res: dict) -> list[str]:
-    """MFU and memory of one combination: one timed stretch of --steps steps each (n=1)."""
+def mfu_target(shape: str, res: dict) -> float | None:
+    """The MFU target that judges this measurement: its shape and length have one, without checkpointing."""
+    return TARGET_MFU.get((shape, res["seq_len"])) if res["checkpointing"] == "none" else None
+
+
+def memory_ceiling(shape: str, res: dict) -> float | None:
+    """The GiB max_memory_allocated must stay under for this measurement, if its setting has a ceiling."""
+    return MEMORY_CEILING_GIB.get((shape, res["seq_len"], res["micro_batch"])) if res["checkpointing"] == "none" \
+        else None
+
+
+def result_lines(shape: str, comp: str, ckpt: str, res: dict, judged: bool = True) -> list[str]:
+    """MFU and memory of one combination: one timed stretch of --steps steps each (n=1). With `judged` false (a
+    diagnostic run: a profile, a knob tried) the targets are printed but not judged: ok=true when measured."""
     name = f"gpu_speed_{shape}_{comp}_{ckpt}"
     anchor = ANCHOR_MFU.get(shape, 0.40)
     lines = []
+    target = mfu_target(shape, res)
     if res.get("mfu") is not None:
-        mfu_target = f">={100 * TARGET_MFU_1B:.0f}%"
-        # The 45% target is 1b's (issue 13): the other shapes are reported beside the anchor, ok when measured.
-        lines.append(result_line(f"{name}_mfu", 100 * res["mfu"], 100 * anchor, mfu_target, unit="%",
-                                 ok=None if shape == "1b" else True))
+        # Shapes and lengths without a target are reported beside the anchor (the 1b target's), ok when measured.
+        shown = TARGET_MFU[("1b", 2048)] if target is None else target
+        lines.append(result_line(f"{name}_mfu", 100 * res["mfu"], 100 * anchor, f">={100 * shown:.0f}%", unit="%",
+                                 ok=None if target is not None and judged else True))
     measured, planned = res["max_allocated"], res["planned_peak"]
     lines.append(result_line(f"{name}_memory", planned / 2**30, measured / 2**30,
                              f"{MEMORY_BAND[0]:.2f}..{MEMORY_BAND[1]:.2f}", unit="GiB"))
+    ceiling = memory_ceiling(shape, res)
+    if ceiling is not None:
+        lines.append(result_line(f"{name}_memory_peak", measured / 2**30, ceiling, f"<={ceiling}GiB", unit="GiB",
+                                 ok=None if judged else True))
     return lines
 
 

@@ -7,6 +7,8 @@
 #
 # There: python3 -m pip install --no-index --no-deps --target /tmp/site FOLDER/*.whl && export PYTHONPATH=/tmp/site:$PWD
 # Versions are this venv's, so both machines run what the tests here ran. W&B is left out (large): use logging=none.
+# The acceptance run's peer part needs nothing more: transformers' LlamaForCausalLM and torch.compile (triton comes
+# with the machine's CUDA torch) are already there, and it reads ayumi's config through the Hydra wheels below.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-.whl}

@@ -113,6 +113,33 @@ def initial_value(model: torch.nn.Module, name: str, shape: torch.Size) -> torch
     return value
 
 
+def forget_warm_up_step(optimizer) -> bool:
+    """Undo the AdamW step DeepSpeed's stage-0 low-precision wrapper takes on zero gradients to create the
+    optimizer states (FP16_UnfusedOptimizer.initialize_optimizer_states, DeepSpeed 0.19); True when it did.
+
+    That step counts as Adam's first, so bias correction made the first real update 0.73x ZeRO-1's (1.45e-4
+    against 1.98e-4 at lr 2e-4), and its weight decay shrank the fp32 master weights once: ZeRO-0 drifted
+    1.76e-2 from ZeRO-1 over 30 bf16 steps on an H200. The moments it made are zeros; the step counts go
+    back to 0 and the masters back to the weights they were copied from (the step never wrote to those),
+    so ZeRO-0 starts where ZeRO 1-3 start.
+    """
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    if not isinstance(optimizer, FP16_UnfusedOptimizer):
+        return False
+    with torch.no_grad():
+        for masters, weights in zip(optimizer.fp32_groups, optimizer.fp16_groups):
+            for master, weight in zip(masters, weights):
+                master.copy_(weight)
+        for state in optimizer.optimizer.state.values():
+            for key, value in state.items():
+                if torch.is_tensor(value):
+                    value.zero_()
+                elif key == "step":
+                    state[key] = 0
+    return True
+
+
 def build_model(factory, cfg: AyumiConfig, dist_info: DistInfo, initial=None) -> torch.nn.Module:
     """The model from `factory(init_weights: bool)`, partitioned as it is built under ZeRO-3.
 
@@ -201,6 +228,7 @@ class TrainEngine:
             mpu=deepspeed_mpu(self.tensor_parallel),
         )
         place_buffers(self.engine.module, dist_info.device)
+        forget_warm_up_step(self.optimizer)
         # On the parameters the engine holds (AutoTP replaced the ones it cut) and placed (their device);
         # its hooks go first, ahead of the gradient hooks ZeRO-1 added inside initialize.
         self.accumulator = self._fp32_accumulator(self.engine.module)

@@ -142,7 +142,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         n = hidden.shape[0]
         ce = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(ce)
-        grad_hidden = torch.empty_like(hidden) if with_grads and ctx.needs_input_grad[0] else None
+        grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) \
+            if with_grads and ctx.needs_input_grad[0] else None  # contiguous, whatever hidden's strides
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
             if with_grads and ctx.needs_input_grad[1] else None
         grad_dtype = hidden.dtype if grad_hidden is not None or grad_weight is not None else None
@@ -154,7 +155,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             ce[rows], lse[rows], dlogits = terms(logits, labels[rows], z_loss, grad_dtype)
             del logits
             if grad_hidden is not None:
-                grad_hidden[rows] = dlogits @ weight
+                torch.mm(dlogits, weight, out=grad_hidden[rows])  # a row slice is contiguous: written in place
             if grad_weight is not None:
                 accumulate_matmul(grad_weight, dlogits.t(), hidden[rows])
         loss = scale * (ce.sum() + z_loss * lse.square().sum()) if z_loss else scale * ce.sum()

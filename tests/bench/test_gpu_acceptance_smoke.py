@@ -24,11 +24,13 @@ pytestmark = pytest.mark.slow
 
 SCRIPT = REPO / "bench" / "gpu_acceptance.py"
 BEHAVIOUR = {  # part -> checks that must pass on the CPU too
-    "correctness": {"seeded_runs_identical", "zero0", "zero2", "zero3", "fp32", "compiled", "chunked", "accum4"},
+    "correctness": {"seeded_runs_identical", "zero_first_step", "zero0", "zero2", "zero3", "fp32", "compiled",
+                    "plain_loss", "accum4"},
     "checkpoint_kill": {"latest_intact", "resumed_exactly"},
     "stability": {"spike_detected", "rolled_back", "batches_skipped", "no_false_alarm", "final_loss"},
     "demo_train": {"demo_exit"},
-    "long_context": {"documents_alone", "llama3_rope", "short_to_long"},
+    "long_context": {"documents_alone", "document_kernels", "llama3_rope", "short_to_long"},
+    "peer": {"peer_trained"},
 }
 
 
@@ -81,6 +83,19 @@ def test_speed_parts_report_the_trainer_figures(smoke):
     assert results["parts"]["speed_1b_plan"]["figures"]["micro_batch"] == 2 * \
         results["parts"]["speed_1b_2048"]["figures"]["micro_batch"]
     assert "model.loss_chunk_tokens=0" in results["parts"]["speed_1b_plain_loss"]["figures"]["overrides"]
+
+
+def test_the_peer_trains_the_tokens_a_step_of_speed_1b_2048_and_is_compared(smoke):
+    """The plain PyTorch loop (eager on the CPU) ran its steps at speed_1b_2048's tokens a step, and that part's table
+    shows ayumi's tokens/s over the peer's (not judged on a CPU)."""
+    _, results, _ = smoke
+    peer, ours = results["parts"]["peer"], results["parts"]["speed_1b_2048"]
+    figures = peer["figures"]
+    assert figures["tokens_per_s"] > 0 and len(figures["step_seconds"]) == 2 and figures["compiled"] is False
+    assert figures["tokens_per_step"] == ours["figures"]["micro_batch"] * ours["figures"]["grad_accum"] * 64
+    assert figures["grad_accum"] > 1  # the accumulation path runs too
+    row = next(row for row in ours["rows"] if row[0].startswith("tokens/s over the peer's"))
+    assert row[2] == ">=1.25" and row[3] is None and "not comparable" not in row[1]
 
 
 def test_the_profile_comes_back_beside_the_results(smoke):

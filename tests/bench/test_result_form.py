@@ -122,7 +122,8 @@ def test_the_benches_pure_result_functions_write_the_form():
     """The GPU and multi-round paths that cannot run here, fed made-up figures."""
     from bench import data_prepare, gpu_speed, spike_recovery, step_overhead
 
-    lines = gpu_speed.result_lines("1b", "off", "none", {"mfu": 0.43, "max_allocated": 40 * 2**30, "planned_peak": 42 * 2**30})
+    lines = gpu_speed.result_lines("1b", "off", "none", {"mfu": 0.43, "max_allocated": 40 * 2**30, "planned_peak": 42 * 2**30,
+                                                         "seq_len": 2048, "micro_batch": 8, "checkpointing": "none"})
     lines += step_overhead.gpu_result_lines("1b", {"ours_tok_s": 9000.0, "bare_tok_s": 9100.0, "paired_ratios": [1.01, 1.02],
                                                    "ours_mfu": 0.41, "bare_mfu": 0.42, "ours_ms": 200.0,
                                                    "ours_times_ms": [190.0, 200.0, 210.0]})
@@ -132,7 +133,7 @@ def test_the_benches_pure_result_functions_write_the_form():
     lines += spike_recovery.result_lines({"val": 2.14}, {"val": 2.45}, run, 0.26, [0.05, 0.06])
     parsed = [parse(line) for line in lines]
     assert [m["n"] for m in parsed] == ["1", "1", "2", "3", "2", "2", "2", "2", "1", "1", "2"]
-    assert parsed[0]["ok"] == "false" and parsed[1]["ok"] == "true"  # 43% < 45%; plan / measured 1.05 in the band
+    assert parsed[0]["ok"] == "false" and parsed[1]["ok"] == "true"  # 43% < 55%; plan / measured 1.05 in the band
 
 
 @pytest.mark.slow

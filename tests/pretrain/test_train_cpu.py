@@ -40,8 +40,9 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def test_every_zero_stage_trains_in_bf16(corpus, tmp_path):
-    """ZeRO 0/1/2/3 with bf16 on 2 ranks: the loss falls, and all stages see the same first gradient."""
-    first_norms = {}
+    """ZeRO 0/1/2/3 with bf16 on 2 ranks: the loss falls, all stages see the same first gradient, and ZeRO-0's
+    losses follow ZeRO-1's (DeepSpeed's stage-0 wrapper no longer counts a warm-up step: forget_warm_up_step)."""
+    first_norms, all_losses = {}, {}
     for stage in (0, 1, 2, 3):
         runs = tmp_path / f"zero{stage}"
         proc = run_training(tiny_overrides(corpus, runs, f"deepspeed=zero{stage}", "deepspeed.precision=bf16", "train.tokens=12288",
@@ -49,7 +50,7 @@ def test_every_zero_stage_trains_in_bf16(corpus, tmp_path):
         check_ok(proc)
         records = metrics(runs / "cpu_tiny")
         assert [r["step"] for r in records] == list(range(1, 25))
-        losses = [r["train/loss"] for r in records]
+        losses = all_losses[stage] = [r["train/loss"] for r in records]
         assert all(math.isfinite(x) for x in losses)
         assert sum(losses[-4:]) / 4 < 0.75 * sum(losses[:4]) / 4, f"ZeRO-{stage} loss did not fall: {losses}"
         norms = [r["opt/grad_norm"] for r in records]
@@ -68,6 +69,9 @@ def test_every_zero_stage_trains_in_bf16(corpus, tmp_path):
         assert all(abs(v["val/ja/fp32_gap"]) < 0.05 and v["val/ja/loss_fp32"] > 0 for v in vals)
     for stage, norm in first_norms.items():
         assert norm == pytest.approx(first_norms[0], rel=0.03), first_norms
+    gaps = {stage: max(abs(a - b) / b for a, b in zip(all_losses[stage], all_losses[1])) for stage in (0, 2, 3)}
+    print("largest relative loss gap to ZeRO-1 over 24 steps:", gaps)
+    assert gaps[0] <= 5e-3, gaps  # 1.6e-3 measured; 2.9e-2 while the warm-up step counted
 
 
 @pytest.mark.parametrize("stage", [0, 2])
