@@ -63,8 +63,7 @@ from pretrain.config import (
 )
 from pretrain.engine.train_engine import DistInfo, TrainEngine, build_model
 from pretrain.engine.distributed import (
-    all_reduce_tensor, any_rank, barrier, broadcast_object, exit_process, finalize_distributed, first_problem,
-    init_distributed,
+    all_reduce_tensor, any_rank, barrier, broadcast_object, finalize_distributed, first_problem, init_distributed,
 )
 from pretrain.engine.ds_config import save_ds_config
 from pretrain.evaluation import DownstreamTasks
@@ -458,9 +457,13 @@ def exit_now(status: int) -> None:
     """Leave without Python's shutdown, where gloo's worker threads can still abort a finished rank
     ("terminate called without an active exception"; pretrain.engine.distributed.exit_process says why).
 
-    By now every rank has saved, closed its files and W&B, passed a barrier and destroyed the process group.
+    No barrier here, unlike exit_process: a rank that refuses alone (a bad id in its batch) leaves while the
+    others are inside a collective, and a barrier would hang it. A run that ends well has passed main's
+    barrier and destroyed the process group already.
     """
-    exit_process(status)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":
