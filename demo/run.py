@@ -179,9 +179,51 @@ def summary(run_dir: Path, tokenizer_dir: Path, shards: Path, corpus_dir: Path, 
         f"  cloze tasks {heldout_dir}  (cloze_ja.jsonl, cloze_en.jsonl from held-out documents; train_inputs/ is the",
         "              corpus the tokenizer and the shards read, without them)",
         f"  HF export   ayumi export hf {run_dir} out/demo_hf",
-        "The events (stage switches, the injected spike, the rollback and recovery) are listed in the report.",
+        story(run_dir),
     ]
     return "\n".join(lines)
+
+
+def story(run_dir: Path) -> str:
+    """What the run's events.jsonl says happened to the injected spike, in one or two lines: the closing line
+    must not claim a rollback that did not happen (on some machines a spike has gone unnoticed)."""
+    import json
+
+    path = run_dir / "events.jsonl"
+    events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    kinds = [e["event"] for e in events]
+    faults = [e["step"] for e in events if e["event"] == "fault_injected"]
+    listed = "the report lists every event"
+    switches = f"{kinds.count('stage_switch')} stage switches"
+    if not faults:
+        return f"Events: {switches}, no fault injected; {listed}."
+    injected = f"a fault injected at step{'s' if len(faults) > 1 else ''} {_steps(faults)}"
+    spike = next((e for e in events if e["event"] == "spike"), None)
+    rollback = next((e for e in events if e["event"] == "rollback"), None)
+    recovered = next((e for e in events if e["event"] == "recovered"), None)
+    if spike is None:
+        return (f"Events: {switches}, {injected}. It was NOT detected: no spike event, no rollback "
+                f"(docs/stability.md says what the detector judges); {listed}.")
+    if rollback is None or recovered is None:
+        return (f"Events: {switches}, {injected}, detected as a spike at step {spike['step']} (began at "
+                f"{spike.get('spike_start')}) but NOT rolled back{_why_not(events)}; {listed}.")
+    return (f"Events: {switches}, {injected}, detected as a spike at step {spike['step']} (began at "
+            f"{spike.get('spike_start')}), rolled back to step {rollback.get('to_step')} and recovered in "
+            f"{recovered.get('latency_s', 0):.1f}s; {listed}.")
+
+
+def _why_not(events: list[dict]) -> str:
+    """Why a detected spike was not rolled back, when the events say: the run stopped instead."""
+    stop = next((e for e in events if e["event"] == "stop"), None)
+    return f": the run stopped at step {stop['step']}" if stop is not None else ""
+
+
+def _steps(steps: list[int]) -> str:
+    """"601-603" for consecutive steps, else "601, 640"."""
+    steps = sorted(steps)
+    if len(steps) > 1 and steps == list(range(steps[0], steps[-1] + 1)):
+        return f"{steps[0]}-{steps[-1]}"
+    return ", ".join(map(str, steps))
 
 
 def main_demo(argv: list[str]) -> int:

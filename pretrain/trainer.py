@@ -123,7 +123,7 @@ class Trainer:
         stragglers = StragglerMonitor(cfg.hang, self._gather_per_rank)
         self.hooks: list[StepHook] = [TelemetryHook(cfg, engine), HistogramHook(cfg, logger, self.stability.percentiles),
                                       StragglerHook(stragglers, logger), *(hooks or [])]
-        self._pending: tuple[int, float] | None = None  # (step, all-reduced loss) for the update gate
+        self._pending: tuple[int, float, dict] | None = None  # (step, all-reduced loss, domain losses) for the gate
         self._stage: int | None = None  # the curriculum stage the last step began in (follow_stage)
         if stab.enabled:
             engine.set_update_gate(self._update_gate)
@@ -324,8 +324,8 @@ class Trainer:
         """Asked inside the optimizer step, once DeepSpeed knows the global grad norm."""
         if self._pending is None:
             return True
-        step, loss = self._pending
-        action = self.stability.judge(step, loss, self.engine.current_grad_norm(), self.checkpoints.steps)
+        step, loss, domains = self._pending
+        action = self.stability.judge(step, loss, self.engine.current_grad_norm(), self.checkpoints.steps, domains)
         return self.stability.allows_update(action)
 
     def train_step(self) -> tuple[dict[str, Any], bool, Action]:
@@ -373,13 +373,14 @@ class Trainer:
                 # so each data-parallel batch counts tensor_parallel times, in the sum and in the divisor alike; a
                 # sequence-parallel group's ranks hold shares that average to the batch's loss (Llama.loss_from_tokens).
                 mean_loss = float(reduced[0]) / (len(batches) * self.dist.world_size)
-                self._pending = (step, mean_loss)
+                domains = domain_losses(reduced, self.domain_names)
+                self._pending = (step, mean_loss, domains)
                 for hook in self.hooks:
                     hook.before_update(step)
             result = self.engine.micro_step() or result
         self._pending = None
         step_time = time.perf_counter() - start
-        applied, action = self.judge_step(step, mean_loss, result)
+        applied, action = self.judge_step(step, mean_loss, result, domains)
         self.state.step += 1
         self.state.tokens += self.figures.tokens_per_step
         self.state.wall_time += step_time
@@ -393,8 +394,9 @@ class Trainer:
             hook.after_step(report)
         return metrics, bool(reduced[-1] > 0), action
 
-    def judge_step(self, step: int, mean_loss: float, result) -> tuple[bool, Action]:
-        """The stability machinery's verdict on a finished step: (update applied, the action to carry out)."""
+    def judge_step(self, step: int, mean_loss: float, result, domains: dict | None = None) -> tuple[bool, Action]:
+        """The stability machinery's verdict on a finished step: (update applied, the action to carry out).
+        domains: each domain's mean loss and sample count (all-reduced), for the mix-adjusted loss."""
         grad_norm = result.grad_norm if result is not None else None
         applied = bool(result is not None and result.applied and not self.engine.update_was_withheld())
         # DeepSpeed skipped the update itself (fp16 overflow, non-finite bf16 grads): judge now.
@@ -402,7 +404,7 @@ class Trainer:
         # watchdog owns those, so the detector judges that step on its loss alone.
         overflow = self.cfg.deepspeed.precision == "fp16" and result is not None and not result.applied \
             and math.isfinite(mean_loss)
-        self.stability.judge(step, mean_loss, None if overflow else grad_norm, self.checkpoints.steps)
+        self.stability.judge(step, mean_loss, None if overflow else grad_norm, self.checkpoints.steps, domains)
         action, events, reset_scale = self.stability.after_step(step, self.engine.loss_scale(), applied)
         if reset_scale is not None:
             self.engine.reset_loss_scale(reset_scale)
@@ -476,3 +478,12 @@ class Trainer:
             self.logger.event("batches_skipped", self.state.step, self.state.tokens,
                               f"skipped {num_batches} batch(es): global samples [{start:,}, {stop:,}) will never be "
                               "trained on", skip_start=start, skip_stop=stop, batches=num_batches)
+
+
+def domain_losses(reduced: torch.Tensor, names: list[str]) -> dict[str, tuple[float, float]]:
+    """{domain: (mean loss, sample count)} of the domains in the step, from its all-reduced sums
+    [loss, per-domain loss sums, per-domain sample counts, ...] (Trainer.train_step): the same on every
+    rank, as the detector needs them."""
+    count = len(names)
+    sums, counts = reduced[1:1 + count].tolist(), reduced[1 + count:1 + 2 * count].tolist()
+    return {name: (sums[i] / counts[i], counts[i]) for i, name in enumerate(names) if counts[i] > 0}

@@ -33,6 +33,7 @@ if _worker:
 # others idle (xdist hands out whole files in collection order). Measured in a sequential run, slowest first.
 HEAVY_FILES = (
     "tests/bench/test_gpu_acceptance_smoke.py",
+    "tests/demo/test_demo_spike.py",
     "tests/pretrain/engine/test_grad_accum_cpu.py",
     "tests/pretrain/test_train_cpu.py",
     "tests/pretrain/checkpoint/test_checkpoint_async_cpu.py",

@@ -54,8 +54,13 @@ class DetectorConfig:
     sustained_window: int = 10
     """Steps over which sustained_count outliers are counted; also what links outliers into one episode."""
     stage_switch_grace_steps: int = 50
-    """After the trainer reports a curriculum stage switch, for this many steps the loss is not judged and the grad
-    norm flags a step only at grad_alone_ratio (smaller rises are taken as the new stage's level)."""
+    """After the trainer reports a curriculum stage switch, for this many steps the loss is judged mix-adjusted (each
+    domain's loss against its own baseline; not at all without a domain that has one) and the grad
+    norm flags a step only at grad_alone_ratio, as a repeat or confirmed by that loss (smaller rises are taken as the
+    new stage's level)."""
+    domain_min_steps: int = 10
+    """Accepted steps with samples of a domain before its loss has a baseline in the mix-adjusted loss (a stage's new
+    domain is left out until then)."""
     confirm_z: float = 4.0
     """A step that crosses one signal's thresholds is an outlier only if the other signal's robust z is at least this
     (their batch noise is independent: one hard small batch moves one of them), it is extreme on its own
@@ -70,6 +75,7 @@ class DetectorConfig:
         "loss_z": above(0), "loss_min_rise": at_least(0), "grad_z": above(0), "grad_min_ratio": at_least(1),
         "large_loss_rise": at_least(0, "0 = off"), "large_grad_ratio": at_least(0, "0 = off"),
         "sustained_count": at_least(1), "sustained_window": at_least(1), "stage_switch_grace_steps": at_least(0),
+        "domain_min_steps": at_least(1),
         "confirm_z": at_least(0, "0 = off: each signal judged alone"), "loss_alone_rise": at_least(0),
         "grad_alone_ratio": at_least(1),
     }

@@ -43,11 +43,21 @@ clean step's loss rose 13% (z 6.7, grad z 2.5) and another's grad norm 3.3x (z 1
 while the two z-scores of clean steps are uncorrelated (r = 0.05), so asking the other signal
 cuts the false alarms without blunting the detector.
 
-Stage switch (`note_stage_switch`): for stage_switch_grace_steps the loss is not judged (it can
-neither flag nor confirm) and the grad norm flags a step only at grad_alone_ratio, or when it
-repeats an outlier; smaller grad-norm rises enter the statistics, so both baselines settle on
-the new stage's level. A new domain may legitimately move both signals at once, which is just
-what confirmation would take for damage.
+Stage switch (`note_stage_switch`): a new mix moves the total loss (its domains have other
+levels) and may move the grad norm, both legitimately, which is just what confirmation would take
+for damage. For stage_switch_grace_steps the bar is raised, never removed:
+- the loss is judged *mix-adjusted* when the trainer passes each domain's loss (`domains`): the
+  token-weighted relative rise of each domain's loss over that domain's own baseline. A domain's
+  loss does not jump because the mix changed, so this signal keeps the usual thresholds (z >=
+  loss_z, rise >= loss_min_rise) and confirms like the loss. Domains seen on fewer than
+  `domain_min_steps` accepted steps (a stage's new domains) are left out until they have a level.
+- a step none of whose domains has a level yet (a stage of new domains only, its first
+  domain_min_steps steps) or a caller that passes no domain losses leaves the loss unjudged: a new
+  domain may start far above the old level (+150% in a recorded switch), so no bar on the total
+  would be safe. The trainer always passes them; the grad norm is judged throughout.
+- the grad norm flags a step at grad_alone_ratio, when it repeats an outlier, or when the
+  mix-adjusted loss confirms it; smaller grad-norm rises enter the statistics, so both
+  baselines settle on the new stage's level.
 
 The detector is pure Python/numpy. Every rank must feed it identical numbers (the trainer
 all-reduces loss and grad norm first); its decisions are then identical on every rank.
@@ -57,7 +67,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -69,6 +79,9 @@ LOSS_NOISE_FLOOR = 0.002  # relative to the loss baseline
 LOG_GRAD_NOISE_FLOOR = 0.01  # in log space, i.e. 1% of the grad norm
 
 KINDS = ("ok", "nonfinite", "outlier", "spike")
+
+DomainLosses = Mapping[str, tuple[float, float]]
+"""Per domain: (mean loss of its samples in the step, how many samples it had), identical on every rank."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +120,10 @@ class Verdict:
     """Outlier/non-finite steps within the last sustained_window steps, this one included."""
     note: str = ""
     """ok steps only: a signal crossed its thresholds without confirmation, or as a stage's new level (empty: none)."""
+    mix_z: float | None = None
+    """Robust z-score of the mix-adjusted loss rise (None without domain losses or their baselines)."""
+    mix_rise: float | None = None
+    """Token-weighted relative rise of each domain's loss over that domain's own baseline (None: not available)."""
 
     @property
     def spike_start(self) -> int | None:
@@ -132,6 +149,8 @@ class Verdict:
             out["stability/loss_z"] = self.loss_z
         if self.grad_z is not None:
             out["stability/grad_z"] = self.grad_z
+        if self.mix_z is not None:
+            out["stability/mix_z"] = self.mix_z
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -169,10 +188,16 @@ class SpikeDetector:
         self._suspects: deque[int] = deque()  # steps of recent unconfirmed excursions, within sustained_window
         self._episode_start: int | None = None
         self._loss_grace_until = -1
+        self._domains = DomainBaselines(cfg)
 
     # -- judging ---------------------------------------------------------------------------------
-    def observe(self, step: int, loss: float, grad_norm: float | None = None) -> Verdict:
-        """Judge one step. Call once per optimizer step with values identical on every rank."""
+    def observe(self, step: int, loss: float, grad_norm: float | None = None,
+                domains: DomainLosses | None = None) -> Verdict:
+        """Judge one step. Call once per optimizer step with values identical on every rank.
+
+        domains: each domain's mean loss and sample count in this step (the total loss is their
+        count-weighted mean); they give the mix-adjusted loss a stage switch's grace judges.
+        """
         if grad_norm is not None and grad_norm <= 0:
             grad_norm = None  # log(0) is no evidence of anything; judge the loss alone
         if not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm)):
@@ -184,17 +209,20 @@ class SpikeDetector:
             self._suspects.popleft()  # too old to be repeated
         log_grad = math.log(grad_norm) if grad_norm is not None else None
         loss_sig, grad_sig = self._compare(step, loss, log_grad)
-        judged = self._judge(step, loss, grad_norm, loss_sig, grad_sig)
+        mix_rise = self._domains.mix_rise(domains or {})
+        mix_sig = self._compare_mix(step, mix_rise)
+        judged = self._judge(step, loss, grad_norm, loss_sig, grad_sig, mix_sig)
         if not judged.reasons:
             if judged.hold_out:
                 self._suspects.append(step)
             else:
                 self._history.append((step, float(loss), log_grad))
-            return self._verdict(step, "ok", "", loss, grad_norm, loss_sig, grad_sig, note=judged.note)
+                self._domains.accept(step, domains or {}, mix_rise)
+            return self._verdict(step, "ok", "", loss, grad_norm, loss_sig, grad_sig, note=judged.note, mix=mix_sig)
         for earlier in judged.repeats:  # the excursions this one confirms open its episode
             self._register_outlier(earlier)
         return self._flag(step, loss, grad_norm, "; ".join(judged.reasons), loss_sig, grad_sig, large=judged.large,
-                          kind="outlier")
+                          kind="outlier", mix=mix_sig)
 
     def _compare(self, step: int, loss: float, log_grad: float | None) -> tuple[_Signal | None, _Signal | None]:
         """Both signals against their baselines; (None, None) while warming up."""
@@ -214,27 +242,48 @@ class SpikeDetector:
                                excess=math.exp(log_grad - g_center))
         return loss_sig, grad_sig
 
+    def _compare_mix(self, step: int, mix_rise: float | None) -> _Signal | None:
+        """The mix-adjusted loss rise against the rises of accepted steps; None while warming up or without it.
+
+        Its z uses the same robust statistics as the loss (the rises of a falling loss are centred near 0)."""
+        history = self._domains.rises
+        if mix_rise is None or step < self.cfg.warmup_steps or len(history) < self.cfg.min_history:
+            return None
+        rises = np.fromiter((r for _, r in history), dtype=np.float64)
+        center, noise = robust_baseline(rises, self.cfg.center_window)
+        noise = max(noise, LOSS_NOISE_FLOOR)  # the rise is relative already
+        return _Signal(z=(mix_rise - center) / noise, baseline=center, excess=mix_rise)
+
+    def _loss_view(self, step: int, loss_sig: _Signal | None, mix_sig: _Signal | None) -> tuple[_Signal | None, str]:
+        """The loss signal judged at `step` and how: "loss" (the total, as always), "mix" (the mix-adjusted loss,
+        in a stage switch's grace) or "none" (in that grace without a domain that has a level: nothing to compare
+        the loss with, since a stage of new domains may start far above the old level)."""
+        if step >= self._loss_grace_until:
+            return loss_sig, "loss"
+        if mix_sig is not None:
+            return mix_sig, "mix"
+        return None, "none"
+
     def _judge(self, step: int, loss: float, grad_norm: float | None, loss_sig: _Signal | None,
-               grad_sig: _Signal | None) -> _Judgement:
+               grad_sig: _Signal | None, mix_sig: _Signal | None = None) -> _Judgement:
         """Which signals cross their thresholds, and whether each crossing is confirmed (module docstring)."""
         cfg = self.cfg
         in_grace = step < self._loss_grace_until
         grad_judged = cfg.use_grad_norm and grad_sig is not None
-        loss_cross = loss_sig is not None and not in_grace and loss_sig.z >= cfg.loss_z \
-            and loss_sig.excess >= cfg.loss_min_rise
+        view, how = self._loss_view(step, loss_sig, mix_sig)
+        loss_cross = view is not None and view.z >= cfg.loss_z and view.excess >= cfg.loss_min_rise
         grad_cross = grad_judged and grad_sig.z >= cfg.grad_z and grad_sig.excess >= cfg.grad_min_ratio
         if not (loss_cross or grad_cross):
             return _Judgement([])
         recent = self._recent_steps(step)
         reasons, notes, large, hold_out = [], [], False, False
         if loss_cross:
-            what = (f"loss {loss:.4g} is {100 * loss_sig.excess:.0f}% above its baseline "
-                    f"{loss_sig.baseline:.4g} (robust z {loss_sig.z:.1f} >= {cfg.loss_z:g})")
+            what = _loss_text(loss, view, how, cfg.loss_z)
             alone = f"+{100 * cfg.loss_alone_rise:.0f}%"
             # Both signals crossing confirm each other; the message then reads as it always did.
             why = "" if grad_cross else self._confirmation(
                 other=("grad norm", grad_sig.z) if grad_judged else None,
-                alone=loss_sig.excess >= cfg.loss_alone_rise, alone_text=alone, recent=recent)
+                alone=view.excess >= cfg.loss_alone_rise, alone_text=alone, recent=recent)
             if why is None:
                 notes.append(f"{what}, unconfirmed (grad norm z {grad_sig.z:.1f} < {cfg.confirm_z:g}, below {alone}, "
                              f"no other excursion within {cfg.sustained_window} steps): update applied, step kept "
@@ -242,17 +291,20 @@ class SpikeDetector:
                 hold_out = True
             else:
                 reasons.append(what + why)
-                large |= cfg.large_loss_rise > 0 and loss_sig.excess >= cfg.large_loss_rise
+                large |= cfg.large_loss_rise > 0 and view.excess >= cfg.large_loss_rise
         if grad_cross:
             what = (f"grad norm {grad_norm:.4g} is {grad_sig.excess:.1f}x its baseline "
                     f"{grad_sig.baseline:.4g} (robust z {grad_sig.z:.1f} >= {cfg.grad_z:g})")
             alone = grad_sig.excess >= cfg.grad_alone_ratio
             alone_text = f"{cfg.grad_alone_ratio:g}x"
             if in_grace:
-                # Right after a stage switch the loss cannot confirm (the new domain moves it), and only an
-                # outlier counts as a repeat: smaller rises are the new stage's level and enter the statistics.
-                why = self._confirmation(other=None, alone=alone, alone_text=alone_text,
-                                         recent=[s for s in recent if s in self._outliers], no_other_is_alone=False)
+                # Right after a stage switch the total loss cannot confirm (the new mix moves it) but the mix-adjusted
+                # loss can, and only an outlier counts as a repeat: smaller rises are the new stage's level and enter
+                # the statistics.
+                other = ("mix-adjusted loss", mix_sig.z) if how == "mix" else None
+                why = "" if loss_cross else self._confirmation(
+                    other=other, alone=alone, alone_text=alone_text,
+                    recent=[s for s in recent if s in self._outliers], no_other_is_alone=False)
                 if why is None:
                     notes.append(f"{what}, within {cfg.stage_switch_grace_steps} steps of a stage switch and below "
                                  f"{alone_text}: taken as the new stage's level")
@@ -299,7 +351,7 @@ class SpikeDetector:
         return sorted(s for s in (*self._outliers, *self._suspects) if step - window < s < step)
 
     def _flag(self, step: int, loss: float, grad_norm: float | None, reason: str, loss_sig: _Signal | None,
-              grad_sig: _Signal | None, *, large: bool, kind: str) -> Verdict:
+              grad_sig: _Signal | None, *, large: bool, kind: str, mix: _Signal | None = None) -> Verdict:
         """Record an outlier (not in the statistics) and escalate it to a spike when warranted."""
         count = self._register_outlier(step)
         sustained = count >= self.cfg.sustained_count
@@ -307,7 +359,7 @@ class SpikeDetector:
             why = "large" if large else f"{count} outliers in the last {self.cfg.sustained_window} steps"
             reason = f"{reason}; spike ({why}, episode since step {self._episode_start})"
             kind = "spike"
-        return self._verdict(step, kind, reason, loss, grad_norm, loss_sig, grad_sig)
+        return self._verdict(step, kind, reason, loss, grad_norm, loss_sig, grad_sig, mix=mix)
 
     def _register_outlier(self, step: int) -> int:
         """Add an outlier step; returns how many lie within sustained_window (an episode's link).
@@ -327,7 +379,8 @@ class SpikeDetector:
         return len(self._outliers)
 
     def _verdict(self, step: int, kind: str, reason: str, loss: float, grad_norm: float | None,
-                 loss_sig: _Signal | None, grad_sig: _Signal | None, note: str = "") -> Verdict:
+                 loss_sig: _Signal | None, grad_sig: _Signal | None, note: str = "",
+                 mix: _Signal | None = None) -> Verdict:
         recent = sum(1 for s in self._outliers if s > step - self.cfg.sustained_window)
         return Verdict(
             step=step, kind=kind, reason=reason, loss=float(loss),
@@ -342,6 +395,8 @@ class SpikeDetector:
             episode_start=self._episode_start if recent else None,
             outliers_in_window=recent,
             note=note,
+            mix_z=None if mix is None else mix.z,
+            mix_rise=None if mix is None else mix.excess,
         )
 
     # -- control from the trainer ---------------------------------------------------------------
@@ -350,8 +405,10 @@ class SpikeDetector:
         return bool(self._outliers) and self._outliers[-1] > step - self.cfg.sustained_window
 
     def note_stage_switch(self, step: int) -> None:
-        """A curriculum stage switch at `step`: for stage_switch_grace_steps do not judge the loss,
-        and let the grad norm flag a step only at grad_alone_ratio (or when it repeats an outlier).
+        """A curriculum stage switch at `step`: for stage_switch_grace_steps judge the mix-adjusted loss
+        instead of the total (not at all without a domain that has a level), and let the grad
+        norm flag a step only at grad_alone_ratio, when it repeats an outlier or when the mix-adjusted
+        loss confirms it.
 
         The losses and the smaller grad-norm rises still enter the statistics, so both baselines
         settle on the new stage's level during the grace period. With confirm_z = 0 the grad norm
@@ -369,6 +426,7 @@ class SpikeDetector:
         self._outliers.clear()
         self._suspects.clear()
         self._episode_start = None
+        self._domains.rewind(to_step)
 
     # -- state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -379,6 +437,7 @@ class SpikeDetector:
             "suspects": list(self._suspects),
             "episode_start": self._episode_start,
             "loss_grace_until": self._loss_grace_until,
+            "domains": self._domains.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -388,6 +447,74 @@ class SpikeDetector:
         self._suspects = deque(int(s) for s in state.get("suspects", ()))  # absent in checkpoints before confirmation
         self._episode_start = state["episode_start"]
         self._loss_grace_until = int(state["loss_grace_until"])
+        self._domains = DomainBaselines(self.cfg)
+        if "domains" in state:  # absent in checkpoints before the mix-adjusted loss: it warms up again
+            self._domains.load_state_dict(state["domains"])
+
+
+def _loss_text(loss: float, view: _Signal, how: str, threshold: float) -> str:
+    """What crossed, for a reason: the total loss, or the mix-adjusted loss after a stage switch."""
+    if how == "mix":
+        return (f"loss {loss:.4g}: its domains' losses are {100 * view.excess:.0f}% above their own baselines "
+                f"(mix-adjusted, within a stage switch's grace; robust z {view.z:.1f} >= {threshold:g})")
+    return (f"loss {loss:.4g} is {100 * view.excess:.0f}% above its baseline {view.baseline:.4g} "
+            f"(robust z {view.z:.1f} >= {threshold:g})")
+
+
+class DomainBaselines:
+    """Each domain's loss baseline, and the mix-adjusted rises of accepted steps.
+
+    A domain's baseline is the median of its mean loss over the newest center_window accepted steps
+    that had samples of it; it counts once it has domain_min_steps of them (a stage's new domain has
+    no level yet and is left out). The mix-adjusted rise of a step is sum(n_d * loss_d) /
+    sum(n_d * baseline_d) - 1 over the domains with a baseline: the token-weighted relative rise of
+    each domain's loss over its own level, which a change of mix does not move.
+    """
+
+    def __init__(self, cfg: DetectorConfig):
+        self.cfg = cfg
+        self.levels: dict[str, deque[tuple[int, float]]] = {}
+        self.rises: deque[tuple[int, float]] = deque(maxlen=cfg.window)  # (step, rise) of accepted steps
+
+    def baseline(self, name: str) -> float | None:
+        level = self.levels.get(name)
+        if level is None or len(level) < max(1, self.cfg.domain_min_steps):
+            return None
+        return float(np.median([value for _, value in level]))
+
+    def mix_rise(self, domains: DomainLosses) -> float | None:
+        """The step's mix-adjusted rise; None when no domain of it has a baseline."""
+        actual = expected = 0.0
+        for name, (mean, count) in domains.items():
+            base = self.baseline(name)
+            if base is None or count <= 0 or not math.isfinite(mean):
+                continue
+            actual += count * mean
+            expected += count * base
+        return actual / expected - 1.0 if expected > 0 else None
+
+    def accept(self, step: int, domains: DomainLosses, rise: float | None) -> None:
+        """An accepted step: its domain losses join their levels, its rise the rises' history."""
+        for name, (mean, count) in domains.items():
+            if count > 0 and math.isfinite(mean):
+                self.levels.setdefault(name, deque(maxlen=self.cfg.center_window)).append((step, float(mean)))
+        if rise is not None:
+            self.rises.append((step, rise))
+
+    def rewind(self, to_step: int) -> None:
+        """Forget steps >= to_step (a rollback)."""
+        self.levels = {name: deque(((s, v) for s, v in level if s < to_step), maxlen=self.cfg.center_window)
+                       for name, level in self.levels.items()}
+        self.rises = deque(((s, r) for s, r in self.rises if s < to_step), maxlen=self.cfg.window)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"levels": {name: [list(x) for x in level] for name, level in self.levels.items()},
+                "rises": [list(x) for x in self.rises]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.levels = {name: deque(((int(s), float(v)) for s, v in level), maxlen=self.cfg.center_window)
+                       for name, level in state["levels"].items()}
+        self.rises = deque(((int(s), float(r)) for s, r in state["rises"]), maxlen=self.cfg.window)
 
 
 def robust_baseline(values: np.ndarray, center_window: int) -> tuple[float, float]:

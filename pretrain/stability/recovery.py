@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from pretrain.stability.config import StabilityConfig
-from pretrain.stability.detector import SpikeDetector, Verdict
+from pretrain.stability.detector import DomainLosses, SpikeDetector, Verdict
 from pretrain.stability.inject import FaultInjector
 from pretrain.stability.policy import NONE, Action, RecoveryPolicy
 from pretrain.stability.telemetry import AdaptiveClip, RollingPercentiles
@@ -59,15 +59,17 @@ class StabilityMonitor:
         return self.clip.threshold()
 
     # -- at the accumulation boundary, inside the optimizer step ----------------------------------
-    def judge(self, step: int, loss: float, grad_norm: float | None, checkpoints: Iterable[int]) -> Action:
-        """Verdict and action for step `step`, given its all-reduced loss and global grad norm.
+    def judge(self, step: int, loss: float, grad_norm: float | None, checkpoints: Iterable[int],
+              domains: DomainLosses | None = None) -> Action:
+        """Verdict and action for step `step`, given its all-reduced loss and global grad norm (and each
+        domain's all-reduced mean loss and sample count, for the mix-adjusted loss after a stage switch).
 
         Called at most once per step: from the optimizer gate when DeepSpeed reaches the update,
         or after the step when DeepSpeed skipped it itself (overflow) and never asked.
         """
         if self.judgement.verdict is not None:
             return self.judgement.action
-        verdict = self.detector.observe(step, loss, grad_norm)
+        verdict = self.detector.observe(step, loss, grad_norm, domains)
         action = self.policy.decide(verdict, step, checkpoints)
         self.judgement = StepJudgement(verdict, action, grad_norm)
         return action

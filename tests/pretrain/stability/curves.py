@@ -23,6 +23,12 @@ Real, from `ayumi demo` (tests/pretrain/stability/data/demo_curve.json, made by 
 the run's first 604 steps, up to the rollback, with the stage switches at steps 0, 325 and 575; its
 clean steps 243 (loss) and 532 (grad norm) were skipped as outliers before confirmation existed,
 and LR x50 at steps 600-602 is the injected spike (caught at 603).
+
+Real, with each domain's loss and sample count per step (data/demo_domains_curve.json, made by
+data/record_demo_domains.py): a clean 1,000-step run of the demo's config in bf16 (stage switches at
+0-based steps 0, 325, 575, 825) and the steps 600-624 of the same run with the demo's LR x50 at
+600-602 (`demo_domains(injected=True)`), which that machine's old detector caught only through a grad
+norm of 23x.
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ import numpy as np
 
 DATA = Path(__file__).with_name("data") / "tiny_llama_curves.json"
 DEMO_DATA = Path(__file__).with_name("data") / "demo_curve.json"
+DEMO_DOMAINS_DATA = Path(__file__).with_name("data") / "demo_domains_curve.json"
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,44 @@ def demo() -> DemoCurve:
     """The loss / grad-norm curve of `ayumi demo` up to its rollback, with its stage switches."""
     data = json.loads(DEMO_DATA.read_text())
     return DemoCurve(np.array(data["loss"]), np.array(data["grad_norm"]), tuple(data["stage_switch_steps"]))
+
+
+DomainRow = dict  # {"loss": float, "grad_norm": float, "domains": {name: [mean loss, samples]}}
+
+
+@dataclass(frozen=True)
+class DomainCurve:
+    rows: tuple[DomainRow, ...]
+    stage_switches: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def replaced(self, start: int, rows: list[DomainRow]) -> "DomainCurve":
+        """This curve with rows[start:start + len(rows)] replaced."""
+        new = list(self.rows)
+        new[start:start + len(rows)] = rows
+        return DomainCurve(tuple(new), self.stage_switches)
+
+
+@lru_cache(maxsize=None)
+def _demo_domains() -> dict:
+    return json.loads(DEMO_DOMAINS_DATA.read_text())
+
+
+def demo_domains(injected: bool = False) -> DomainCurve:
+    """The demo config's clean bf16 run with per-domain losses; injected: with its LR x50 spike at 600-602."""
+    data = _demo_domains()
+    curve = DomainCurve(tuple(data["clean"]), tuple(data["stage_switch_steps"]))
+    return curve.replaced(data["injected_from"], data["injected"]) if injected else curve
+
+
+def scaled_row(row: DomainRow, loss: float, grad_norm: float) -> DomainRow:
+    """A row with the total loss and grad norm given, every domain's loss scaled like the total (a damaged
+    model raises them all)."""
+    factor = loss / row["loss"]
+    return {"loss": loss, "grad_norm": grad_norm,
+            "domains": {name: [value * factor, count] for name, (value, count) in row["domains"].items()}}
 
 
 DEMO_CLEAN_EXCURSIONS = (243, 532)  # loss +13% (z 6.7, grad z 2.5); grad norm 3.3x (z 11.3, loss z 1.9)
