@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,6 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.result_form import machine_line, result_line  # noqa: E402  (first: it reads the load at the start)
+from bench.spike_recovery import env, free_port  # noqa: E402  (the same 2-rank CPU runs)
 
 DETECT_WITHIN = 10  # steps after the fault in which the spike must begin
 RISE_WINDOW, LEVEL_WINDOW = 15, 20
@@ -98,17 +97,6 @@ def overrides(case: Case, mode: str, shards: Path, tokenizer: Path, runs: Path, 
     return out
 
 
-def env() -> dict[str, str]:
-    e = dict(os.environ)
-    e.update(DS_ACCELERATOR="cpu", WANDB_MODE="disabled", WANDB_SILENT="true", OMP_NUM_THREADS="1",
-             PYTHONPATH=str(REPO) + os.pathsep + e.get("PYTHONPATH", ""))
-    return e
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def train(case: Case, mode: str, args: argparse.Namespace, data: tuple[Path, Path]) -> Path:
