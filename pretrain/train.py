@@ -64,6 +64,7 @@ from pretrain.config import (
 from pretrain.engine.train_engine import DistInfo, TrainEngine, build_model
 from pretrain.engine.distributed import (
     all_reduce_tensor, any_rank, barrier, broadcast_object, finalize_distributed, first_problem, init_distributed,
+    leave_now,
 )
 from pretrain.engine.ds_config import save_ds_config
 from pretrain.evaluation import DownstreamTasks
@@ -461,9 +462,7 @@ def exit_now(status: int) -> None:
     others are inside a collective, and a barrier would hang it. A run that ends well has passed main's
     barrier and destroyed the process group already.
     """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    leave_now(status)
 
 
 if __name__ == "__main__":

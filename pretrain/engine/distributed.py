@@ -236,6 +236,12 @@ def exit_process(status: int = 0) -> NoReturn:
     them to race (docs/deepspeed-on-cpu.md).
     """
     finalize_distributed()
+    leave_now(status)
+
+
+def leave_now(status: int) -> NoReturn:
+    """Flush stdout and stderr, then `os._exit`: no Python shutdown (exit_process says why), and no barrier,
+    so a rank that stops alone while the others are inside a collective can leave too."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)

@@ -13,12 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from pretrain.model import documents
-from pretrain.model.config import ModelConfig
 from pretrain.model.documents import (
     attention_mask, dense_mask, document_attention, document_ids, document_spans, mask_kernel,
     varlen_device,
 )
 from pretrain.model.llama import Llama
+from tests.pretrain.model.test_document_masking import tiny as masking_tiny, token_losses
 
 END = 1
 
@@ -78,16 +78,7 @@ def packed(lengths: list[int], rows: int = 1, seed: int = 0) -> tuple[torch.Tens
 
 
 def tiny(**changes) -> Llama:
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                      max_seq_len=256, init_std=0.1, **changes)
-    return Llama(cfg).eval()
-
-
-def token_losses(model: Llama, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        logits = model(inputs).logits.float()
-    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
+    return masking_tiny(**{"max_seq_len": 256, **changes})
 
 
 def test_the_kernel_follows_what_the_device_dtype_and_head_size_support(monkeypatch):

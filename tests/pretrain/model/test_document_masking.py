@@ -20,9 +20,9 @@ DOCUMENTS = [[5, 9, 17, 33, END], [40, 41, 7, 7, 8, 100, 3, END], [200, 201, END
 
 def tiny(**changes) -> Llama:
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                      max_seq_len=64, init_std=0.1, **changes)
-    return Llama(cfg).eval()
+    fields = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                  max_seq_len=64, init_std=0.1)
+    return Llama(ModelConfig(**{**fields, **changes})).eval()
 
 
 def token_losses(model: Llama, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
