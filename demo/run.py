@@ -187,10 +187,9 @@ def summary(run_dir: Path, tokenizer_dir: Path, shards: Path, corpus_dir: Path, 
 def story(run_dir: Path) -> str:
     """What the run's events.jsonl says happened to the injected spike, in one or two lines: the closing line
     must not claim a rollback that did not happen (on some machines a spike has gone unnoticed)."""
-    import json
+    from pretrain.tools.report.timeline import read_jsonl  # the report's reader: a cut last line is skipped
 
-    path = run_dir / "events.jsonl"
-    events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    events = read_jsonl(run_dir / "events.jsonl").rows
     kinds = [e["event"] for e in events]
     faults = [e["step"] for e in events if e["event"] == "fault_injected"]
     listed = "the report lists every event"

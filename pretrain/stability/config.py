@@ -253,6 +253,10 @@ def check_stability_config(cfg: StabilityConfig, min_loss_scale: float = 1.0) ->
     det, rec, dog = cfg.detector, cfg.recovery, cfg.watchdog
     _check(1 <= det.center_window <= det.window,
            f"stability.detector.center_window={det.center_window}: must lie in [1, detector.window={det.window}]")
+    _check(det.domain_min_steps <= det.center_window,
+           f"stability.detector.domain_min_steps={det.domain_min_steps} exceeds detector.center_window="
+           f"{det.center_window}: a domain keeps only center_window steps of its loss, so it would never have a "
+           "baseline after a stage switch; lower domain_min_steps or raise center_window")
     _check(det.min_history <= det.window,
            f"stability.detector.min_history={det.min_history} exceeds detector.window={det.window}: lower it")
     _check(det.loss_alone_rise >= det.loss_min_rise,

@@ -14,7 +14,7 @@ from omegaconf.errors import ConfigKeyError
 import pretrain.stability.config as config_module
 from common.conf import CONF_DIR
 from pretrain.stability.config import (
-    InjectConfig, RecoveryConfig, StabilityConfig, StabilityConfigError, check_stability_config,
+    DetectorConfig, InjectConfig, RecoveryConfig, StabilityConfig, StabilityConfigError, check_stability_config,
 )
 
 STABILITY_DIR = CONF_DIR / "stability"
@@ -81,6 +81,7 @@ def test_off_turns_the_machinery_off_but_still_skips_nan():
     (StabilityConfig(recovery=RecoveryConfig(lr_cooldown_factor=2.0)), "lr_cooldown_factor"),
     (StabilityConfig(recovery=RecoveryConfig(lr_cooldown_shape="cosine")), "lr_cooldown_shape"),
     (StabilityConfig(inject=InjectConfig(lr_multiply={3: -1.0})), "stability.inject.lr_multiply"),
+    (StabilityConfig(detector=DetectorConfig(domain_min_steps=30)), "stability.detector.domain_min_steps"),
 ])
 def test_bad_values_name_their_field(bad, field_name):
     with pytest.raises(StabilityConfigError, match=field_name.replace(".", r"\.")):
