@@ -665,8 +665,20 @@ def corpus(work: Path) -> Path:
     return root
 
 
-def run_overrides(work: Path, name: str, device: str, *extra: str) -> list[str]:
-    return [f"name={name}", f"run_root={work / 'runs'}", f"data.root={corpus(work)}", f"train.device={device}",
+def markov_corpus(work: Path) -> Path:
+    """Two domains of seeded Markov-chain text (bench/markov_corpus.py): the same at every commit, unlike the
+    repository's text, so a clean run's verdict depends on the code and the machine, not on the commit."""
+    from bench.markov_corpus import write_markov_corpus
+    from data.manifest import MANIFEST_NAME
+
+    root = work / "markov_corpus"
+    if not (root / MANIFEST_NAME).is_file():
+        write_markov_corpus(root, 512, tokens_per_domain=1_000_000)
+    return root
+
+
+def run_overrides(work: Path, name: str, device: str, *extra: str, root: Path | None = None) -> list[str]:
+    return [f"name={name}", f"run_root={work / 'runs'}", f"data.root={root or corpus(work)}", f"train.device={device}",
             "data.validation=false", "curriculum.default_max_repetition=inf", "logging=none", "logging.console_interval=10",
             "optim.warmup_steps=5", *extra]
 
@@ -877,10 +889,11 @@ def worker_stability(args, work: Path) -> dict:
     checkpoint >= 20 steps earlier, 10 batches skipped, and the last 20 steps' loss back near the clean run's."""
     common = ["experiment=cpu_tiny", "deepspeed=zero2", "train.tokens=131072", "train.max_steps=200",
               "checkpoint.interval=0", "checkpoint.save_final=false", "model.compile=off", "train.eval_interval=0"]
-    device = device_of(args)
-    corpus(work)
-    procs = {"spiked": start_training(run_overrides(work, "spiked", device, *common, *STABILITY), work / "spiked.log"),
-             "clean": start_training(run_overrides(work, "clean", device, *common, *STABILITY[:-1]), work / "clean.log")}
+    device, root = device_of(args), markov_corpus(work)
+    procs = {"spiked": start_training(run_overrides(work, "spiked", device, *common, *STABILITY, root=root),
+                                      work / "spiked.log"),
+             "clean": start_training(run_overrides(work, "clean", device, *common, *STABILITY[:-1], root=root),
+                                     work / "clean.log")}
     wait_all(procs, work)
     run_events = events(work / "runs" / "spiked")
     kinds = [e["event"] for e in run_events]

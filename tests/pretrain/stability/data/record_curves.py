@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[4]))
 
+from bench.markov_corpus import markov_chain, sample_chain  # noqa: E402
 from pretrain.model.config import ModelConfig  # noqa: E402
 from pretrain.model.llama import Llama  # noqa: E402
 
@@ -33,29 +34,10 @@ VOCAB, SEQ, BATCH, STEPS, EVENT = 512, 64, 8, 800, 500
 OUT = Path(__file__).with_name("tiny_llama_curves.json")
 
 
-def markov_chain(seed: int, successors: int = 6) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    probs = np.zeros((VOCAB, VOCAB))
-    for token in range(VOCAB):
-        nxt = rng.choice(VOCAB, successors, replace=False)
-        probs[token, nxt] = rng.dirichlet(np.full(successors, 0.7))
-    return probs
-
-
-def sample(rng: np.random.Generator, probs: np.ndarray, count: int) -> np.ndarray:
-    out = np.empty((count, SEQ + 1), dtype=np.int64)
-    cumulative = probs.cumsum(1)
-    token = rng.integers(0, VOCAB, count)
-    for t in range(SEQ + 1):
-        out[:, t] = token
-        token = np.minimum((cumulative[token] < rng.random(count)[:, None]).sum(1), VOCAB - 1)
-    return out
-
-
 def run(lr_multiply: dict[int, float] | None = None, second_share: float = 0.0) -> tuple[list[float], list[float]]:
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
-    first, second = markov_chain(100), markov_chain(200)
+    first, second = markov_chain(VOCAB, 100), markov_chain(VOCAB, 200)
     model = Llama(ModelConfig())
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
     losses, norms = [], []
@@ -65,7 +47,8 @@ def run(lr_multiply: dict[int, float] | None = None, second_share: float = 0.0) 
         for group in opt.param_groups:
             group["lr"] = lr
         other = round(BATCH * second_share) if step >= EVENT else 0
-        tokens = torch.from_numpy(np.concatenate([sample(rng, first, BATCH - other), sample(rng, second, other)]))
+        tokens = torch.from_numpy(np.concatenate([sample_chain(rng, first, BATCH - other, SEQ + 1),
+                                                  sample_chain(rng, second, other, SEQ + 1)]))
         out = model(tokens[:, :-1], tokens[:, 1:])
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
