@@ -69,6 +69,9 @@ class DetectorConfig:
     """A loss this fraction above its baseline (with z >= loss_z) is an outlier without the grad norm confirming it."""
     grad_alone_ratio: float = 8.0
     """A grad norm this many times its baseline (with z >= grad_z) is an outlier without the loss confirming it."""
+    divergence_rise: float = 0.10
+    """A spike too: the loss baseline this fraction above the lowest it reached since the last stage switch or
+    rollback, a slow climb no single step shows (an LR past the stable edge); 0 = off."""
 
     RANGES: ClassVar[dict[str, Range]] = {
         "window": at_least(3), "center_window": at_least(1), "warmup_steps": at_least(0), "min_history": at_least(0),
@@ -77,7 +80,7 @@ class DetectorConfig:
         "sustained_count": at_least(1), "sustained_window": at_least(1), "stage_switch_grace_steps": at_least(0),
         "domain_min_steps": at_least(1),
         "confirm_z": at_least(0, "0 = off: each signal judged alone"), "loss_alone_rise": at_least(0),
-        "grad_alone_ratio": at_least(1),
+        "grad_alone_ratio": at_least(1), "divergence_rise": at_least(0, "0 = off"),
     }
     """Allowed values, checked before training starts (pretrain/ranges.py)."""
 
@@ -96,6 +99,10 @@ class RecoveryConfig:
     """Length of the cool-down after a rollback, in steps."""
     lr_cooldown_shape: str = "linear"
     """linear (the factor ramps back to 1 over the cool-down) | constant (held, then back to 1 at once)."""
+    lr_repeat_factor: float = 0.5
+    """A spike within recovery_window_steps of an earlier recovery also multiplies the LR by this for the rest of the
+    run (the cool-down then returns to the lowered LR): a spike that comes back is the LR's doing, not a batch's
+    (OPT lowered its LR after repeated restarts); 1.0 = the LR always returns to the schedule's."""
     reset_loss_scale: bool = True
     """fp16: after a rollback set the loss scale to 2**loss_scale_reset_power (the checkpoint holds the collapsed one)."""
     loss_scale_reset_power: int = 16
@@ -118,6 +125,7 @@ class RecoveryConfig:
     RANGES: ClassVar[dict[str, Range]] = {
         "rollback_steps": at_least(0), "skip_batches": at_least(0),
         "lr_cooldown_factor": between(0, 1, low_open=True, note="1.0 = no cool-down"), "lr_cooldown_steps": at_least(0),
+        "lr_repeat_factor": between(0, 1, low_open=True, note="1.0 = never lowered for good"),
         "adam_eps": above(0), "adam_beta1": between(0, 1, high_open=True), "max_recoveries": at_least(0),
         "recovery_window_steps": at_least(1), "max_skips_per_episode": at_least(1),
         "ring_interval": at_least(0, "0 = no recovery checkpoints"), "ring_keep": at_least(1),

@@ -189,6 +189,7 @@ class SpikeDetector:
         self._episode_start: int | None = None
         self._loss_grace_until = -1
         self._domains = DomainBaselines(cfg)
+        self._lowest: tuple[float, int] | None = None  # (lowest loss baseline, its step) since a switch or rollback
 
     # -- judging ---------------------------------------------------------------------------------
     def observe(self, step: int, loss: float, grad_norm: float | None = None,
@@ -218,11 +219,48 @@ class SpikeDetector:
             else:
                 self._history.append((step, float(loss), log_grad))
                 self._domains.accept(step, domains or {}, mix_rise)
+                diverging = self._divergence(step)
+                if diverging:
+                    return self._diverged(step, loss, grad_norm, diverging, loss_sig, grad_sig, mix_sig)
             return self._verdict(step, "ok", "", loss, grad_norm, loss_sig, grad_sig, note=judged.note, mix=mix_sig)
         for earlier in judged.repeats:  # the excursions this one confirms open its episode
             self._register_outlier(earlier)
         return self._flag(step, loss, grad_norm, "; ".join(judged.reasons), loss_sig, grad_sig, large=judged.large,
                           kind="outlier", mix=mix_sig)
+
+    def _divergence(self, step: int) -> str:
+        """Why the loss is diverging ("" when it is not): its baseline stands divergence_rise above the lowest one
+        since the last stage switch or rollback.
+
+        A learning rate past the stable edge can raise the loss over a hundred steps, each step within the noise
+        of the one before: the spike tests, which compare a step with the newest steps, never fire. The baseline
+        (median of the newest center_window accepted losses) against its own low point does; a healthy run's
+        baseline only falls within a stage. Not judged in a stage switch's grace (the new mix sets a new level,
+        from which the low point starts again) nor before the detector's warm-up ends."""
+        cfg = self.cfg
+        if (cfg.divergence_rise <= 0 or step < self._loss_grace_until or step < cfg.warmup_steps
+                or len(self._history) < max(cfg.min_history, cfg.center_window)):
+            return ""
+        recent = np.fromiter((h[1] for h in list(self._history)[-cfg.center_window:]), dtype=np.float64)
+        baseline = float(np.median(recent))
+        if self._lowest is None or baseline < self._lowest[0]:
+            self._lowest = (baseline, step)
+            return ""
+        lowest, at = self._lowest
+        if lowest <= 0 or baseline < lowest * (1 + cfg.divergence_rise):
+            return ""
+        return (f"the loss is diverging: its baseline {baseline:.4g} is {100 * (baseline / lowest - 1):.0f}% above "
+                f"its lowest {lowest:.4g} at step {at} (divergence_rise {100 * cfg.divergence_rise:g}%)")
+
+    def _diverged(self, step: int, loss: float, grad_norm: float | None, reason: str, loss_sig: _Signal | None,
+                  grad_sig: _Signal | None, mix: _Signal | None) -> Verdict:
+        """A spike whose episode begins where the loss baseline was lowest: the rollback goes back before the
+        climb. The low point starts again from here, so a lasting climb is reported again only divergence_rise higher."""
+        begins = self._lowest[1]
+        self._register_outlier(step)
+        self._episode_start = min(self._episode_start if self._episode_start is not None else step, begins)
+        self._lowest = None
+        return self._verdict(step, "spike", reason, loss, grad_norm, loss_sig, grad_sig, mix=mix)
 
     def _compare(self, step: int, loss: float, log_grad: float | None) -> tuple[_Signal | None, _Signal | None]:
         """Both signals against their baselines; (None, None) while warming up."""
@@ -415,6 +453,7 @@ class SpikeDetector:
         is judged as usual.
         """
         self._loss_grace_until = step + self.cfg.stage_switch_grace_steps
+        self._lowest = None  # the new mix has its own level
 
     def rewind(self, to_step: int) -> None:
         """After a rollback to checkpoint `to_step`: forget steps >= to_step and the open episode.
@@ -427,6 +466,7 @@ class SpikeDetector:
         self._suspects.clear()
         self._episode_start = None
         self._domains.rewind(to_step)
+        self._lowest = None
 
     # -- state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -438,6 +478,7 @@ class SpikeDetector:
             "episode_start": self._episode_start,
             "loss_grace_until": self._loss_grace_until,
             "domains": self._domains.state_dict(),
+            "lowest": list(self._lowest) if self._lowest else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -450,6 +491,8 @@ class SpikeDetector:
         self._domains = DomainBaselines(self.cfg)
         if "domains" in state:  # absent in checkpoints before the mix-adjusted loss: it warms up again
             self._domains.load_state_dict(state["domains"])
+        lowest = state.get("lowest")  # absent in checkpoints before the divergence test: the low point starts again
+        self._lowest = (float(lowest[0]), int(lowest[1])) if lowest else None
 
 
 def _loss_text(loss: float, view: _Signal, how: str, threshold: float) -> str:

@@ -6,7 +6,9 @@ Escalation (stability.action = recover, the default):
     nonfinite / outlier -> skip_update (the weights and Adam's moments stay as they were)
     spike               -> rollback to the newest good checkpoint >= rollback_steps before the
                            spike began, skip skip_batches of data past it, cool the LR, reset the
-                           fp16 loss scale, optionally change Adam eps / beta1 from then on
+                           fp16 loss scale, optionally change Adam eps / beta1 from then on;
+                           a spike within recovery_window_steps of an earlier recovery also lowers
+                           the LR for good (lr_repeat_factor)
     spike, but max_recoveries already within recovery_window_steps
                         -> stop, with a message saying what was tried and what to change
 
@@ -172,6 +174,7 @@ class RecoveryPolicy:
         self.bad_steps = StepRanges()
         self.skipped_updates = 0
         self.cooldown: tuple[int, int] | None = None  # [start, end) after the latest rollback
+        self.lasting_lr_factor = 1.0  # lowered by lr_repeat_factor at each repeated spike, for the rest of the run
         self.overrides_active = False  # adam_eps / adam_beta1 apply from the first recovery on
         self._new_events = 0
         self._logged_episode: int | None = None  # log_only: one spike event per episode
@@ -243,6 +246,8 @@ class RecoveryPolicy:
         choice = choose_rollback_checkpoint(checkpoints, start, rec.rollback_steps, self.bad_steps)
         if choice.step is None:
             return self._stop(step, reason, f"cannot roll back: {choice.note}.")
+        if recent:  # the spike came back: lower the LR for good, not only for the cool-down
+            self.lasting_lr_factor *= rec.lr_repeat_factor
         action = Action(
             "rollback", reason=reason, to_step=choice.step, skip_batches=rec.skip_batches,
             lr_factor=rec.lr_cooldown_factor, cooldown_steps=rec.lr_cooldown_steps if rec.lr_cooldown_factor < 1 else 0,
@@ -278,6 +283,8 @@ class RecoveryPolicy:
         if action.cooldown_steps:
             parts.append(f"LR x{action.lr_factor:g} for {action.cooldown_steps} steps "
                          f"({self.cfg.recovery.lr_cooldown_shape})")
+        if self.lasting_lr_factor < 1:
+            parts.append(f"LR x{self.lasting_lr_factor:g} from then on (a repeated spike)")
         if action.reset_loss_scale is not None:
             parts.append(f"fp16 loss scale -> {action.reset_loss_scale:g}")
         if action.new_eps is not None:
@@ -315,6 +322,8 @@ class RecoveryPolicy:
         parts = [f"rollback >= {rec.rollback_steps} steps", f"skip {rec.skip_batches} batches"]
         if rec.lr_cooldown_factor < 1:
             parts.append(f"LR x{rec.lr_cooldown_factor:g} for {rec.lr_cooldown_steps} steps")
+        if self.lasting_lr_factor < 1:
+            parts.append(f"LR now x{self.lasting_lr_factor:g} for good (x{rec.lr_repeat_factor:g} a repeated spike)")
         if rec.reset_loss_scale:
             parts.append(f"fp16 loss scale reset to 2^{rec.loss_scale_reset_power}")
         if rec.adam_eps is not None:
@@ -338,12 +347,17 @@ class RecoveryPolicy:
 
     # -- what the trainer applies every step -----------------------------------------------------
     def lr_factor_at(self, step: int) -> float:
-        """LR multiplier at `step`: 1 outside the cool-down that follows the latest rollback.
+        """LR multiplier at `step`: the lasting factor (1 until a spike repeats) times the cool-down's.
+
+        Outside the cool-down that follows the latest rollback the cool-down's factor is 1.
 
         Inside [start, start + cooldown_steps): `linear` ramps from lr_cooldown_factor back to 1
         (no sudden LR jump when it ends), `constant` holds lr_cooldown_factor and returns to 1 at
         the end. It multiplies the schedule's LR (lr_at(step) x lr_factor_at(step)).
         """
+        return self.lasting_lr_factor * self._cooldown_factor_at(step)
+
+    def _cooldown_factor_at(self, step: int) -> float:
         if self.cooldown is None:
             return 1.0
         start, end = self.cooldown
@@ -431,6 +445,7 @@ class RecoveryPolicy:
             "bad_steps": self.bad_steps.to_list(),
             "skipped_updates": self.skipped_updates,
             "cooldown": list(self.cooldown) if self.cooldown else None,
+            "lasting_lr_factor": self.lasting_lr_factor,
             "overrides_active": self.overrides_active,
             "logged_episode": self._logged_episode,
             "skip_episode": list(self._skip_episode) if self._skip_episode else None,
@@ -443,6 +458,7 @@ class RecoveryPolicy:
         self.bad_steps = StepRanges(state["bad_steps"])
         self.skipped_updates = int(state["skipped_updates"])
         self.cooldown = tuple(state["cooldown"]) if state["cooldown"] else None
+        self.lasting_lr_factor = float(state.get("lasting_lr_factor", 1.0))  # absent before repeated spikes lowered it
         self.overrides_active = bool(state["overrides_active"])
         self._logged_episode = state["logged_episode"]
         self._skip_episode = tuple(state["skip_episode"]) if state["skip_episode"] else None

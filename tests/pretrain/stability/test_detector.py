@@ -181,3 +181,51 @@ def test_robust_baseline_ignores_trend_and_single_jumps():
     center, noise = robust_baseline(values, 20)
     assert center == pytest.approx(np.median(np.linspace(5.0, 3.0, 200)[-20:]), abs=0.01)
     assert noise == pytest.approx(0.01, rel=0.25)  # the trend (-0.01/step) and the jump do not count
+
+
+# -- divergence: a slow climb ------------------------------------------------------------------------
+def with_slow_climb(curve: Curve, at: int, rise: float = 0.25, over: int = 150) -> Curve:
+    """The loss climbs linearly by `rise` over `over` steps from `at` and stays up (an LR past its edge): each
+    step within the 0.8% noise of the one before."""
+    loss = curve.loss.copy()
+    loss[at:] *= 1 + rise * np.minimum(1.0, (np.arange(len(loss) - at) + 1) / over)
+    return Curve(loss, curve.grad_norm.copy())
+
+
+def test_a_slow_climb_is_a_divergence_spike_that_begins_where_the_loss_was_lowest():
+    verdicts = observe_all(SpikeDetector(DetectorConfig()), with_slow_climb(normal_curve(seed=3), at=1200))
+    first = next(v for v in verdicts if v.kind != "ok")
+    # +10% of the baseline after ~60 steps of climb, plus the median's lag of half its window.
+    assert first.kind == "spike" and 1255 <= first.step <= 1285, first
+    assert "the loss is diverging" in first.reason and 1190 <= first.spike_start <= 1210
+    assert max(abs(v.loss_z) for v in verdicts[1200:first.step]) < DetectorConfig().loss_z  # no step stood out
+    # The low point starts again at the alarm: the next one only after another 10%.
+    assert [v.step for v in verdicts if v.kind == "spike"][:2] == [first.step] or \
+        [v.step for v in verdicts if v.kind == "spike"][1] > first.step + 20
+    assert alarms(observe_all(SpikeDetector(DetectorConfig(divergence_rise=0)),
+                              with_slow_climb(normal_curve(seed=3), at=1200))) == []
+
+
+def test_a_stage_switch_gives_the_loss_a_new_low_point():
+    curve = normal_curve(seed=3)
+    curve.loss[1200:] *= 1.2  # a new mix, 20% harder, for good
+    detector = SpikeDetector(DetectorConfig())
+    verdicts = observe_all(detector, curve, stop=1200)
+    detector.note_stage_switch(1200)
+    verdicts += observe_all(detector, curve, start=1200)
+    assert alarms(verdicts) == []
+
+
+def test_the_low_point_survives_a_restart_and_is_forgotten_by_a_rollback():
+    curve = with_slow_climb(normal_curve(seed=3), at=1200)
+    whole = observe_all(SpikeDetector(DetectorConfig()), curve)
+    first = next(v.step for v in whole if v.kind != "ok")
+    detector = SpikeDetector(DetectorConfig())
+    observe_all(detector, curve, stop=1240)
+    restored = SpikeDetector(DetectorConfig())
+    restored.load_state_dict(json.loads(json.dumps(detector.state_dict())))
+    assert [v.kind for v in observe_all(restored, curve, start=1240)] == [v.kind for v in whole[1240:]]
+    rewound = SpikeDetector(DetectorConfig())
+    observe_all(rewound, curve, stop=first)
+    rewound.rewind(first - 5)  # as after a rollback: the climb so far is the new low point's start
+    assert all(v.kind == "ok" for v in observe_all(rewound, curve, start=first - 5, stop=first + 20))

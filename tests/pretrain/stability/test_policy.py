@@ -228,3 +228,27 @@ def test_events_are_capped():
         pol.record_event("loss_scale_reset", step, "reset")
     assert len(pol.events) == policy_module.MAX_EVENTS and pol.dropped_events == 5
     assert len(pol.new_events()) == policy_module.MAX_EVENTS
+
+
+def test_a_repeated_spike_lowers_the_lr_for_good():
+    pol = policy(lr_cooldown_factor=0.5, lr_cooldown_steps=100)
+    pol.decide(verdict(400, "spike"), 400, RING)  # -> rollback to 300, cool-down [300, 400)
+    assert pol.lr_factor_at(300) == pytest.approx(0.5) and pol.lr_factor_at(450) == 1.0  # a one-off: back to 1
+    pol.decide(verdict(415, "spike"), 415, RING)  # the replay spikes again: the LR's doing
+    assert pol.lr_factor_at(300) == pytest.approx(0.25) and pol.lr_factor_at(450) == pytest.approx(0.5)
+    assert "LR x0.5 from then on (a repeated spike)" in pol.events[-1]["message"]
+    state = json.loads(json.dumps(pol.state_dict()))
+    restored = policy(lr_cooldown_factor=0.5, lr_cooldown_steps=100)
+    restored.load_state_dict(state)
+    assert restored.lr_factor_at(5000) == pytest.approx(0.5)
+    del state["lasting_lr_factor"]  # a checkpoint from before lasting LR cuts
+    restored.load_state_dict(state)
+    assert restored.lr_factor_at(5000) == 1.0
+    never = policy(lr_repeat_factor=1.0)
+    never.decide(verdict(400, "spike"), 400, RING)
+    never.decide(verdict(415, "spike"), 415, RING)
+    assert never.lr_factor_at(5000) == 1.0
+    apart = policy(recovery_window_steps=500)
+    apart.decide(verdict(400, "spike"), 400, RING)
+    apart.decide(verdict(1000, "spike"), 1000, RING + [800])
+    assert apart.lr_factor_at(5000) == 1.0
