@@ -12,7 +12,8 @@ DONE = 0
 """The command did what it was asked (a training run also exits 0 when a signal stopped it after saving)."""
 REFUSED = 1
 """The command ran and its verdict is "no": `ayumi plan` refused the plan, `ayumi data verify` found damaged
-shards, `ayumi checkpoint verify` found a damaged checkpoint, `ayumi doctor` found a blocking problem."""
+shards, `ayumi checkpoint verify` found a damaged checkpoint, `ayumi eval --all` left a damaged checkpoint out of
+the curve it wrote, `ayumi doctor` found a blocking problem."""
 BAD_INPUT = 2
 """Bad input: a config value, an argument, or a file or folder the user named is missing or invalid."""
 STABILITY_STOP = 3
@@ -25,7 +26,8 @@ INTERRUPTED = 130
 EXIT_STATUSES: tuple[tuple[int, str], ...] = (
     (DONE, "done"),
     (REFUSED, "the command ran and its verdict is no: `ayumi plan` refused, `ayumi data verify` found damaged "
-              "shards, `ayumi checkpoint verify` a damaged checkpoint, `ayumi doctor` found a blocking problem"),
+              "shards, `ayumi checkpoint verify` a damaged checkpoint, `ayumi eval --all` left one out of its curve, "
+              "`ayumi doctor` found a blocking problem"),
     (BAD_INPUT, "bad input (config, arguments, a missing or invalid file or folder you named): fix it and rerun"),
     (STABILITY_STOP, "training stopped by the stability machinery (state saved)"),
     (HANG, "the hang watchdog ended the job (requeue it)"),

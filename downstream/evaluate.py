@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 
 from downstream.config import DownstreamConfig
-from downstream.metrics import char_f1, choice_scores, cut_at_stop, exact_match, mean
+from downstream.metrics import char_f1, choice_scores, cut_at_stop, exact_match, mean, mean_stderr
 from downstream.prompts import (GenerateRequest, LoglikRequest, Tokenizer, fewshot_examples, generate_request,
                                 loglik_requests)
 from downstream.scoring import LogitsFn, Share, greedy_continuations, loglikelihoods
@@ -33,12 +33,19 @@ class PreparedTask:
 
 @dataclass
 class TaskScores:
-    """A task's metrics and what each example got."""
+    """A task's metrics, their standard errors and what each example got."""
 
     name: str
     kind: str
     metrics: dict[str, float]
     examples: list[dict[str, Any]]
+    stderr: dict[str, float] = field(default_factory=dict)
+    """Each metric's standard error of the mean over the examples (downstream.metrics.mean_stderr)."""
+
+    @property
+    def n(self) -> int:
+        """The examples scored."""
+        return len(self.examples)
 
 
 def prefix_ids(prefix: str, bos_id: int | None, eos_id: int | None) -> list[int]:
@@ -120,8 +127,9 @@ def _score(prepared: PreparedTask, logits_fn: LogitsFn, tokenizer: Tokenizer, sh
             else:
                 row = {"loglik": logliks[0], "exact_match": float(results[0][1]), "target": example.answer}
             per_example.append(row)
-    metrics = {name: mean([row[name] for row in per_example]) for name in task.metrics}
-    return TaskScores(task.name, task.kind, metrics, per_example)
+    columns = {name: [row[name] for row in per_example] for name in task.metrics}
+    return TaskScores(task.name, task.kind, {name: mean(values) for name, values in columns.items()}, per_example,
+                      {name: mean_stderr(values) for name, values in columns.items()})
 
 
 def flat_metrics(scores: list[TaskScores]) -> dict[str, float]:

@@ -6,6 +6,7 @@ JSQuAD's character-level score.
 """
 from __future__ import annotations
 
+import math
 import unicodedata
 from collections import Counter
 from typing import Sequence
@@ -49,3 +50,14 @@ def cut_at_stop(text: str, stops: Sequence[str]) -> str:
 
 def mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
+
+
+def mean_stderr(values: Sequence[float]) -> float:
+    """The standard error of the mean, as lm-evaluation-harness computes it for every metric it averages (its
+    `mean_stderr`): the sample standard deviation (n - 1 in the denominator) over sqrt(n). For 0/1 scores (acc,
+    exact_match) that is sqrt(p (1 - p) / (n - 1)). NaN below two values, where lm-eval prints N/A."""
+    n = len(values)
+    if n < 2:
+        return float("nan")
+    center = mean(values)
+    return math.sqrt(sum((v - center) ** 2 for v in values) / (n - 1)) / math.sqrt(n)

@@ -7,15 +7,21 @@ TARGET is
 - a checkpoint folder (`step_XXXXXXX`), verified against its checksums first, as export and resume do;
 - a transformers Llama folder (config.json + safetensors + tokenizer files), e.g. an `ayumi export hf` output.
 
-key=value set eval.downstream's fields (`max_examples=50`, `prefix=none`, `batch_size=4`, ...); `tasks=A,B` is a
-shorthand for task files with default settings, and `tasks=[{path:A,delimiter:""}]` the full form. It prints
-a table and writes JSON (`--out`, default TARGET's folder for a run: RUN_DIR/eval/downstream.json).
+key=value set eval.downstream's fields (`max_examples=50`, `prefix=none`, `batch_size=4`, ...) in Hydra's override
+grammar, as `ayumi train` reads them (`eval.downstream.` before a key is optional); `tasks=A,B` is a shorthand for
+task files with default settings, and `tasks=[{path:A,delimiter:""}]` the full form. Options may come before or
+after them. It prints a table (each metric with n and its standard error, as lm-evaluation-harness prints them)
+and writes JSON: with `--out FILE` there; else, for a run, `--all` writes the run's curve RUN_DIR/eval/downstream.json
+and one checkpoint writes beside it, RUN_DIR/eval/downstream.step_XXXXXXX.json, so it never replaces the curve.
+`--all` scores every checkpoint it can: a damaged one is marked in the table and the JSON (exit status 1).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import json
+import math
+import re
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,43 +29,92 @@ from typing import Any
 
 import torch
 
-from common.status import BAD_INPUT
+from common.status import BAD_INPUT, DONE, REFUSED
 
 HF_CONFIG = "config.json"
+
+EVAL_CONFIG = "ayumi_eval_downstream"
+"""The name `ayumi eval` composes its settings under in Hydra's ConfigStore (the run's eval.downstream)."""
+
+SECTION = "eval.downstream."
+"""The prefix a key may carry (as `ayumi train` spells it); eval's settings are that section alone."""
 
 
 @dataclass
 class Scored:
-    """One model's scores: where its weights came from and each task's metrics and examples."""
+    """One model's scores: where its weights came from and each task's metrics and examples; or, for a checkpoint
+    `--all` could not load, why (`error`) and no tasks."""
 
     label: str
     step: int | None
     tasks: list[Any]
+    error: str | None = None
+    damaged: bool = False
+    """The checkpoint's files do not match the checksums recorded at save."""
 
 
-def parse_overrides(pairs: list[str]):
-    """DownstreamConfig from key=value pairs (tasks=A,B: task files with default settings)."""
+def compose_settings(own: dict[str, Any], overrides: list[str]):
+    """eval.downstream: the run's own settings (`own`) under the overrides, composed by Hydra as `ayumi train`
+    composes its config (same grammar, same one-line messages with "did you mean"); ValueError on a mistake."""
+    from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    from common.conf import ConfigCompositionError, compose
     from downstream.config import DownstreamConfig, TaskConfig
+    from pretrain.config import composition_problem
 
-    dotlist = []
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise ValueError(f"{pair!r}: expected key=value (a field of eval.downstream, e.g. max_examples=50)")
-        key = key.removeprefix("eval.downstream.")
-        if key == "tasks" and not value.startswith("["):
-            value = json.dumps([{"path": name} for name in value.split(",") if name])
-        dotlist.append(f"{key}={value}")
+    overrides = [re.sub(rf"^([+~]*){re.escape(SECTION)}", r"\1", text) for text in overrides]
+    for text in overrides:  # a task file given alone is the usual slip: say so in one line, not Hydra's three
+        if "=" not in text and not text.startswith("~"):
+            raise ValueError(f"{text!r}: expected key=value (a field of eval.downstream, e.g. max_examples=50, or "
+                             f"tasks={text})")
+    paths, overrides = task_shorthand(overrides)
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(DownstreamConfig), OmegaConf.from_dotlist(dotlist))
-        cfg = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as err:  # an unknown key or a wrongly typed value: its name, in one line
-        raise ValueError(f"eval.downstream: {str(err).splitlines()[0]} (full_key {err.full_key})") from None
-    cfg.tasks = [task if isinstance(task, TaskConfig) else TaskConfig(**task) for task in cfg.tasks]
-    return cfg
+        base = OmegaConf.merge(OmegaConf.structured(DownstreamConfig), own)
+    except OmegaConfBaseException as err:
+        raise ValueError(f"the run's config.yaml eval.downstream: {str(err).splitlines()[0]}") from None
+    if paths is not None:
+        base.tasks = [TaskConfig(path=path) for path in paths]
+    try:
+        composed = compose(EVAL_CONFIG, overrides, lambda: ConfigStore.instance().store(name=EVAL_CONFIG, node=base))
+        return OmegaConf.to_object(composed)
+    except ConfigCompositionError as err:
+        raise ValueError(composition_problem(err.__cause__, overrides, DownstreamConfig, SECTION.rstrip("."))
+                         or str(err)) from None
+    except OmegaConfBaseException as err:  # a value that converts only when the dataclasses are built
+        raise ValueError(f"{SECTION}{err.full_key}: {str(err).splitlines()[0]}") from None
+
+
+def task_shorthand(overrides: list[str]) -> tuple[list[str] | None, list[str]]:
+    """(task files, the other overrides) when the last `tasks=` names files only (`tasks=A`, `tasks=A,B`, which
+    Hydra reads as a sweep, or `tasks=[A,B]`): those become tasks with default settings, and every earlier `tasks=`
+    is replaced by it anyway. (None, overrides) otherwise: the full form goes to Hydra as it is."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    last = None
+    for text in overrides:
+        try:
+            parsed = parser.parse_override(text)
+        except HydraException:
+            continue  # Hydra says what is wrong with it when it composes
+        if parsed.key_or_group == "tasks" and not parsed.is_delete():
+            last = parsed
+    if last is None:
+        return None, overrides
+    value = last.value()
+    files = value.list if isinstance(value, ChoiceSweep) else value if isinstance(value, list) else [value]
+    if not all(isinstance(name, str) for name in files):
+        return None, overrides
+    return [name for name in files if name], [text for text in overrides if not _sets_tasks(text)]
+
+
+def _sets_tasks(override: str) -> bool:
+    """Whether an override (as eval reads it, without the eval.downstream. prefix) assigns `tasks`."""
+    return override.lstrip("+").split("=", 1)[0] == "tasks"
 
 
 def run_config_downstream(run_dir: Path) -> dict[str, Any]:
@@ -74,14 +129,10 @@ def run_config_downstream(run_dir: Path) -> dict[str, Any]:
     return OmegaConf.to_container(section, resolve=False) if section is not None else {}
 
 
-def settings_for(target: Path, pairs: list[str]):
-    """eval.downstream for this target: the run's own (when TARGET belongs to a run) under the command's pairs."""
+def settings_for(target: Path, overrides: list[str]):
+    """eval.downstream for this target: the run's own (when TARGET belongs to a run) under the command's overrides."""
     run_dir = run_dir_of(target)
-    own = run_config_downstream(run_dir) if run_dir else {}
-    base = [f"{key}={json.dumps(value)}" for key, value in own.items() if key != "tasks"]
-    if own.get("tasks") and not any(pair.startswith(("tasks=", "eval.downstream.tasks=")) for pair in pairs):
-        base.append("tasks=" + json.dumps(own["tasks"]))
-    cfg = parse_overrides(base + pairs)
+    cfg = compose_settings(run_config_downstream(run_dir) if run_dir else {}, overrides)
     if not cfg.tasks:
         where = f" and {run_dir / 'config.yaml'} names none" if run_dir else ""
         raise ValueError(f"no tasks to score: give tasks=FILE[,FILE]{where}")
@@ -167,46 +218,112 @@ def score_model(model, tokenizer, settings, device: torch.device) -> list[Any]:
                        pad_id=end_ids[0] if end_ids else 0, end_ids=end_ids, vocab=tokenizer.vocab_size)
 
 
+def score_checkpoints(paths: list[Path], every: bool, settings, dtype: torch.dtype, device: torch.device,
+                      tokenizer_dir: Path | None) -> list[Scored]:
+    """Each checkpoint's scores. With `every` (a curve) a checkpoint that cannot be loaded (damaged files, a save
+    it cannot read) is recorded with its reason and the others are still scored; alone, it is an error."""
+    from pretrain.checkpoint.checkpointer import CheckpointCorrupt, CheckpointError
+    from pretrain.checkpoint.layout import step_of
+
+    results = []
+    for path in paths:
+        try:
+            model, tokenizer, step = load_checkpoint_model(path, dtype, device, tokenizer_dir)
+        except CheckpointError as err:
+            if not every:
+                raise
+            print(f"ayumi eval: {path.name} left out of the curve: {err}", file=sys.stderr)
+            results.append(Scored(path.name, step_of(path.name), [], str(err), isinstance(err, CheckpointCorrupt)))
+            continue
+        results.append(Scored(path.name, step, score_model(model, tokenizer, settings, device)))
+    return results
+
+
 def table(results: list[Scored]) -> str:
-    """Task, metric, then one column per scored model."""
-    header = ["task", "metric"] + [r.label for r in results]
+    """Task, metric, n (examples scored), then one column per model: the value ± its standard error, as lm-eval
+    prints them (N/A under two examples), or why a checkpoint left out has no scores."""
+    scored = [r for r in results if r.tasks]
+    header = ["task", "metric", "n"] + [r.label for r in results]
     rows = []
-    for index, task in enumerate(results[0].tasks):
+    for task in scored[0].tasks:
         for metric in task.metrics:
-            rows.append([task.name, metric] + [f"{r.tasks[index].metrics[metric]:.4f}" for r in results])
+            counts = sorted({by_name(r)[task.name].n for r in scored if task.name in by_name(r)})
+            rows.append([task.name, metric, "/".join(map(str, counts))] + [cell(r, task.name, metric) for r in results])
     widths = [max(len(str(row[i])) for row in [header] + rows) for i in range(len(header))]
     lines = ["  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)) for row in [header] + rows]
-    return "\n".join(lines)
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def by_name(result: Scored) -> dict[str, Any]:
+    """A model's task scores by task name (a task left out under strict=false is absent)."""
+    return {task.name: task for task in result.tasks}
+
+
+def cell(result: Scored, task: str, metric: str) -> str:
+    """One model's `value ± stderr` for a task's metric; `damaged` (or `left out`) for a checkpoint not scored."""
+    if result.error is not None:
+        return "damaged" if result.damaged else "left out"
+    scores = by_name(result).get(task)
+    if scores is None:
+        return "-"
+    stderr = scores.stderr.get(metric, math.nan)
+    return f"{scores.metrics[metric]:.4f} ± {'N/A' if math.isnan(stderr) else f'{stderr:.4f}'}"
 
 
 def as_json(target: Path, settings, results: list[Scored]) -> dict[str, Any]:
-    return {"target": str(target), "settings": asdict(settings),
-            "scores": [{"label": r.label, "step": r.step,
-                        "tasks": {t.name: {"kind": t.kind, "metrics": t.metrics, "examples": t.examples}
-                                  for t in r.tasks}} for r in results]}
+    """What `ayumi eval` writes: the target, the settings and each model's tasks (metrics, stderr, n, examples) or
+    why a checkpoint was left out (`error`, `damaged`)."""
+    def entry(r: Scored) -> dict[str, Any]:
+        if r.error is not None:
+            return {"label": r.label, "step": r.step, "error": r.error, "damaged": r.damaged}
+        return {"label": r.label, "step": r.step,
+                "tasks": {t.name: {"kind": t.kind, "metrics": t.metrics, "n": t.n,
+                                   "stderr": {m: None if math.isnan(v) else v for m, v in t.stderr.items()},
+                                   "examples": t.examples} for t in r.tasks}}
+    return {"target": str(target), "settings": asdict(settings), "scores": [entry(r) for r in results]}
 
 
-def main(argv: list[str]) -> int:
-    """`ayumi eval TARGET [key=value ...] [--all] [--out FILE] [--dtype fp32|bf16] [--tokenizer-dir DIR]`."""
+def default_out(target: Path, every: bool, results: list[Scored]) -> Path | None:
+    """Where the scores go without --out: for a run, `--all`'s curve is RUN_DIR/eval/downstream.json and one
+    checkpoint's scores go beside it, named after the checkpoint (never over the curve); nothing for an HF folder."""
+    run_dir = run_dir_of(target)
+    if run_dir is None:
+        return None
+    return run_dir / "eval" / ("downstream.json" if every else f"downstream.{results[0].label}.json")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line: options before or after the key=value overrides (argparse's intermixed parsing)."""
     from common.conf import config_help, fields_help
     from downstream.config import DownstreamConfig, TaskConfig
 
     reads = config_help("eval.downstream from the run's config.yaml (RUN_DIR, or a checkpoint's run; nothing for an "
-                        "HF folder), no conf/ files; tasks=A,B is short for task files with default settings")
+                        "HF folder), no conf/ files; overrides in Hydra's grammar, as `ayumi train` takes them; "
+                        "tasks=A,B is short for task files with default settings")
     fields = fields_help(DownstreamConfig, "downstream/config.py", entries={"tasks": TaskConfig})
     parser = argparse.ArgumentParser(
         prog="ayumi eval", description="Score downstream tasks on a checkpoint, a run's checkpoints or an HF folder "
         "(docs/downstream-eval.md).", epilog=f"{reads}\n\n{fields}", formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("target", type=Path, help="run dir, checkpoint folder, or transformers Llama folder")
     parser.add_argument("overrides", nargs="*", help="eval.downstream fields as key=value")
-    parser.add_argument("--all", action="store_true", help="every checkpoint of the run (a curve), not the newest")
+    parser.add_argument("--all", action="store_true",
+                        help="every checkpoint of the run (a curve), not the newest; a damaged one is marked and "
+                        "the others scored (exit status 1)")
     parser.add_argument("--out", type=Path, default=None,
-                        help="JSON to write (default: RUN_DIR/eval/downstream.json for a run, none otherwise)")
+                        help="JSON to write (default for a run: --all writes the curve, RUN_DIR/eval/downstream.json; "
+                        "one checkpoint writes RUN_DIR/eval/downstream.step_XXXXXXX.json beside it; an HF folder: "
+                        "none)")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="weights while scoring")
     parser.add_argument("--tokenizer-dir", type=Path, default=None,
                         help="tokenizer (default: the one the checkpoint records, or the HF folder's own)")
     parser.add_argument("--cfg", choices=("job",), default=None, help="print the resolved eval.downstream and exit")
-    args = parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    """`ayumi eval TARGET [key=value ...] [--all] [--out FILE] [--dtype fp32|bf16] [--tokenizer-dir DIR]`, the
+    options anywhere."""
+    args = parse_args(argv)
 
     from downstream.tasks import TaskError
     from pretrain.checkpoint.checkpointer import CheckpointError
@@ -221,28 +338,32 @@ def main(argv: list[str]) -> int:
             from omegaconf import OmegaConf
 
             print(OmegaConf.to_yaml(OmegaConf.structured(settings)), end="")
-            return 0
-        results = []
+            return DONE
         if (args.target / HF_CONFIG).is_file():
             model, tokenizer, step = load_hf_model(args.target, dtype, device, args.tokenizer_dir)
-            results.append(Scored(args.target.name, step, score_model(model, tokenizer, settings, device)))
+            results = [Scored(args.target.name, step, score_model(model, tokenizer, settings, device))]
         else:
-            for path in checkpoint_targets(args.target, args.all):
-                model, tokenizer, step = load_checkpoint_model(path, dtype, device, args.tokenizer_dir)
-                results.append(Scored(path.name, step, score_model(model, tokenizer, settings, device)))
+            results = score_checkpoints(checkpoint_targets(args.target, args.all), args.all, settings, dtype, device,
+                                        args.tokenizer_dir)
     except (TaskError, CheckpointError, HFImportError, TokenizerNotFoundError, ValueError, FileNotFoundError) as err:
         print(f"ayumi eval: {err}", file=sys.stderr)
         return BAD_INPUT
-    if not results[0].tasks:
-        print("ayumi eval: every task was left out (see above)", file=sys.stderr)
-        return BAD_INPUT
+    scored = [r for r in results if r.tasks]
+    if not scored:  # nothing to show, and nothing written over an earlier curve
+        print("ayumi eval: " + ("no checkpoint could be scored (see above)" if any(r.error for r in results)
+                                else "every task was left out (see above)"), file=sys.stderr)
+        return REFUSED if any(r.error for r in results) else BAD_INPUT
     print(table(results))
-    run_dir = run_dir_of(args.target)
-    out = args.out or (run_dir / "eval" / "downstream.json" if run_dir else None)
+    out = args.out or default_out(args.target, args.all, results)
     if out is not None:
         from common.files import write_text_atomic
 
         out.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(out, json.dumps(as_json(args.target, settings, results), ensure_ascii=False, indent=1))
         print(f"wrote {out}")
-    return 0
+    left_out = [r.label for r in results if r.error]
+    if left_out:  # the curve has holes: a verdict to read, as `ayumi checkpoint verify` gives for damage
+        print(f"ayumi eval: {len(left_out)} of {len(results)} checkpoint(s) left out: {', '.join(left_out)}",
+              file=sys.stderr)
+        return REFUSED
+    return DONE

@@ -242,6 +242,24 @@ def test_plan_cli_exit_codes(tmp_path, capsys):
     assert plan_cli.main(["train.no_such_key=1"]) == 2
 
 
+def test_plan_cli_takes_options_anywhere_and_says_what_a_stage_key_needs(tmp_path, capsys):
+    """Issue 39: options before or after the overrides; in a stage a typo gets "did you mean" among the stage's own
+    keys, and a key new to one of its mappings says it needs Hydra's '+' (both gave an empty `known keys: `)."""
+    root = write_tiny_corpus(tmp_path / "tiny")
+    args = [*tiny_overrides(root, tmp_path / "runs"), "curriculum=tiny"]
+    assert plan_cli.main(["--tokens-per-s", "65536", *args, "--free-bytes", "1e12"]) == 0
+    assert "plan ok" in capsys.readouterr().out
+    assert plan_cli.main([*args, "--tokens-per-s", "65536", "curriculum.stages.1.tokns=5"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "ayumi plan: curriculum.stages.1.tokns=5: curriculum.stages.1 has no key 'tokns'; did you mean "
+        "curriculum.stages.1.tokens?"]
+    rope = "curriculum.stages.1.rope_scaling={type:yarn,factor:4}"
+    assert plan_cli.main([*args, rope]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"ayumi plan: {rope}: curriculum.stages.1.rope_scaling has no key 'type': a new key needs Hydra's '+' "
+        f"(+{rope})"]
+
+
 def test_plan_cli_refuses_over_repetition_without_a_curriculum(tmp_path):
     """`ayumi plan` (the real CLI, a subprocess) on curriculum=none: exit 1 and the message; 0 once raised on purpose."""
     root = write_tiny_corpus(tmp_path / "tiny")  # ja 167 + en 234 samples of 64 tokens

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from downstream.metrics import char_f1, choice_scores, cut_at_stop, exact_match, mean
+from downstream.metrics import char_f1, choice_scores, cut_at_stop, exact_match, mean, mean_stderr
 
 
 def test_exact_match_treats_full_width_and_half_width_forms_alike():
@@ -48,3 +48,19 @@ def test_cut_at_stop_and_mean():
     assert cut_at_stop("a。b\nc", ["\n", "。"]) == "a"  # the earliest stop, whichever is listed first
     assert cut_at_stop("no stop", ["\n", ""]) == "no stop"
     assert mean([1.0, 0.0, 0.0, 1.0]) == 0.5 and math.isnan(mean([]))
+
+
+@pytest.mark.parametrize("values", [[1.0, 0.0, 1.0, 1.0, 0.0], [0.0] * 7 + [1.0] * 3, [-3.25, -1.5, -8.0, -2.125],
+                                    [0.8, 1.0, 0.25]])
+def test_standard_error_is_lm_evals_mean_stderr(values):
+    """acc and exact_match (0/1), loglik (sums of log-probabilities), char_f1 (in [0, 1]): all means, so all get
+    lm-eval's mean_stderr; for 0/1 scores that is sqrt(p (1 - p) / (n - 1))."""
+    lm_eval_metrics = pytest.importorskip("lm_eval.api.metrics", reason="the test extra installs lm-eval")
+    assert mean_stderr(values) == pytest.approx(lm_eval_metrics.mean_stderr(values), rel=1e-12)
+    if set(values) <= {0.0, 1.0}:
+        p = mean(values)
+        assert mean_stderr(values) == pytest.approx(math.sqrt(p * (1 - p) / (len(values) - 1)), rel=1e-12)
+
+
+def test_one_value_has_no_standard_error():
+    assert math.isnan(mean_stderr([1.0])) and math.isnan(mean_stderr([]))

@@ -232,6 +232,40 @@ def test_composition_mistakes_are_one_line(override, message):
     assert str(raised.value) == message
 
 
+ROPE = "curriculum.stages.1.rope_scaling={type:yarn,factor:4}"
+
+
+@pytest.mark.parametrize("override,message", [
+    # papercut 3 of issue 39: a key new to a stage's mapping needs Hydra's '+', and the message says so
+    (ROPE, f"{ROPE}: curriculum.stages.1.rope_scaling has no key 'type': a new key needs Hydra's '+' (+{ROPE})"),
+    ("curriculum.stages.0.min_document_tokens={en:8192}",
+     "curriculum.stages.0.min_document_tokens={en:8192}: curriculum.stages.0.min_document_tokens has no key 'en': "
+     "a new key needs Hydra's '+' (+curriculum.stages.0.min_document_tokens={en:8192})"),
+    ("curriculum.stages.1.weights.xx=1",
+     "curriculum.stages.1.weights.xx=1: curriculum.stages.1.weights has no key 'xx': a new key needs Hydra's '+' "
+     "(+curriculum.stages.1.weights.xx=1)"),
+    # a typo inside a list entry: the entry's own keys, not the top level's
+    ("curriculum.stages.1.rop_scaling=3",
+     "curriculum.stages.1.rop_scaling=3: curriculum.stages.1 has no key 'rop_scaling'; did you mean "
+     "curriculum.stages.1.rope_scaling?"),
+    ("curriculum.stages=[{name:a,tokns:3}]",
+     "curriculum.stages=[{name:a,tokns:3}]: an entry of curriculum.stages has no key 'tokns'; did you mean tokens?"),
+    ('eval.downstream.tasks=[{path:a.jsonl,delimter:""}]',
+     'eval.downstream.tasks=[{path:a.jsonl,delimter:""}]: an entry of eval.downstream.tasks has no key \'delimter\'; '
+     "did you mean delimiter?"),
+])
+def test_keys_of_stages_and_list_entries_are_named_with_their_fix(override, message):
+    with pytest.raises(ConfigError) as raised:
+        compose_config(["experiment=ja_en_4stage", override])
+    assert str(raised.value) == message
+
+
+def test_the_plus_the_message_advises_composes():
+    cfg = to_object(compose_config(["experiment=ja_en_4stage", f"+{ROPE}", "+curriculum.stages.1.weights.xx=1"]))
+    assert cfg.curriculum.stages[1].rope_scaling == {"type": "yarn", "factor": 4}
+    assert cfg.curriculum.stages[1].weights["xx"] == 1
+
+
 def test_running_without_an_experiment_says_what_runs():
     cfg = to_object(compose_config([]))
     notice = default_run_notice("ayumi train", [], cfg)

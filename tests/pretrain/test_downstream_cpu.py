@@ -10,7 +10,9 @@ with strict=false the run leaves that task out and scores the others.
 from __future__ import annotations
 
 import json
+import math
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -156,7 +158,7 @@ def test_ayumi_eval_on_every_checkpoint_equals_the_in_loop_scores(runs, tmp_path
     proc = subprocess.run([sys.executable, "-m", "pretrain.tools.cli", "eval", str(runs["zero3"]), "--all",
                            "--out", str(out)], cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.splitlines()[0].split()[2:] == ["step_0000006", "step_0000012"]  # the table: one column each
+    assert proc.stdout.splitlines()[0].split()[3:] == ["step_0000006", "step_0000012"]  # the table: one column each
     results = json.loads(out.read_text(encoding="utf-8"))["scores"]
     assert [r["step"] for r in results] == [INTERVAL, STEPS]
     for result in results:
@@ -165,6 +167,124 @@ def test_ayumi_eval_on_every_checkpoint_equals_the_in_loop_scores(runs, tmp_path
         assert_same_scores(scores(runs["zero3"])[result["step"]], after)
         assert_same_examples(examples(runs["zero3"], result["step"]), result["tasks"])
     assert len(results[0]["tasks"]["mc"]["examples"][0]["logliks"]) == 3
+
+
+def ayumi_eval(*args: object) -> subprocess.CompletedProcess:
+    """`ayumi eval ARGS` through the real entry, in its own process (as a user runs it)."""
+    return subprocess.run([sys.executable, "-m", "pretrain.tools.cli", "eval", *map(str, args)], cwd=REPO,
+                          env=cpu_env(), capture_output=True, text=True, timeout=300)
+
+
+def copy_run(run_dir: Path, to: Path) -> Path:
+    """A copy of a run (4 MB) that a test may add files to or damage; the module's run stays as other tests read it."""
+    return Path(shutil.copytree(run_dir, to / run_dir.name))
+
+
+@pytest.fixture(scope="module")
+def curve(runs, tmp_path_factory) -> dict:
+    """`ayumi eval COPY --all` with no --out on a copy of the ZeRO-3 run: the run's curve at its default place."""
+    run = copy_run(runs["zero3"], tmp_path_factory.mktemp("curve"))
+    proc = ayumi_eval(run, "--all")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    written = json.loads((run / "eval" / "downstream.json").read_text(encoding="utf-8"))
+    return {"run": run, "proc": proc, "json": written}
+
+
+def test_options_go_before_or_after_the_overrides(runs, job, tmp_path):
+    """B1: --all between the target and the overrides, --dtype and --out after them (argparse's intermixed parsing)."""
+    out = tmp_path / "eval.json"
+    mc = job["root"] / "tasks" / "mc.jsonl"
+    proc = ayumi_eval(runs["zero3"], "--all", f"tasks={mc}", "--dtype", "fp32", "max_examples=3", "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    written = json.loads(out.read_text(encoding="utf-8"))
+    assert written["settings"]["max_examples"] == 3 and [t["path"] for t in written["settings"]["tasks"]] == [str(mc)]
+    assert [list(r["tasks"]) for r in written["scores"]] == [["mc"], ["mc"]]  # --all: both checkpoints
+    assert all(len(r["tasks"]["mc"]["examples"]) == 3 for r in written["scores"])
+
+
+def test_the_full_task_form_is_read_as_train_reads_it(runs, job, tmp_path):
+    """B2: tasks in Hydra's grammar (unquoted keys, "" for an empty delimiter), the form `ayumi train` takes."""
+    out = tmp_path / "eval.json"
+    mc, cloze = job["root"] / "tasks" / "mc.jsonl", job["root"] / "tasks" / "cloze.jsonl"
+    proc = ayumi_eval(runs["zero3"] / "checkpoints" / "step_0000012",
+                      f'tasks=[{{path:{mc},delimiter:""}},{{path:{cloze},name:fill,max_examples:2}}]', "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    written = json.loads(out.read_text(encoding="utf-8"))
+    first, second = written["settings"]["tasks"]
+    assert (first["path"], first["delimiter"]) == (str(mc), "")
+    assert (second["path"], second["name"], second["max_examples"]) == (str(cloze), "fill", 2)
+    assert second["delimiter"] is None  # unset: the kind's default
+    assert {task: len(body["examples"]) for task, body in written["scores"][0]["tasks"].items()} == {
+        "mc": len(MC), "fill": 2}
+
+
+def test_an_eval_typo_is_one_line_with_a_suggestion(runs):
+    proc = ayumi_eval(runs["zero3"], "max_example=5", "--all")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "ayumi eval: max_example=5: eval.downstream has no key 'max_example'; did you mean max_examples?"]
+    assert proc.stdout == ""
+
+
+def test_one_checkpoints_scores_never_replace_the_runs_curve(curve):
+    """B3: `--all` writes RUN_DIR/eval/downstream.json; one checkpoint (named, or a run's newest) writes beside it,
+    under the checkpoint's name, and the curve stays as it was."""
+    run, folder = curve["run"], curve["run"] / "eval"
+    assert [r["step"] for r in curve["json"]["scores"]] == [INTERVAL, STEPS]
+    before = (folder / "downstream.json").read_bytes()
+    one = ayumi_eval(run / "checkpoints" / "step_0000006")
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert one.stdout.splitlines()[-1] == f"wrote {folder / 'downstream.step_0000006.json'}"
+    newest = ayumi_eval(run)
+    assert newest.returncode == 0, newest.stderr[-3000:]
+    assert newest.stdout.splitlines()[-1] == f"wrote {folder / 'downstream.step_0000012.json'}"
+    assert (folder / "downstream.json").read_bytes() == before
+    single = json.loads((folder / "downstream.step_0000006.json").read_text(encoding="utf-8"))["scores"]
+    assert [r["step"] for r in single] == [INTERVAL]
+    assert single[0]["tasks"] == curve["json"]["scores"][0]["tasks"]
+
+
+def test_each_row_has_n_and_lm_evals_standard_error(curve):
+    """Item 4: n (examples scored) and the standard error of the mean, as lm-eval's mean_stderr: the sample standard
+    deviation (n - 1) over sqrt(n); for accuracies sqrt(p (1 - p) / (n - 1)). In the JSON and in the table."""
+    for result in curve["json"]["scores"]:
+        for task, body in result["tasks"].items():
+            n = len(body["examples"])
+            assert body["n"] == n and n >= 2
+            for metric, value in body["metrics"].items():
+                values = [row[metric] for row in body["examples"]]
+                mean = sum(values) / n
+                stderr = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) / math.sqrt(n)
+                assert body["stderr"][metric] == pytest.approx(stderr, rel=1e-12), (task, metric)
+                if metric in ("acc", "acc_norm", "exact_match"):
+                    assert body["stderr"][metric] == pytest.approx(math.sqrt(mean * (1 - mean) / (n - 1)), abs=1e-12)
+    lines = curve["proc"].stdout.splitlines()
+    assert lines[0].split() == ["task", "metric", "n", "step_0000006", "step_0000012"]
+    row = next(line.split() for line in lines if line.startswith("mc ") and " acc " in line)
+    body = curve["json"]["scores"][1]["tasks"]["mc"]
+    assert row[:3] == ["mc", "acc", str(len(MC))]
+    assert row[-3:] == [f"{body['metrics']['acc']:.4f}", "±", f"{body['stderr']['acc']:.4f}"]
+
+
+def test_all_marks_a_damaged_checkpoint_and_scores_the_others(curve, tmp_path):
+    """`--all` on a run whose step 6 is damaged: that column says so, step 12 is scored as before, the JSON records
+    why, and the exit status is 1 (a verdict to read: the curve has a hole)."""
+    run = copy_run(curve["run"], tmp_path)
+    damaged = run / "checkpoints" / "step_0000006" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 1
+    damaged.write_bytes(bytes(data))
+    proc = ayumi_eval(run, "--all")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].split() == ["task", "metric", "n", "step_0000006", "step_0000012"]
+    assert all(" damaged " in line for line in lines[1:] if line.startswith(("mc ", "cloze ", "qa ")))
+    assert any("step_0000006" in line and "optim_states.pt does not match the xxh3_128 checksum" in line
+               for line in proc.stderr.splitlines())
+    scores = json.loads((run / "eval" / "downstream.json").read_text(encoding="utf-8"))["scores"]
+    assert [r["step"] for r in scores] == [INTERVAL, STEPS]
+    assert "does not match the xxh3_128 checksum" in scores[0]["error"] and "tasks" not in scores[0]
+    assert scores[1]["tasks"] == curve["json"]["scores"][1]["tasks"]
 
 
 def test_a_broken_task_file_stops_a_strict_run_before_training_and_is_left_out_otherwise(job):

@@ -110,6 +110,14 @@ def test_help_after_overrides_composes_nothing(helped, argv):
     assert "LexerNoViableAlt" not in out and "must be > 0" not in out
 
 
+def test_eval_help_says_one_checkpoint_never_replaces_the_curve(helped):
+    """Issue 39 B3: the help said the JSON went to RUN_DIR/eval/downstream.json for a run, "none otherwise", while one
+    checkpoint's scores replaced `--all`'s curve there."""
+    text = flat(helped[("eval", "--help")][1])
+    assert ("(default for a run: --all writes the curve, RUN_DIR/eval/downstream.json; one checkpoint writes "
+            "RUN_DIR/eval/downstream.step_XXXXXXX.json beside it; an HF folder: none)") in text
+
+
 def test_real_ayumi_executable_answers_help_for_a_hydra_verb(tmp_path):
     ayumi = Path(sys.executable).with_name("ayumi")
     cmd = [str(ayumi)] if ayumi.exists() else [sys.executable, "-m", "pretrain.tools.cli"]

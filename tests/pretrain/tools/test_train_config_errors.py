@@ -59,6 +59,16 @@ def test_a_typo_is_one_line_with_a_suggestion(tmp_path):
     assert proc.stdout == "" and not (tmp_path / "runs").exists()
 
 
+def test_a_new_key_in_a_stage_says_it_needs_hydras_plus(tmp_path):
+    """Papercut 3 of issue 39: it said `rope_scaling has no key 'type'; known keys: ` (an empty list, no '+')."""
+    rope = "curriculum.stages.1.rope_scaling={type:yarn,factor:4}"
+    proc = ayumi_train(tmp_path, "experiment=ja_en_4stage", rope)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert messages(proc.stderr) == [
+        f"ayumi train: {rope}: curriculum.stages.1.rope_scaling has no key 'type': a new key needs Hydra's '+' "
+        f"(+{rope})"]
+
+
 def test_dry_run_prints_the_command_only_for_a_valid_config(tmp_path):
     bad = ayumi_train(tmp_path, "--dry-run", "--nproc", "2", "experiment=cpu_tiny", "train.global_batch_size=10")
     assert bad.returncode == 2 and bad.stdout == ""
