@@ -44,6 +44,7 @@ HEAVY_FILES = (
     "tests/pretrain/model/test_inductor_cache.py",
     "tests/pretrain/model/test_compile.py",
     "tests/pretrain/checkpoint/test_checkpoint_trust_cpu.py",
+    "tests/pretrain/checkpoint/test_checkpoint_payloads_cpu.py",
     "tests/pretrain/test_downstream_cpu.py",
 )
 

@@ -13,7 +13,9 @@ Layout under the checkpoint root::
 `ayumi.json` records every file's size and checksum (pretrain/checkpoint/integrity.py): each rank hashes
 what it writes as it writes it, and rank 0 merges the ranks' sums into the record before `latest` moves.
 Every load verifies the folder against that record first (resumes, rollbacks, and so the universal
-conversion too), all ranks sharing the hashing and agreeing on the verdict.
+conversion too), all ranks sharing the hashing and agreeing on the verdict. Checksums find damage, not a
+writer: every file is also checked to hold only tensors and plain data before any is read, and each is read
+with `weights_only=True` (pretrain/checkpoint/safety.py, common/safe_load.py), so loading never runs code.
 
 A crash mid-save leaves a folder without `ayumi.json` and `latest` still naming the previous
 checkpoint; such folders are never loaded and are removed by the next save. With `async_writes`
@@ -37,8 +39,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from common.safe_load import UnsafeFile
+from common.safe_load import load as load_plain
 from curriculum.plan import directory_bytes, existing_parent, human_bytes
-from pretrain.checkpoint import integrity
+from pretrain.checkpoint import integrity, safety
 from pretrain.checkpoint.async_writer import (
     WRITTEN, WRITTEN_GLOB, BackgroundWriter, HostBuffers, StagingCollector, finish_staging, stage,
 )
@@ -67,6 +71,12 @@ class CheckpointCorrupt(CheckpointError):
         self.problem = problem
 
 
+class CheckpointUnsafe(CheckpointError):
+    """A checkpoint file holds objects other than tensors and plain data, so loading it could run code: refused
+    before any of it is read, on every rank alike (never set aside as damaged: nothing is wrong with its bytes
+    as far as anyone can tell, and an older checkpoint is no answer to a planted one). One line naming the file."""
+
+
 class CheckpointDiskFull(CheckpointError):
     """No room for the next checkpoint, found before any rank wrote (every rank raises it alike)."""
 
@@ -91,15 +101,27 @@ def _looks_like_a_full_disk(err: BaseException, root: Path, needed: int) -> bool
 
 
 def capture_rng() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """This process's RNG states as tensors and plain data (what a rank's RNG file holds: read weights-only)."""
+    state = {"python": random.getstate(), "numpy": numpy_state_as_tensors(np.random.get_state()),
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
+def numpy_state_as_tensors(state: tuple) -> dict[str, Any]:
+    """NumPy's legacy RNG state (`np.random.get_state()`: its key is a uint32 array, which would pickle as NumPy
+    objects) as a tensor and plain data. int64 holds every uint32 exactly."""
+    generator, keys, position, has_gauss, cached_gaussian = state
+    return {"generator": str(generator), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "position": int(position), "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}
+
+
 def restore_rng(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    numpy = state["numpy"]
+    np.random.set_state((numpy["generator"], numpy["keys"].numpy().astype(np.uint32), numpy["position"],
+                         numpy["has_gauss"], numpy["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -311,24 +333,34 @@ class Checkpointer:
             raise CheckpointCorrupt(tag_dir, verdict.problem)
         meta = integrity.read_meta(tag_dir)
         meta["verified"] = verdict.status == integrity.VERIFIED
-        if self._needs_universal(tag_dir, meta):
-            self._load_universal(engine, tag_dir)
-            meta["resharded_from"] = meta["world_size"]
-            meta["resharded_from_tensor_parallel"] = meta.get("tensor_parallel", 1)
-        else:
-            engine.load(root, tag)
-        shared = torch.load(tag_dir / SHARED_STATE, map_location="cpu", weights_only=False)
-        rank_file = tag_dir / rank_state_name(self.rank)
-        if rank_file.exists():
-            restore_rng(torch.load(rank_file, map_location="cpu", weights_only=False))
+        try:
+            if self._needs_universal(tag_dir, meta):
+                self._load_universal(engine, tag_dir)
+                meta["resharded_from"] = meta["world_size"]
+                meta["resharded_from_tensor_parallel"] = meta.get("tensor_parallel", 1)
+            else:
+                engine.load(root, tag)  # DeepSpeed's files, weights-only (TrainEngine.load)
+            shared = load_plain(tag_dir / SHARED_STATE)
+            rank_file = tag_dir / rank_state_name(self.rank)
+            if rank_file.exists():
+                restore_rng(load_plain(rank_file))
+        except UnsafeFile as err:  # a file changed since the folder was checked: torch's own unpickler refused it
+            raise CheckpointUnsafe(f"{err}; nothing of it was loaded") from None
         return shared, meta
 
     def verify(self, tag_dir: Path) -> integrity.Verdict:
         """The folder against its recorded checksums: each rank hashes its share of the files, and every rank
-        gets the same verdict (the problem the lowest rank found, naming the file)."""
+        gets the same verdict (the problem the lowest rank found, naming the file). A folder that is not damaged is
+        then checked to hold only tensors and plain data (ranks sharing the files again): CheckpointUnsafe on every
+        rank otherwise, before any rank reads a file."""
         verdict = integrity.verify(tag_dir, share=(self.rank, self.world_size))
         problem = self.first_problem(verdict.problem if verdict.status == integrity.DAMAGED else None)
-        return integrity.Verdict(integrity.DAMAGED, verdict.files, problem) if problem else verdict
+        if problem:
+            return integrity.Verdict(integrity.DAMAGED, verdict.files, problem)
+        unsafe = self.first_problem(safety.folder_problem(tag_dir, share=(self.rank, self.world_size)))
+        if unsafe:
+            raise CheckpointUnsafe(unsafe)
+        return verdict
 
     def set_aside(self, tag_dir: Path) -> Path:
         """Rename a damaged checkpoint folder to `<name>.corrupt` (rank 0, then a barrier) so it is never chosen,
@@ -418,16 +450,23 @@ def model_config_from_meta(meta: dict[str, Any]) -> ModelConfig:
 
 def load_for_export(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelConfig, dict[str, Any]]:
     """Consolidated fp32 weights, the model config, and tokenizer facts of a checkpoint, once its files are verified
-    against their checksums (CheckpointCorrupt otherwise). extra["verified"] is False for a checkpoint saved
-    before checksums were recorded."""
+    against their checksums (CheckpointCorrupt otherwise) and checked to hold only tensors and plain data
+    (CheckpointUnsafe otherwise). extra["verified"] is False for a checkpoint saved before checksums were
+    recorded."""
     from pretrain.engine.checkpoint_formats import consolidated_state_dict
 
     root, tag = resolve_checkpoint(path)
     verdict = integrity.verify(root / tag)
     if verdict.status == integrity.DAMAGED:
         raise CheckpointCorrupt(root / tag, verdict.problem)
+    unsafe = safety.folder_problem(root / tag)
+    if unsafe:
+        raise CheckpointUnsafe(unsafe)
     meta = integrity.read_meta(root / tag)
-    state = consolidated_state_dict(root, tag)
+    try:
+        state = consolidated_state_dict(root, tag)  # weights-only, DeepSpeed's consolidation included
+    except UnsafeFile as err:
+        raise CheckpointUnsafe(f"{err}; nothing of it was loaded") from None
     extra = {key: meta.get(key) for key in ("tokenizer_dir", "bos_id", "eos_id", "pad_id")}
     extra["verified"] = verdict.status == integrity.VERIFIED
     return state, model_config_from_meta(meta), extra

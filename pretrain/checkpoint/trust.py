@@ -8,7 +8,10 @@
   checked (finite weights and Adam moments, non-negative second moments: TrainEngine.state_problem), since a
   checkpoint can match its checksums and still hold a state no step should start from. A damaged one is
   set aside as `<tag>.corrupt` and the next tried (`checkpoint.on_corrupt=fallback`), or the run refused
-  (`refuse`): CheckpointError, one line naming the checkpoint and the file or tensor, exit status 2;
+  (`refuse`): CheckpointError, one line naming the checkpoint and the file or tensor, exit status 2. A file that
+  holds more than tensors and plain data is no damage but a file that could run code when loaded: the verification
+  raises CheckpointUnsafe on every rank, whatever `on_corrupt` says (never set aside: an older checkpoint is no
+  answer to a planted file), and the run stops with status 2 (pretrain/checkpoint/safety.py);
 - `Note` and `report`: what happened on the way, as `checkpoint_corrupt` events and console notices.
 
 All ranks call these together and every decision is agreed first (the verdict and the state check go through

@@ -13,7 +13,7 @@ reads as plain training logic and DeepSpeed's quirks are handled here once (docs
 - `precision.py`: `deepspeed.precision=auto` resolved for the hardware;
 - `host_memory.py`: allocator settings for CPU training;
 - `op_build.py`: DeepSpeed's JIT-built ops (CPU Adam), and the lock a killed build leaves;
-- `checkpoint_formats.py`: DeepSpeed's universal conversion and fp32 consolidation of checkpoints.
+- `checkpoint_formats.py`: DeepSpeed's universal conversion and fp32 consolidation of checkpoints (weights-only).
 
 May import: `pretrain.config`, `pretrain.model`, `common`. Nothing here imports the trainer, the
 checkpointer or the tools.

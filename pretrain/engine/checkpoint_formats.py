@@ -6,17 +6,29 @@
   stage and tensor-parallel size, on the CPU, for export.
 
 The checkpointer (pretrain/checkpoint/) decides when these run; they live here because they call DeepSpeed.
+DeepSpeed's readers pass `weights_only=False` to torch.load; here they run with torch's weights-only switch on
+(common.safe_load.forced_weights_only, FORCE_ENV for the converter's process) and DeepSpeed's few objects allowed,
+so no file they read can run code, whoever wrote it.
 """
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import shutil
 from pathlib import Path
 
 import torch
 
+from common.safe_load import DEEPSPEED_GLOBALS, FORCE_ENV, UnsafeFile, forced_weights_only, refused_by_torch
+from common.safe_load import load as load_plain
 from pretrain.model.tensor_parallel import merge_shards
+
+_CONVERTER = ("import runpy, torch; from common.safe_load import DEEPSPEED_GLOBALS, resolve; "
+              "torch.serialization.add_safe_globals(resolve(DEEPSPEED_GLOBALS)); "
+              "runpy.run_module('deepspeed.checkpoint.ds_to_universal', run_name='__main__')")
+"""DeepSpeed's converter (`python -m deepspeed.checkpoint.ds_to_universal`) with DeepSpeed's objects on torch's
+allow-list; FORCE_ENV makes its loads weights-only. Its worker processes are forked and inherit both."""
 
 
 def convert_to_universal(tag_dir: Path, out_dir: Path) -> None:
@@ -36,11 +48,11 @@ def convert_to_universal(tag_dir: Path, out_dir: Path) -> None:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # Each extract worker holds one rank's optimizer shard in memory: a few, not one per core.
     extract_workers = max(1, min(4, (os.cpu_count() or 1) // 4))
-    command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag_dir),
+    command = [sys.executable, "-c", _CONVERTER, "--input_folder", str(tag_dir),
                "--output_folder", str(partial), "--inject_missing_state", "--num_extract_workers", str(extract_workers),
                "--num_merge_workers", "1"]
     # The converter works on the CPU; keep it off the GPUs this job's ranks already fill.
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu", **FORCE_ENV}
     done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     if done.returncode != 0:
         shutil.rmtree(partial, ignore_errors=True)
@@ -97,10 +109,14 @@ def _fp32_weights(tag_dir: Path) -> dict[str, torch.Tensor]:
     if any(tag_dir.glob("*optim_states.pt")) and any(tag_dir.glob("zero_pp_rank_*")):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+        try:
+            with forced_weights_only(DEEPSPEED_GLOBALS):
+                state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+        except pickle.UnpicklingError as err:  # torch refused a file DeepSpeed's reader opened: it does not say which
+            raise UnsafeFile(tag_dir, refused_by_torch(err)) from None
     else:
         model_file = tag_dir / "mp_rank_00_model_states.pt"
         if not model_file.exists():
             raise FileNotFoundError(f"{tag_dir} holds no DeepSpeed model states (mp_rank_00_model_states.pt)")
-        state = torch.load(model_file, map_location="cpu", weights_only=False)["module"]
+        state = load_plain(model_file, DEEPSPEED_GLOBALS)["module"]
     return {name: tensor.detach().float() for name, tensor in state.items()}

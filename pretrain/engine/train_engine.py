@@ -19,6 +19,8 @@ from torch.overrides import TorchFunctionMode
 import deepspeed
 import torch.distributed as dist
 
+from common.safe_load import DEEPSPEED_GLOBALS, forced_weights_only
+from common.safe_load import load as load_plain
 from pretrain.config import (
     AyumiConfig,
 )
@@ -196,6 +198,25 @@ def place_buffers(model: torch.nn.Module, device: torch.device) -> None:
         if any(b.device.type != device.type or (device.index is not None and b.device.index != device.index)
                for b in buffers):
             module.to(device)
+
+
+class SafeLoadingEngine:
+    """Stands in for DeepSpeed's checkpoint engine during a load: every file DeepSpeed reads through it (model states,
+    optimizer states, on every ZeRO stage: DeepSpeed 0.19.8 `load_checkpoint`) is read with `weights_only=True`,
+    DeepSpeed's few objects allowed (common.safe_load), where DeepSpeed's own engine passes `weights_only=False`. A
+    file holding anything else raises common.safe_load.UnsafeFile naming it, before any of it is unpickled. Every
+    other call goes to the real engine, `inner`."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def load(self, path: str, map_location=None):
+        return load_plain(Path(path), DEEPSPEED_GLOBALS, map_location=map_location)
+
+    def __getattr__(self, name: str):
+        if name == "inner":  # not set yet (copying, pickling): never recurse
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
 
 class TrainEngine:
@@ -514,6 +535,8 @@ class TrainEngine:
 
         DeepSpeed reads its `load_universal` setting at load time, so it is switched on for this
         one load only: the run's own checkpoints (rollbacks, later resumes) are regular ones.
+        Nothing read can run code: DeepSpeed's checkpoint engine is SafeLoadingEngine for the load, and the files its
+        universal loader reads with torch.load directly are weights-only too (forced_weights_only).
         """
         config = self.engine._config
         previous = config.load_universal_checkpoint
@@ -522,12 +545,16 @@ class TrainEngine:
         # hyperparameters, so the norms would start being weight-decayed. They come from this
         # run's config anyway: keep them as they are.
         hparams = [{key: value for key, value in group.items() if key != "params"} for group in self.optimizer.param_groups]
+        real = self.engine.checkpoint_engine
+        self.engine.checkpoint_engine = SafeLoadingEngine(real)
         try:
-            path, client_state = self.engine.load_checkpoint(
-                str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False,
-            )
+            with forced_weights_only(DEEPSPEED_GLOBALS):
+                path, client_state = self.engine.load_checkpoint(
+                    str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False,
+                )
         finally:
             config.load_universal_checkpoint = previous
+            self.engine.checkpoint_engine = real
         if universal:
             for group, kept in zip(self.optimizer.param_groups, hparams):
                 group.update(kept)

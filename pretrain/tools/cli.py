@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("demo.run", "main", "the whole pipeline on the embedded default (Quickstart command 1)"),
     "export": ("pretrain.tools.export", "main", "export hf CHECKPOINT_DIR OUT_DIR: a transformers LlamaForCausalLM folder"),
     "eval": ("pretrain.tools.eval", "main", "eval TARGET [key=value]: downstream tasks on a run, checkpoint or HF folder"),
-    "checkpoint": ("pretrain.tools.verify", "main", "verify RUN_DIR|CHECKPOINT: every file against the checksums saved"),
+    "checkpoint": ("pretrain.tools.verify", "main", "verify | convert RUN_DIR: checksums, only safe-to-load files; old ones rewritten"),
     "tokenizer": ("tokenizer.cli", "main", "build | eval | sweep | export | expand: the merged SentencePiece tokenizer"),
     "data": ("data.cli", "main", "prepare | inspect | verify: corpus to Megatron .bin/.idx token shards"),
     "plan": ("pretrain.tools.plan", "main", "stage table, repetition, steps, disk and per-GPU memory for an experiment"),

@@ -8,10 +8,17 @@ the rollback ring's are checked, and the folders a run set aside as damaged are 
     checkpoints/step_0000024              24      4  damaged: mp_rank_00_model_states.pt does not match ...
     checkpoints/step_0000008               8      -  unverifiable: no checksums (saved before ayumi recorded them)
     checkpoints/step_0000024.corrupt      24      -  set aside: a run found it damaged; never loaded again
+    checkpoints/step_0000032              32      4  unsafe: ayumi_state.pt holds objects other than tensors ...
 
-Exit status (common/status.py): 0 when no checkpoint a run could load is damaged (verified, unverifiable, set aside
-or incomplete ones do not count), 1 (the verdict is no) when one is, 2 with one line when PATH holds no checkpoint.
-Hashes with the same streaming xxh3_128 as the save (pretrain/checkpoint/integrity.py); imports no torch or DeepSpeed.
+A checkpoint whose checksums hold is also checked to hold only tensors and plain data (pretrain/checkpoint/safety.py,
+a static look at each pickle: nothing of it runs); one that holds anything else is `unsafe`, since loading it could
+run code, and a line on stderr names the file and the fix.
+
+Exit status (common/status.py): 0 when no checkpoint a run could load is damaged or unsafe (verified, unverifiable,
+set aside or incomplete ones do not count), 1 (the verdict is no) when one is damaged, 2 with one line when PATH holds
+no checkpoint or when a checkpoint is unsafe (a run would refuse it with status 2 too). Hashes with the same streaming
+xxh3_128 as the save (pretrain/checkpoint/integrity.py); imports no torch or DeepSpeed.
+`ayumi checkpoint convert` (pretrain/tools/convert.py) rewrites an older ayumi's RNG files once, when told to trust.
 """
 from __future__ import annotations
 
@@ -23,10 +30,12 @@ from pathlib import Path
 
 from common.conf import config_help
 from common.status import BAD_INPUT, DONE, REFUSED
-from pretrain.checkpoint import integrity
+from pretrain.checkpoint import integrity, safety
 from pretrain.checkpoint.layout import RING_DIR, TAG_PREFIX, is_complete, is_tag, quarantined, step_of
 
 PROG = "ayumi checkpoint verify"
+UNSAFE = "unsafe"
+"""The verdict on a checkpoint with a file that holds more than tensors and plain data."""
 READS = "no config from conf/: each checkpoint's ayumi.json (the checksums recorded at save)"
 
 
@@ -39,8 +48,10 @@ class Row:
     files: int | None
     """Files the record lists (None: no record to count from)."""
     verdict: str
-    """verified | damaged | unverifiable | set aside | incomplete."""
+    """verified | damaged | unverifiable | set aside | incomplete | unsafe."""
     detail: str = ""
+    refusal: str = ""
+    """unsafe: the one line naming the file and the fix (stderr)."""
 
     @property
     def counts_against(self) -> bool:
@@ -70,6 +81,12 @@ def check(folder: Path) -> Row:
     if not is_complete(folder):
         return Row(folder, step, None, "incomplete", "no ayumi.json: a save that did not finish; never loaded")
     verdict = integrity.verify(folder)
+    files = None if verdict.status == integrity.UNVERIFIABLE else verdict.files
+    unsafe = safety.first_unsafe(folder) if verdict.status != integrity.DAMAGED else None
+    if unsafe:  # its bytes may be intact: whoever could write the file could write its checksum
+        name, found = unsafe
+        return Row(folder, step, files, UNSAFE, f"{name} holds objects other than tensors and plain data: loading it "
+                   "could run code", safety.problem_line(folder, name, found))
     if verdict.status == integrity.UNVERIFIABLE:
         return Row(folder, step, None, verdict.status, "no checksums (saved before ayumi recorded them)")
     return Row(folder, step, verdict.files, verdict.status, verdict.problem)
@@ -95,7 +112,8 @@ def table(rows: list[Row], base: Path) -> str:
 
 def summary(rows: list[Row], seconds: float) -> str:
     counts = {verdict: sum(row.verdict == verdict for row in rows)
-              for verdict in (integrity.VERIFIED, integrity.DAMAGED, integrity.UNVERIFIABLE, "set aside", "incomplete")}
+              for verdict in (integrity.VERIFIED, integrity.DAMAGED, UNSAFE, integrity.UNVERIFIABLE, "set aside",
+                              "incomplete")}
     said = ", ".join(f"{count} {verdict}" for verdict, count in counts.items() if count)
     return f"{len(rows)} checkpoint folder(s): {said} ({seconds:.1f}s)"
 
@@ -104,8 +122,9 @@ def verify_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog=PROG, epilog=config_help(READS, overrides=False),
         description="Check every file of a run's checkpoints (or of one) against the size and xxh3_128 checksum "
-                    "recorded when it was saved. Exit status: 0 none damaged, 1 a damaged checkpoint, 2 no checkpoint "
-                    "at PATH.")
+                    "recorded when it was saved, and that it holds only tensors and plain data (loading anything else "
+                    "could run code). Exit status: 0 none damaged or unsafe, 1 a damaged checkpoint, 2 no checkpoint "
+                    "at PATH or an unsafe one.")
     parser.add_argument("path", type=Path, help="a run dir, its checkpoints/ folder, or one step_XXXXXXX folder")
     args = parser.parse_args(argv)
     folders = checkpoint_folders(args.path) if args.path.is_dir() else []
@@ -118,16 +137,29 @@ def verify_main(argv: list[str]) -> int:
     base = args.path.parent if is_complete(args.path) else args.path
     print(table(rows, base))
     print(summary(rows, time.perf_counter() - start))
+    refusals = [row.refusal for row in rows if row.verdict == UNSAFE]
+    for refusal in refusals:
+        print(f"{PROG}: {refusal}", file=sys.stderr)
+    if refusals:
+        return BAD_INPUT
     return REFUSED if any(row.counts_against for row in rows) else DONE
 
 
+USAGE = "usage: ayumi checkpoint verify PATH | ayumi checkpoint convert PATH --trust"
+
+
 def main(argv: list[str]) -> int:
-    """Entry of `ayumi checkpoint ...` (called by pretrain/tools/cli.py)."""
+    """Entry of `ayumi checkpoint ...` (called by pretrain/tools/cli.py): verify, or convert (pretrain/tools/convert.py)."""
     if not argv or argv[0] in ("-h", "--help", "help"):
-        print(f"usage: ayumi checkpoint verify PATH\n\n{__doc__.split(chr(10) + chr(10))[0]}\n\n"
-              f"{config_help(READS, overrides=False)}\n`ayumi checkpoint verify --help` says more.")
+        print(f"{USAGE}\n\n{__doc__.split(chr(10) + chr(10))[0]}\n\n"
+              f"{config_help(READS, overrides=False)}\n`ayumi checkpoint verify --help` and `ayumi checkpoint convert "
+              "--help` say more.")
         return DONE
     if argv[0] == "verify":
         return verify_main(argv[1:])
-    print(f"ayumi checkpoint: unknown command {argv[0]!r}\nusage: ayumi checkpoint verify PATH", file=sys.stderr)
+    if argv[0] == "convert":
+        from pretrain.tools.convert import convert_main  # torch only for this verb: verify stays without it
+
+        return convert_main(argv[1:])
+    print(f"ayumi checkpoint: unknown command {argv[0]!r}\n{USAGE}", file=sys.stderr)
     return BAD_INPUT

@@ -31,7 +31,7 @@ def test_staged_copies_do_not_follow_training(tmp_path):
     ckpt.save(engine, 10, {"step": 10}, {})
     engine.weights.add_(100)  # the next step changes the weights in place while the write is pending
     ckpt.wait()
-    saved = torch.load(tmp_path / "ckpt" / tag_for(10) / "mp_rank_00_model_states.pt", weights_only=False)
+    saved = torch.load(tmp_path / "ckpt" / tag_for(10) / "mp_rank_00_model_states.pt", weights_only=True)
     assert saved["module"]["w"].tolist() == list(range(6)) and saved["ayumi_step"] == 10
 
 

@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 
 from pretrain.checkpoint.checkpointer import (
     LATEST, META, CheckpointError, Checkpointer, CheckpointWriteFailed, complete_tags, latest_tag,
@@ -18,7 +19,7 @@ class FakeEngine:
 
     def save(self, root, tag, client_state, collector=None):
         (root / tag).mkdir(parents=True, exist_ok=True)
-        (root / tag / "mp_rank_00_model_states.pt").write_bytes(b"weights")  # written directly: rank 0 hashes it
+        torch.save({"module": {}}, root / tag / "mp_rank_00_model_states.pt")  # written directly: rank 0 hashes it
         if self.fail:
             raise self.error
 
@@ -119,3 +120,21 @@ def test_a_conversion_the_disk_cannot_hold_is_refused_before_it_starts(tmp_path,
     with pytest.raises(CheckpointError, match=r"cannot load .* on 1 ranks: converting .* needs ~[0-9.]+ (B|KiB|MiB|GiB) free .*resume on the number"):
         one_rank.load(engine, saved.name)
     assert engine.loads == [] and not (tmp_path / "checkpoints" / "universal").exists()
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_a_checkpoints_files_follow_the_umask_and_are_never_world_writable(tmp_path, umask):
+    """docs/checkpoints.md: ayumi widens no permission; the folders and every file (the rank's RNG file, the shared
+    state, ayumi.json, `latest`) get what the user's umask leaves."""
+    import os
+
+    kept = os.umask(umask)
+    try:
+        make(tmp_path).save(FakeEngine(), 10, {"train": {}}, {})
+    finally:
+        os.umask(kept)
+    made = [tmp_path / "checkpoints", *(tmp_path / "checkpoints").rglob("*")]
+    assert len(made) >= 6
+    for path in made:
+        mode = path.stat().st_mode & 0o777
+        assert mode & umask == 0 and mode == (0o777 if path.is_dir() else 0o666) & ~umask, (path, oct(mode))

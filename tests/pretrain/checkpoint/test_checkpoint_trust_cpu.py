@@ -119,7 +119,7 @@ def test_zero0_damaged_files_and_a_bad_state_fall_back_and_the_resume_is_exact(b
     ckpts = run / "checkpoints"
     expected = train_losses(run)
     overwrite_runs(ckpts / "step_0000024" / MODEL)
-    state = torch.load(ckpts / "step_0000016" / MODEL, weights_only=False)
+    state = torch.load(ckpts / "step_0000016" / MODEL, weights_only=True)
     state["module"]["model.layers.0.mlp.up_proj.weight"][0, 0] = float("nan")
     torch.save(state, ckpts / "step_0000016" / MODEL)
     without_checksums(ckpts / "step_0000016")  # its damage is no checksum's to find: the state check finds it

@@ -40,7 +40,7 @@ def test_the_sum_taken_while_writing_is_the_files_own(tmp_path, zipfile):
     obj = {"a": torch.randn(300_000), "b": [torch.ones(3), "text"], "view": torch.arange(10)[2:5]}
     written = save_hashed(obj, tmp_path / "x.pt", zipfile=zipfile)
     assert written == hash_file(tmp_path / "x.pt") and written.size == (tmp_path / "x.pt").stat().st_size
-    loaded = torch.load(tmp_path / "x.pt", weights_only=False)
+    loaded = torch.load(tmp_path / "x.pt", weights_only=True)
     assert torch.equal(loaded["a"], obj["a"]) and loaded["view"].tolist() == [2, 3, 4]
     assert torch.serialization.get_crc32_options() is True, "torch's own switch is back as it was"
 

@@ -37,6 +37,7 @@ CASES: list[tuple[list[str], str]] = [
     (["export", "hf"], NO_CONF + ": the checkpoint's ayumi.json"),
     (["checkpoint"], NO_CONF + ": each checkpoint's ayumi.json (the checksums recorded at save)"),
     (["checkpoint", "verify"], NO_CONF + ": each checkpoint's ayumi.json (the checksums recorded at save)"),
+    (["checkpoint", "convert"], NO_CONF + ": each checkpoint's ayumi.json (its checksums) and the files it names"),
     (["tokenizer"], "conf/tokenizer_build.yaml"),
     (["tokenizer", "build"], "config: reads conf/tokenizer_build.yaml + tokenizer=NAME from conf/tokenizer/"),
     (["tokenizer", "sweep"], "config: reads conf/tokenizer_build.yaml + tokenizer=NAME from conf/tokenizer/"),

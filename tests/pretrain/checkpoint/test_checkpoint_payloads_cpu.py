@@ -1,0 +1,218 @@
+"""Loading a checkpoint never runs code: a real payload planted in each kind of checkpoint file, its checksum
+recomputed so that it matches (as whoever planted it would), then loaded through every command that reads checkpoints.
+
+The payload is a pickle whose `__reduce__` makes a marker folder when unpickled (os.mkdir). One short 2-rank ZeRO-1
+run (module fixture) gives the checkpoint; each case plants into a copy. Every command must refuse with exit status
+2 and one line naming the file, and the marker must never appear:
+
+- `ayumi checkpoint verify`, `ayumi export hf` and `ayumi eval` (in this process: a payload that ran would make its
+  marker here), for model states, an optimizer shard, the shared trainer state and a rank's RNG file;
+- `ayumi train` resuming (an optimizer shard and an RNG file that only rank 1 reads: the ranks agree and all stop)
+  and with `checkpoint.load_from` (model states, the shared state), through the real launcher;
+- DeepSpeed's own readers behind ayumi's (its fp32 consolidation, its universal conversion), which pass
+  `weights_only=False` themselves: run by ayumi weights-only, they refuse the payload too;
+- an older ayumi's RNG files (NumPy arrays): refused with the fix, converted by `ayumi checkpoint convert --trust`
+  (after which the run resumes), while a payload in such a file is refused by the conversion, --trust or not.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from common.safe_load import DEEPSPEED_GLOBALS, load
+from pretrain.checkpoint import integrity
+from pretrain.checkpoint.layout import META
+from pretrain.tools.cli import main
+from tests.helpers import run_training, tiny_overrides, write_tiny_corpus
+from tests.pretrain.tools.test_train_exit_status import ayumi, ranks_said
+
+pytestmark = pytest.mark.slow
+
+BASE = ["deepspeed=zero1", "deepspeed.precision=fp32", "train.eval_interval=0", "train.max_steps=4",
+        "checkpoint.interval=2", "checkpoint.keep_last=2"]
+TAG = "step_0000004"
+KINDS = {  # file kind -> the file of the checkpoint it is planted in
+    "model states": "mp_rank_00_model_states.pt",
+    "optimizer states": "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    "shared state": "ayumi_state.pt",
+    "rng file": "ayumi_rank00001.pt",
+}
+REFUSAL = "holds objects other than tensors and plain data (posix.mkdir): loading it could run code"
+
+
+class Payload:
+    """Unpickled, it makes the folder `marker` (what a real attack would do with a shell command instead)."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_tiny_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def base_root(corpus, tmp_path_factory) -> Path:
+    """A run root whose run has checkpoints at steps 2 and 4 (ZeRO-1, 2 ranks), trained once for the module."""
+    root = tmp_path_factory.mktemp("base")
+    proc = run_training(tiny_overrides(corpus, root, *BASE), launcher="fork")
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    return root
+
+
+def rerecord(tag_dir: Path, name: str) -> None:
+    """Recompute a file's checksum in ayumi.json, as someone who can write the folder can."""
+    meta = json.loads((tag_dir / META).read_text())
+    meta[integrity.RECORD_KEY]["files"][name] = integrity.hash_file(tag_dir / name).to_json()
+    (tag_dir / META).write_text(json.dumps(meta))
+
+
+def plant(tag_dir: Path, name: str, marker: Path) -> Path:
+    """Add the payload to a checkpoint file (beside what it held) and recompute its checksum; the file's path."""
+    path = tag_dir / name
+    state = load(path, DEEPSPEED_GLOBALS)
+    state["planted"] = Payload(marker)
+    torch.save(state, path)
+    rerecord(tag_dir, name)
+    assert integrity.verify(tag_dir).status == integrity.VERIFIED  # the checksums are no defence
+    return path
+
+
+@pytest.fixture
+def planted(base_root, tmp_path):
+    """plant(kind) -> (run root copy, planted file, marker) for a payload in that kind of file of the newest
+    checkpoint."""
+    def make(kind: str):
+        root = Path(shutil.copytree(base_root, tmp_path / "runs"))
+        marker = tmp_path / "marker"
+        path = plant(root / "cpu_tiny" / "checkpoints" / TAG, KINDS[kind], marker)
+        return root, path, marker
+    return make
+
+
+def one_line(stderr: str, prefix: str) -> str:
+    [line] = [line for line in stderr.splitlines() if line.startswith(prefix)]
+    return line
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_verify_export_and_eval_refuse_every_kind_of_file_without_running_it(planted, kind, tmp_path, capsys):
+    root, path, marker = planted(kind)
+    run = root / "cpu_tiny"
+    assert main(["checkpoint", "verify", str(run)]) == 2
+    captured = capsys.readouterr()
+    assert f"checkpoints/{TAG}  " in captured.out and "unsafe: " in captured.out
+    assert one_line(captured.err, "ayumi checkpoint verify: ").startswith(f"ayumi checkpoint verify: {path} {REFUSAL}")
+    assert main(["export", "hf", str(run), str(tmp_path / "hf")]) == 2
+    assert one_line(capsys.readouterr().err, "ayumi export hf: ").startswith(f"ayumi export hf: {path} {REFUSAL}")
+    assert not (tmp_path / "hf").exists()
+    tasks = tmp_path / "tasks.jsonl"  # never read: the checkpoint is refused first
+    tasks.write_text(json.dumps({"context": "a", "choices": ["b", "c"], "gold": 0}) + "\n")
+    assert main(["eval", str(run / "checkpoints" / TAG), f"tasks={tasks}", "--out", str(tmp_path / "out.json")]) == 2
+    assert one_line(capsys.readouterr().err, "ayumi eval: ").startswith(f"ayumi eval: {path} {REFUSAL}")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("kind, how", [("optimizer states", "resume"), ("rng file", "resume"),
+                                       ("model states", "load_from"), ("shared state", "load_from")])
+def test_ayumi_train_refuses_a_planted_file_on_every_rank_before_reading_it(planted, corpus, tmp_path, kind, how):
+    root, path, marker = planted(kind)
+    ckpts = root / "cpu_tiny" / "checkpoints"
+    if how == "resume":
+        overrides = tiny_overrides(corpus, root, *BASE, "train.max_steps=6")
+    else:  # another run starts from the planted checkpoint
+        overrides = tiny_overrides(corpus, tmp_path / "other", *BASE, f"checkpoint.load_from={ckpts / TAG}")
+    proc = ayumi("train", *overrides)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-4000:]
+    [line] = ranks_said(proc.stderr)
+    assert line.startswith(f"{path} {REFUSAL}; nothing of the checkpoint was loaded. Fix: do not load it"), line
+    assert proc.stderr.rstrip("\n").splitlines()[-1] == f"ayumi train: {line}"
+    assert not marker.exists()
+    assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step_")) == ["step_0000002", TAG]  # none set aside
+
+
+def test_deepspeeds_own_readers_run_weights_only_under_ayumi(base_root, tmp_path):
+    """The second gate: were a file to reach DeepSpeed's readers unchecked (they pass weights_only=False), its fp32
+    consolidation and its universal conversion refuse the payload all the same."""
+    from pretrain.engine.checkpoint_formats import _fp32_weights, convert_to_universal
+    from common.safe_load import UnsafeFile
+
+    tag_dir = Path(shutil.copytree(base_root / "cpu_tiny" / "checkpoints" / TAG, tmp_path / TAG))
+    marker = tmp_path / "marker"
+    plant(tag_dir, KINDS["optimizer states"], marker)
+    with pytest.raises(UnsafeFile, match="posix.mkdir"):
+        _fp32_weights(tag_dir)
+    with pytest.raises(RuntimeError, match="posix.mkdir"):
+        convert_to_universal(tag_dir, tmp_path / "universal")
+    assert not marker.exists() and not (tmp_path / "universal").exists()
+
+
+def as_older_ayumi(tag_dir: Path, extra=None) -> None:
+    """Rewrite a checkpoint's RNG files as an older ayumi saved them (NumPy's state as an array) and record them."""
+    for path in sorted(tag_dir.glob("ayumi_rank*.pt")):
+        state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+        if extra is not None:
+            state["planted"] = extra
+        torch.save(state, path)
+        rerecord(tag_dir, path.name)
+
+
+def test_an_older_ayumis_checkpoints_are_refused_then_converted_once_with_trust_and_resume(base_root, corpus, tmp_path,
+                                                                                            capsys):
+    root = Path(shutil.copytree(base_root, tmp_path / "runs"))
+    run = root / "cpu_tiny"
+    for tag in ("step_0000002", TAG):
+        as_older_ayumi(run / "checkpoints" / tag)
+    assert main(["checkpoint", "verify", str(run)]) == 2
+    lines = capsys.readouterr().err.splitlines()  # one per checkpoint
+    assert len(lines) == 2 and all(line.startswith("ayumi checkpoint verify: ") for line in lines)
+    line = lines[-1]
+    assert f"{run / 'checkpoints' / TAG / 'ayumi_rank00000.pt'} holds objects other than tensors and plain data " \
+           "(numpy._core.multiarray._reconstruct, numpy.dtype, numpy.ndarray)" in line
+    assert line.endswith(f"`ayumi checkpoint convert {run / 'checkpoints'} --trust` rewrites the RNG files of the "
+                         "checkpoints there once")
+    assert main(["checkpoint", "convert", str(run)]) == 2  # without --trust: a list, nothing changed
+    out, err = capsys.readouterr()
+    assert len(out.splitlines()) == 4 and "nothing was changed" in err
+    assert main(["checkpoint", "verify", str(run)]) == 2
+    capsys.readouterr()
+    assert main(["checkpoint", "convert", str(run), "--trust"]) == 0
+    assert capsys.readouterr().out.startswith("converted 4 RNG file(s) in 2 checkpoint(s)")
+    assert main(["checkpoint", "verify", str(run)]) == 0  # new checksums recorded, only tensors and plain data
+    proc = run_training(tiny_overrides(corpus, root, *BASE, "train.max_steps=6"), launcher="fork")
+    assert proc.returncode == 0 and f"resumed from {run / 'checkpoints' / TAG} at step 4" in proc.stdout, \
+        proc.stdout[-4000:]
+
+
+def test_the_conversion_never_reads_a_payload_even_when_trusted(base_root, tmp_path, capsys):
+    tag_dir = Path(shutil.copytree(base_root / "cpu_tiny" / "checkpoints" / TAG, tmp_path / TAG))
+    marker = tmp_path / "marker"
+    as_older_ayumi(tag_dir, extra=Payload(marker))
+    before = {path.name: path.read_bytes() for path in tag_dir.iterdir()}
+    assert main(["checkpoint", "convert", str(tag_dir), "--trust"]) == 2
+    line = one_line(capsys.readouterr().err, "ayumi checkpoint convert: ")
+    assert line.startswith(f"ayumi checkpoint convert: {tag_dir / 'ayumi_rank00000.pt'} holds objects other than "
+                           "tensors and plain data (numpy._core.multiarray._reconstruct, numpy.dtype, numpy.ndarray, "
+                           "posix.mkdir)") and line.endswith("no conversion reads it, and nothing was converted")
+    assert {path.name: path.read_bytes() for path in tag_dir.iterdir()} == before and not marker.exists()
+    # A converted file planted afterwards is refused like any other.
+    shutil.rmtree(tag_dir)
+    shutil.copytree(base_root / "cpu_tiny" / "checkpoints" / TAG, tag_dir)
+    as_older_ayumi(tag_dir)
+    assert main(["checkpoint", "convert", str(tag_dir), "--trust"]) == 0
+    path = plant(tag_dir, "ayumi_rank00000.pt", marker)
+    assert main(["checkpoint", "verify", str(tag_dir)]) == 2
+    assert one_line(capsys.readouterr().err, "ayumi checkpoint verify: ").startswith(
+        f"ayumi checkpoint verify: {path} {REFUSAL}")
+    assert not marker.exists()
