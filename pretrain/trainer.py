@@ -198,7 +198,7 @@ class Trainer:
 
         def to_delete(ring_steps: list[int]) -> list[int]:
             return ring_checkpoints_to_delete(ring_steps, rec.ring_keep, step, rec.rollback_steps,
-                                              self.stability.policy.bad_steps)
+                                              self.stability.policy.bad_steps, self.stability.detector.low_point())
 
         with self.watchdog.phase(step, "checkpoint save"):
             self.checkpoints.save_ring(self.engine, step, self.shared_state(), self.run_meta, to_delete)

@@ -100,9 +100,10 @@ class RecoveryConfig:
     lr_cooldown_shape: str = "linear"
     """linear (the factor ramps back to 1 over the cool-down) | constant (held, then back to 1 at once)."""
     lr_repeat_factor: float = 0.5
-    """A spike within recovery_window_steps of an earlier recovery also multiplies the LR by this for the rest of the
-    run (the cool-down then returns to the lowered LR): a spike that comes back is the LR's doing, not a batch's
-    (OPT lowered its LR after repeated restarts); 1.0 = the LR always returns to the schedule's."""
+    """A spike within recovery_window_steps of an earlier recovery, or a divergence (detector.divergence_rise), also
+    multiplies the LR by this for the rest of the run (the cool-down then returns to the lowered LR): a spike that comes
+    back, or a slow climb, is the LR's doing, not a batch's (OPT lowered its LR after repeated restarts); 1.0 = the LR
+    always returns to the schedule's."""
     reset_loss_scale: bool = True
     """fp16: after a rollback set the loss scale to 2**loss_scale_reset_power (the checkpoint holds the collapsed one)."""
     loss_scale_reset_power: int = 16

@@ -59,6 +59,11 @@ for damage. For stage_switch_grace_steps the bar is raised, never removed:
   mix-adjusted loss confirms it; smaller grad-norm rises enter the statistics, so both
   baselines settle on the new stage's level.
 
+Divergence (`divergence_rise`, 10%): an LR past the stable edge may raise the loss over a hundred steps, each
+step within the noise of the one before, so none of the above fires. The loss baseline against its lowest value
+since the last stage switch or rollback does: that far above it, the step is a spike whose episode begins at the
+low point (the rollback goes back before the climb).
+
 The detector is pure Python/numpy. Every rank must feed it identical numbers (the trainer
 all-reduces loss and grad norm first); its decisions are then identical on every rank.
 """
@@ -66,7 +71,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Mapping
 
 import numpy as np
@@ -124,6 +129,8 @@ class Verdict:
     """Robust z-score of the mix-adjusted loss rise (None without domain losses or their baselines)."""
     mix_rise: float | None = None
     """Token-weighted relative rise of each domain's loss over that domain's own baseline (None: not available)."""
+    divergence: bool = False
+    """spike only: a slow climb of the loss baseline (divergence_rise), not a run of outliers."""
 
     @property
     def spike_start(self) -> int | None:
@@ -260,7 +267,8 @@ class SpikeDetector:
         self._register_outlier(step)
         self._episode_start = min(self._episode_start if self._episode_start is not None else step, begins)
         self._lowest = None
-        return self._verdict(step, "spike", reason, loss, grad_norm, loss_sig, grad_sig, mix=mix)
+        verdict = self._verdict(step, "spike", reason, loss, grad_norm, loss_sig, grad_sig, mix=mix)
+        return replace(verdict, divergence=True)
 
     def _compare(self, step: int, loss: float, log_grad: float | None) -> tuple[_Signal | None, _Signal | None]:
         """Both signals against their baselines; (None, None) while warming up."""
@@ -438,6 +446,12 @@ class SpikeDetector:
         )
 
     # -- control from the trainer ---------------------------------------------------------------
+    def low_point(self) -> int | None:
+        """The step where the loss baseline was lowest since the last stage switch or rollback (None: not judged
+        yet): the recovery ring keeps a checkpoint from before it, so a divergence found a hundred steps into its
+        climb can still roll back before the climb."""
+        return self._lowest[1] if self._lowest else None
+
     def in_episode(self, step: int) -> bool:
         """True while an outlier episode is open at `step`: a checkpoint taken now is suspect."""
         return bool(self._outliers) and self._outliers[-1] > step - self.cfg.sustained_window

@@ -127,13 +127,15 @@ def choose_rollback_checkpoint(checkpoints: Iterable[int], spike_start: int, rol
 
 
 def ring_checkpoints_to_delete(ring: Iterable[int], keep: int, current_step: int, rollback_steps: int,
-                               bad_steps: Container[int] = ()) -> list[int]:
+                               bad_steps: Container[int] = (), low_point: int | None = None) -> list[int]:
     """Recovery-ring checkpoints to delete after saving one at current_step.
 
     Kept: the `keep` newest good ones, plus the newest good one <= current_step - rollback_steps
     (the rollback target if a spike began now), so a rollback that far back stays possible
-    whatever the interval. Checkpoints taken during an outlier episode are deleted: they are
-    never rollback targets. The newest good checkpoint is never deleted (keep >= 1).
+    whatever the interval, plus the newest good one <= low_point (the detector's lowest loss baseline:
+    a divergence rolls back before its climb, which may have begun long before). Checkpoints taken
+    during an outlier episode are deleted: they are never rollback targets. The newest good checkpoint
+    is never deleted (keep >= 1).
     """
     ring = sorted(set(ring))
     good = [k for k in ring if k not in bad_steps]
@@ -143,6 +145,9 @@ def ring_checkpoints_to_delete(ring: Iterable[int], keep: int, current_step: int
         kept.add(reachable[-1])
     elif good:
         kept.add(good[0])  # nothing is far enough back yet: the oldest comes closest
+    before_low = [k for k in good if low_point is not None and k <= low_point]
+    if before_low:
+        kept.add(before_low[-1])
     return [k for k in ring if k not in kept]
 
 
@@ -201,7 +206,7 @@ class RecoveryPolicy:
             return self._skip_in_episode(step, start, verdict.reason)
         if self.cfg.action == "stop":
             return self._stop(step, verdict.reason, "stability.action=stop: stopping at the first spike.")
-        return self._recover(step, start, checkpoints, verdict.reason)
+        return self._recover(step, start, checkpoints, verdict.reason, lasting=verdict.divergence)
 
     def on_watchdog_rollback(self, step: int, checkpoints: Iterable[int], reason: str,
                              overflow_start: int | None = None) -> Action:
@@ -237,7 +242,9 @@ class RecoveryPolicy:
         self._skip_episode = (episode, skips + 1)
         return self._skip(step, reason)
 
-    def _recover(self, step: int, start: int, checkpoints: Iterable[int], reason: str) -> Action:
+    def _recover(self, step: int, start: int, checkpoints: Iterable[int], reason: str, lasting: bool = False) -> Action:
+        """Roll back, or stop once max_recoveries are spent. lasting: lower the LR for good even if this is the first
+        spike (a divergence: a slow climb is the LR's doing, never one batch's)."""
         rec = self.cfg.recovery
         recent = self._recent_recoveries(step)
         if len(recent) >= rec.max_recoveries:
@@ -246,7 +253,7 @@ class RecoveryPolicy:
         choice = choose_rollback_checkpoint(checkpoints, start, rec.rollback_steps, self.bad_steps)
         if choice.step is None:
             return self._stop(step, reason, f"cannot roll back: {choice.note}.")
-        if recent:  # the spike came back: lower the LR for good, not only for the cool-down
+        if recent or lasting:  # the spike came back, or the loss climbed: lower the LR for good, not only for the cool-down
             self.lasting_lr_factor *= rec.lr_repeat_factor
         action = Action(
             "rollback", reason=reason, to_step=choice.step, skip_batches=rec.skip_batches,
@@ -284,7 +291,7 @@ class RecoveryPolicy:
             parts.append(f"LR x{action.lr_factor:g} for {action.cooldown_steps} steps "
                          f"({self.cfg.recovery.lr_cooldown_shape})")
         if self.lasting_lr_factor < 1:
-            parts.append(f"LR x{self.lasting_lr_factor:g} from then on (a repeated spike)")
+            parts.append(f"LR x{self.lasting_lr_factor:g} from then on (a repeated spike or a divergence)")
         if action.reset_loss_scale is not None:
             parts.append(f"fp16 loss scale -> {action.reset_loss_scale:g}")
         if action.new_eps is not None:

@@ -236,7 +236,7 @@ def test_a_repeated_spike_lowers_the_lr_for_good():
     assert pol.lr_factor_at(300) == pytest.approx(0.5) and pol.lr_factor_at(450) == 1.0  # a one-off: back to 1
     pol.decide(verdict(415, "spike"), 415, RING)  # the replay spikes again: the LR's doing
     assert pol.lr_factor_at(300) == pytest.approx(0.25) and pol.lr_factor_at(450) == pytest.approx(0.5)
-    assert "LR x0.5 from then on (a repeated spike)" in pol.events[-1]["message"]
+    assert "LR x0.5 from then on (a repeated spike or a divergence)" in pol.events[-1]["message"]
     state = json.loads(json.dumps(pol.state_dict()))
     restored = policy(lr_cooldown_factor=0.5, lr_cooldown_steps=100)
     restored.load_state_dict(state)
@@ -252,3 +252,19 @@ def test_a_repeated_spike_lowers_the_lr_for_good():
     apart.decide(verdict(400, "spike"), 400, RING)
     apart.decide(verdict(1000, "spike"), 1000, RING + [800])
     assert apart.lr_factor_at(5000) == 1.0
+
+
+def test_the_ring_keeps_a_checkpoint_from_before_the_losss_low_point():
+    ring = [100, 120, 140, 160, 180, 200]
+    assert ring_checkpoints_to_delete(ring, 3, 200, 20) == [100, 120, 140]
+    # A slow climb since step 112: the checkpoint before it stays, the rollback target of a divergence.
+    assert ring_checkpoints_to_delete(ring, 3, 200, 20, low_point=112) == [120, 140]
+    assert choose_rollback_checkpoint([100, 160, 180, 200], 112, 20, StepRanges([(112, 216)])).step == 100
+
+
+def test_a_divergence_lowers_the_lr_for_good_at_once():
+    pol = policy(lr_cooldown_factor=0.5, lr_cooldown_steps=100)
+    climb = Verdict(step=400, kind="spike", reason="the loss is diverging", loss=3.0, grad_norm=1.0, episode_start=320,
+                    divergence=True)
+    assert pol.decide(climb, 400, RING).to_step == 200
+    assert pol.lr_factor_at(200) == pytest.approx(0.25) and pol.lr_factor_at(5000) == pytest.approx(0.5)
