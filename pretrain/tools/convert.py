@@ -29,7 +29,8 @@ from common.files import write_text_atomic
 from common.safe_load import unsafe_globals
 from common.status import BAD_INPUT, DONE
 from pretrain.checkpoint import integrity, safety
-from pretrain.checkpoint.layout import META, RING_DIR, TAG_PREFIX, complete_tags, is_complete
+from pretrain.checkpoint.layout import META, RING_DIR, complete_tags, is_complete
+from pretrain.tools.verify import PATH_HELP, no_checkpoint
 
 PROG = "ayumi checkpoint convert"
 READS = "no config from conf/: each checkpoint's ayumi.json (its checksums) and the files it names"
@@ -108,15 +109,13 @@ def convert_main(argv: list[str]) -> int:
         "NumPy array) as tensors and plain data, and record their new checksums, so that they load without running "
         "code. Reads them weights-only; refuses a damaged checkpoint or a file that names other code. Exit status: 0 "
         "converted or nothing to do, 2 no checkpoint, no --trust, or a checkpoint it will not convert.")
-    parser.add_argument("path", type=Path, help="a run dir, its checkpoints/ folder, or one step_XXXXXXX folder")
+    parser.add_argument("path", type=Path, help=PATH_HELP)
     parser.add_argument("--trust", action="store_true",
                         help="you trust where these checkpoints came from: rewrite them and record their new checksums")
     args = parser.parse_args(argv)
     folders = checkpoint_folders(args.path) if args.path.is_dir() else []
     if not folders:
-        print(f"{PROG}: no ayumi checkpoint at {args.path}: give a run dir, its checkpoints/ folder, or a "
-              f"{TAG_PREFIX}XXXXXXX folder", file=sys.stderr)
-        return BAD_INPUT
+        return no_checkpoint(PROG, args.path)
     try:
         plans = [plan for plan in map(plan_folder, folders) if plan.files]  # every folder checked before any write
     except NotConverted as err:

@@ -59,6 +59,17 @@ class Row:
         return self.verdict == integrity.DAMAGED
 
 
+PATH_HELP = "a run dir, its checkpoints/ folder, or one step_XXXXXXX folder"
+"""What the PATH of `ayumi checkpoint verify|convert` may be."""
+
+
+def no_checkpoint(prog: str, path: Path) -> int:
+    """Say on stderr, in one line, that PATH holds no checkpoint and what it should be; the exit status."""
+    print(f"{prog}: no ayumi checkpoint at {path}: give a run dir, its checkpoints/ folder, or a {TAG_PREFIX}XXXXXXX "
+          "folder", file=sys.stderr)
+    return BAD_INPUT
+
+
 def checkpoint_folders(path: Path) -> list[Path]:
     """The checkpoint folders PATH names: itself (a step folder), or every step folder of a run's checkpoint root and
     its ring, set-aside ones included, oldest step first. Empty when PATH holds none."""
@@ -125,13 +136,11 @@ def verify_main(argv: list[str]) -> int:
                     "recorded when it was saved, and that it holds only tensors and plain data (loading anything else "
                     "could run code). Exit status: 0 none damaged or unsafe, 1 a damaged checkpoint, 2 no checkpoint "
                     "at PATH or an unsafe one.")
-    parser.add_argument("path", type=Path, help="a run dir, its checkpoints/ folder, or one step_XXXXXXX folder")
+    parser.add_argument("path", type=Path, help=PATH_HELP)
     args = parser.parse_args(argv)
     folders = checkpoint_folders(args.path) if args.path.is_dir() else []
     if not folders:
-        print(f"{PROG}: no ayumi checkpoint at {args.path}: give a run dir, its checkpoints/ folder, or a "
-              f"{TAG_PREFIX}XXXXXXX folder", file=sys.stderr)
-        return BAD_INPUT
+        return no_checkpoint(PROG, args.path)
     start = time.perf_counter()
     rows = [check(folder) for folder in folders]
     base = args.path.parent if is_complete(args.path) else args.path
