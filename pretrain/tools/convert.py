@@ -30,7 +30,7 @@ from common.safe_load import unsafe_globals
 from common.status import BAD_INPUT, DONE
 from pretrain.checkpoint import integrity, safety
 from pretrain.checkpoint.layout import META, RING_DIR, complete_tags, is_complete
-from pretrain.tools.verify import PATH_HELP, no_checkpoint
+from pretrain.tools.checkpoint_path import PATH_HELP, no_checkpoint
 
 PROG = "ayumi checkpoint convert"
 READS = "no config from conf/: each checkpoint's ayumi.json (its checksums) and the files it names"

@@ -31,7 +31,8 @@ from pathlib import Path
 from common.conf import config_help
 from common.status import BAD_INPUT, DONE, REFUSED
 from pretrain.checkpoint import integrity, safety
-from pretrain.checkpoint.layout import RING_DIR, TAG_PREFIX, is_complete, is_tag, quarantined, step_of
+from pretrain.checkpoint.layout import RING_DIR, is_complete, is_tag, quarantined, step_of
+from pretrain.tools.checkpoint_path import PATH_HELP, no_checkpoint
 
 PROG = "ayumi checkpoint verify"
 UNSAFE = "unsafe"
@@ -57,17 +58,6 @@ class Row:
     def counts_against(self) -> bool:
         """A damaged checkpoint a run could still load: the only verdict that makes the command say no."""
         return self.verdict == integrity.DAMAGED
-
-
-PATH_HELP = "a run dir, its checkpoints/ folder, or one step_XXXXXXX folder"
-"""What the PATH of `ayumi checkpoint verify|convert` may be."""
-
-
-def no_checkpoint(prog: str, path: Path) -> int:
-    """Say on stderr, in one line, that PATH holds no checkpoint and what it should be; the exit status."""
-    print(f"{prog}: no ayumi checkpoint at {path}: give a run dir, its checkpoints/ folder, or a {TAG_PREFIX}XXXXXXX "
-          "folder", file=sys.stderr)
-    return BAD_INPUT
 
 
 def checkpoint_folders(path: Path) -> list[Path]:
