@@ -46,6 +46,7 @@ HEAVY_FILES = (
     "tests/pretrain/checkpoint/test_checkpoint_trust_cpu.py",
     "tests/pretrain/checkpoint/test_checkpoint_payloads_cpu.py",
     "tests/pretrain/test_downstream_cpu.py",
+    "tests/test_readme_own_corpus.py",
 )
 
 
