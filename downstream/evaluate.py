@@ -8,16 +8,18 @@ these two, so a checkpoint scored after the fact gets the in-loop numbers.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from downstream.config import DownstreamConfig
 from downstream.metrics import char_f1, choice_scores, cut_at_stop, exact_match, mean, mean_stderr
 from downstream.prompts import (GenerateRequest, LoglikRequest, Tokenizer, fewshot_examples, generate_request,
                                 loglik_requests)
-from downstream.scoring import LogitsFn, Share, greedy_continuations, loglikelihoods
 from downstream.tasks import Task, TaskError, load_task
+
+if TYPE_CHECKING:  # torch loads with the scoring only: `ayumi train` prepares the tasks before launch without it
+    import torch
+
+    from downstream.scoring import LogitsFn, Share
 
 
 @dataclass
@@ -99,6 +101,8 @@ def score_tasks(prepared: list[PreparedTask], logits_fn: LogitsFn, tokenizer: To
 
 def _score(prepared: PreparedTask, logits_fn: LogitsFn, tokenizer: Tokenizer, share: Share, batch_size: int,
            device: torch.device, pad_id: int, end_ids: tuple[int, ...], vocab: int | None) -> TaskScores:
+    from downstream.scoring import greedy_continuations, loglikelihoods
+
     task = prepared.task
     per_example: list[dict[str, Any]] = []
     if task.kind == "qa":

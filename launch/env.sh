@@ -52,6 +52,9 @@ export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:T
 # torch's default of one thread per core on every rank oversubscribes the CPU N times over.
 # Line-buffered output so the ranks' log lines arrive promptly and in order under srun / pdsh.
 export PYTHONUNBUFFERED="${PYTHONUNBUFFERED:-1}"
+# The ranks run `python -m pretrain.train` in the job's folder, which Python would put first on the import path: a
+# folder there named tokenizer/, data/ or pretrain/ would hide ayumi's own package (Python >= 3.11 honours this).
+export PYTHONSAFEPATH="${PYTHONSAFEPATH:-1}"
 # The tokenizers library forks thread pools; in DataLoader workers that only produces warnings.
 export TOKENIZERS_PARALLELISM="${TOKENIZERS_PARALLELISM:-false}"
 # `--module pretrain.train` must import from this checkout on every node, installed or not.

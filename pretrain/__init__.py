@@ -6,6 +6,8 @@ Where things live (docs/design.md has the whole map):
 - `trainer.py`: the training loop; `evaluation.py` (validation loss) and `hooks.py` (per-step concerns:
   stragglers, histograms, telemetry) plug into it;
 - `config.py`: the training config (documented dataclasses, Hydra schema); `ranges.py`: its range rules;
+- `preflight.py`: every check that can run before launch (config, vocabulary, task files), shared by `ayumi plan`,
+  `ayumi train` and `--cfg job`;
 - `loader.py`: the rank's batches; `metrics.py`: metrics files and W&B (the only W&B importer);
 - `engine/`: everything that talks to DeepSpeed (the only DeepSpeed importer);
 - `checkpoint/`: the checkpointer, its background writer, the rollback ring;

@@ -660,13 +660,10 @@ def checked_config(composed: DictConfig) -> AyumiConfig:
     return cfg
 
 
-def config_from_args(args: list[str]) -> AyumiConfig | None:
-    """The checked training config from command-line arguments (Hydra overrides, `--cfg job`,
-    the launcher's `--local_rank`); None once `--cfg job` has printed the resolved config.
-
-    What `ayumi train`, `ayumi plan` and every rank of pretrain.train run before anything starts;
-    raises ConfigError. Imports no torch or DeepSpeed.
-    """
+def composed_from_args(args: list[str]) -> tuple[DictConfig, bool]:
+    """(the composed training config, whether `--cfg job` asks for it printed) from command-line arguments (Hydra
+    overrides, `--cfg job`, the launcher's `--local_rank`), model.* read from model.init_from's folder; unchecked.
+    Raises ConfigError. Imports no torch or DeepSpeed."""
     overrides, print_cfg = split_cli_args(args)
     composed = compose_config(overrides)
     unset = unset_environment(composed)
@@ -674,6 +671,18 @@ def config_from_args(args: list[str]) -> AyumiConfig | None:
         raise ConfigError("\n".join(unset))
     if _init_from(composed):
         shape_from_hf_folder(composed, overrides)
+    return composed, print_cfg
+
+
+def config_from_args(args: list[str]) -> AyumiConfig | None:
+    """The checked training config from command-line arguments (composed_from_args, then check_config); None once
+    `--cfg job` has printed the resolved config.
+
+    The commands (`ayumi train`, `ayumi plan`, every rank of pretrain.train) call
+    pretrain.preflight.config_before_launch, which adds the checks of the files the config names and makes
+    `--cfg job` refuse what they would. Raises ConfigError. Imports no torch or DeepSpeed.
+    """
+    composed, print_cfg = composed_from_args(args)
     if print_cfg:
         print(OmegaConf.to_yaml(composed, resolve=True), end="")
         return None

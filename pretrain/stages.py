@@ -60,8 +60,7 @@ def stage_problems(stages: Sequence[Stage], model: ModelConfig, seq_len: int, mi
                                 f"train.micro_batch_size={micro_batch} must be a multiple of {length // seq_len} (a "
                                 "micro batch keeps its tokens: micro_batch_size x train.seq_len / seq_len samples)")
             if length > model.max_seq_len:
-                problems.append(f"{where}.seq_len={length} exceeds model.max_seq_len={model.max_seq_len}; raise "
-                                "model.max_seq_len")
+                problems.append(too_long(stages, model, index, length))
         if stage.rope_scaling:
             try:
                 scaling = RopeScaling(**dict(stage.rope_scaling))
@@ -70,6 +69,20 @@ def stage_problems(stages: Sequence[Stage], model: ModelConfig, seq_len: int, mi
                 continue
             problems += scaling_problems(scaling, f"{where}.rope_scaling.")
     return problems
+
+
+def too_long(stages: Sequence[Stage], model: ModelConfig, index: int, length: int) -> str:
+    """Stage `index` is longer than the model's positions: raise them, and where the stage trains the model's own
+    unscaled RoPE (a Llama 3 base at 8k, unlike Llama 3.1's scaling for 128k), give it one for the length too."""
+    where = f"curriculum.stages.{index}"
+    fix = f"raise model.max_seq_len (model.max_seq_len={length})"
+    try:
+        theta, scaling = stage_rope(model, stages, index)
+    except TypeError:  # a stage's rope_scaling with a field RoPE has not: said on its own line (stage_problems)
+        return f"{where}.seq_len={length} exceeds model.max_seq_len={model.max_seq_len}; {fix}"
+    if theta == model.rope_theta and scaling.type == "none":
+        fix += f" and give the stage a RoPE for that length ({where}.rope_theta or rope_scaling)"
+    return f"{where}.seq_len={length} exceeds model.max_seq_len={model.max_seq_len}; {fix}"
 
 
 def rope_fields(model: ModelConfig) -> dict[str, Any]:

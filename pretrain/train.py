@@ -50,16 +50,15 @@ from curriculum.declared import register_curriculum_domains
 from curriculum.mixer import Mixer, open_streams
 from curriculum.plan import PlanRefused, checkpoint_shape, raise_if_refused
 from data.domains import open_run_data
-from data.manifest import MANIFEST_NAME, ManifestError, check_manifest_tokenizer, load_manifest
+from data.manifest import MANIFEST_NAME, ManifestError, load_manifest
 from data.packed import CorruptShardError, DataChangedError, PackedSamples, ShuffledDomains
 from data.shards import ShardFormatError, TokenizerMismatchError
-from downstream.evaluate import prepare_tasks
 from downstream.tasks import TaskError
 from pretrain.checkpoint.checkpointer import CheckpointError, Checkpointer, CheckpointWriteFailed
 from pretrain.checkpoint.trust import choose_start, resume_start
 from pretrain.config import (
     CHECKED_BY_LAUNCHER_ENV, EXIT_CONFIG_ERROR, AyumiConfig, ConfigError, async_checkpoints, check_config, config_as_yaml,
-    config_from_args, data_parallel_grad_accum, default_run_notice, print_config_error, total_steps,
+    data_parallel_grad_accum, default_run_notice, print_config_error, total_steps,
 )
 from pretrain.engine.train_engine import DistInfo, TrainEngine, build_model
 from pretrain.engine.distributed import (
@@ -74,8 +73,12 @@ from pretrain.loader import BatchLoader
 from pretrain.plan.memory import format_memory
 from pretrain.plan.hardware import Hardware, gpu_properties
 from pretrain.plan.run_plan import run_plan
+from pretrain.preflight import (
+    check_fp8, check_vocabulary, config_before_launch, load_tokenizer_identity, read_downstream_tasks,
+)
 from pretrain.metrics import MetricsLogger, NullLogger
 from pretrain.model.flops import count_parameters
+from pretrain.model.fp8 import convert_to_fp8
 from pretrain.model.hf_import import HFImportError
 from pretrain.model.llama import Llama
 from pretrain.job.run_lock import RunDirLock, RunDirLocked
@@ -95,27 +98,6 @@ INPUT_ERRORS = (ConfigError, PlanRefused, CurriculumError, ShardFormatError, Tok
 
 EXIT_STABILITY_STOP = STABILITY_STOP
 """Exit status when the stability machinery stopped the run (state saved; see events.jsonl; common/status.py)."""
-
-
-def load_tokenizer_identity(tokenizer_dir: str | None) -> dict:
-    """sha256 and special ids of the run's tokenizer (empty when the run names none).
-
-    An ayumi tokenizer folder, or any tokenizer `ayumi data prepare` accepts as declared (a SentencePiece
-    .model, a Hugging Face folder: the tokenizer existing Megatron data was made with).
-    """
-    if not tokenizer_dir:
-        return {}
-    from tokenizer import load_tokenizer_info
-    from tokenizer.declared import load_declared_tokenizer
-
-    declared = load_declared_tokenizer(tokenizer_dir)
-    if declared.kind == "ayumi":
-        info = load_tokenizer_info(tokenizer_dir)
-        return {"tokenizer_dir": str(info.path), "tokenizer_sha256": info.sha256, "tokenizer_vocab_size": info.vocab_size,
-                "bos_id": info.bos_id, "eos_id": info.eos_id, "pad_id": info.pad_id}
-    return {"tokenizer_dir": str(declared.path), "tokenizer_sha256": declared.sha256,
-            "tokenizer_vocab_size": declared.vocab_size, "bos_id": declared.bos_id, "eos_id": declared.eod_id,
-            "pad_id": None}
 
 
 def job_hardware(dist: DistInfo) -> Hardware:
@@ -187,25 +169,6 @@ def settle_document_end(cfg: AyumiConfig, manifest: dict, root: Path) -> None:
               flush=True)
 
 
-def check_vocabulary(cfg: AyumiConfig, manifest: dict, tokenizer: dict, root: Path) -> None:
-    """The data root's tokenizer must be the run's, its record must agree with that tokenizer, and the
-    model must have an embedding row for every id."""
-    recorded = manifest["tokenizer"]
-    manifest_path = root / MANIFEST_NAME
-    if tokenizer:
-        check_manifest_tokenizer(manifest, tokenizer["tokenizer_sha256"], tokenizer["tokenizer_dir"], str(root))
-        if recorded["vocab_size"] != tokenizer["tokenizer_vocab_size"]:
-            raise ManifestError(
-                f"{manifest_path} records a vocabulary of {recorded['vocab_size']} for tokenizer sha256 "
-                f"{recorded['sha256'][:12]}…, but that tokenizer ({tokenizer['tokenizer_dir']}) has "
-                f"{tokenizer['tokenizer_vocab_size']}: the record was edited or damaged. Fix: re-run `ayumi data prepare`")
-    if recorded["vocab_size"] > cfg.model.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size={cfg.model.vocab_size} is smaller than the vocabulary of the tokenizer that made "
-            f"{root} ({recorded['vocab_size']} ids, {manifest_path}). Fix: set model.vocab_size >= {recorded['vocab_size']} "
-            "(a multiple of 64 is fastest)")
-
-
 def data_vocab_size(cfg: AyumiConfig) -> int:
     """The vocabulary of the tokenizer that made the run's data (its manifest's record; check_vocabulary
     has held it equal to data.tokenizer_dir's): the ids that can occur in training."""
@@ -231,9 +194,11 @@ def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict,
     source, val_sets = build_data(cfg, tokenizer, job_hardware(dist))
     downstream = downstream_tasks(cfg, tokenizer, dist)  # a mistake in a task file stops the run here, untrained
 
+    check_fp8(cfg, dist.device.type, dist.device.index)  # before the model: one line, not a rank's traceback
     torch.manual_seed(cfg.train.seed)  # same init on every rank
     model = build_model(lambda init_weights: Llama(cfg.model, init_weights=init_weights), cfg, dist,
                         initial=None if start else hf_initial_weights(cfg))
+    announce_fp8(cfg, convert_to_fp8(model, cfg.model.fp8, cfg.model.fp8_emulate), dist)  # before DeepSpeed, compile
     engine = TrainEngine(model, cfg, dist)
     checkpointer.expected_bytes = checkpoint_shape(cfg, count_parameters(cfg.model)).size  # the precision is settled
     # Each rank gets its own stream of randomness (dropout-free today, but user code may add it).
@@ -264,6 +229,14 @@ def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict,
     return trainer, logger
 
 
+def announce_fp8(cfg: AyumiConfig, converted: list[str], dist: DistInfo) -> None:
+    """Rank 0 says which layers model.fp8 put in FP8 (none when it is off)."""
+    if converted and dist.is_main:
+        how = "torchao's emulation, for tests" if cfg.model.fp8_emulate else "torchao float8"
+        print(f"FP8 ({cfg.model.fp8}, {how}): {len(converted)} Linear layers of the blocks; the embedding, the LM head "
+              "and the rest stay in the training dtype", flush=True)
+
+
 def downstream_tasks(cfg: AyumiConfig, tokenizer: dict, dist: DistInfo) -> DownstreamTasks:
     """eval.downstream's task files read and tokenized with the run's tokenizer, before the model is built.
 
@@ -273,15 +246,15 @@ def downstream_tasks(cfg: AyumiConfig, tokenizer: dict, dist: DistInfo) -> Downs
     settings = cfg.eval.downstream
     if not settings.tasks:
         return DownstreamTasks()
-    from tokenizer.declared import load_declared_tokenizer
-
-    text_tokenizer = load_declared_tokenizer(tokenizer["tokenizer_dir"])
 
     def left_out(message: str) -> None:
         if dist.is_main:
             print(f"eval.downstream: task left out (strict=false): {message}", file=sys.stderr, flush=True)
+    # The same reading as the check before launch (pretrain/preflight.py), which has refused a bad file already
+    # when `ayumi train` started this rank.
+    prepared, text_tokenizer = read_downstream_tasks(settings, tokenizer["tokenizer_dir"], cfg.model.max_seq_len,
+                                                     left_out)
     eos = text_tokenizer.eod_id
-    prepared = prepare_tasks(settings, text_tokenizer, cfg.model.max_seq_len, text_tokenizer.bos_id, eos, left_out)
     return DownstreamTasks(prepared, text_tokenizer, (eos,) if eos is not None else ())
 
 
@@ -416,7 +389,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     first = int(os.environ.get("RANK", 0)) == 0  # every rank checks; one says it
     try:
-        cfg = config_from_args(argv)  # before init_distributed: a mistake costs no rank start
+        # Before init_distributed: a mistake costs no rank start. The files the config names are read below (build_data,
+        # downstream_tasks) with the checks `ayumi train` made before starting this rank; `--cfg job` makes them here.
+        cfg = config_before_launch(argv, check_files=False)
     except ConfigError as err:
         return refuse(err, say=first)
     if cfg is None:  # --cfg job printed it

@@ -28,9 +28,10 @@ def byte_tokens(text: str) -> list[int]:
     return list(text.encode("utf-8")) + [EOS]
 
 
-def write_tiny_corpus(root: Path, repeats: int = 40, val_docs: int = 4) -> Path:
-    """DATA_ROOT with ja/ and en/ domains (train + val) of byte tokens, repeated so loss can fall."""
-    with TokenRoot(root, vocab_size=VOCAB, eos_id=EOS, name="tiny") as out:
+def write_tiny_corpus(root: Path, repeats: int = 40, val_docs: int = 4, vocab_size: int = VOCAB) -> Path:
+    """DATA_ROOT with ja/ and en/ domains (train + val) of byte tokens, repeated so loss can fall. `vocab_size`: the
+    vocabulary its manifest records (a larger one stands for data made by a larger tokenizer)."""
+    with TokenRoot(root, vocab_size=vocab_size, eos_id=EOS, name="tiny") as out:
         for name, text in (("ja", JA_TEXT), ("en", EN_TEXT)):
             for split, count in (("train", repeats), ("val", val_docs)):
                 with out.shard(name, split) as writer:

@@ -87,6 +87,11 @@ def test_the_section_describes_the_layout_it_runs_on():
 def test_the_own_corpus_path_runs_verbatim(tmp_path):
     commands = readme_commands()
     write_inputs(tmp_path)
+    # A user's folder holds anything, folders named like ayumi's packages too (an earlier tokenizer output called
+    # tokenizer/): the ranks start in this folder, and Python put it first on their import path, so `from tokenizer
+    # import ...` found this folder and every rank failed (pretrain/tools/launch.py: PYTHONSAFEPATH).
+    (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "tokenizer" / "tokenizer.model").write_bytes(b"an older build")
     venv_bin = Path(sys.executable).parent
     assert (venv_bin / "ayumi").exists(), f"no ayumi entry point beside {sys.executable}"
     env = {k: v for k, v in os.environ.items()

@@ -13,9 +13,23 @@ from typing import Any, Mapping
 
 from curriculum.plan import Plan, PlanProblem, format_plan, plan_from_config
 from curriculum.plan import human_count as format_count
+from pretrain.model.config import RopeScaling
 from pretrain.plan.hardware import Hardware
 from pretrain.plan.memory import (MemoryEstimate, MemoryShape, estimate_memory, format_memory, memory_problem,
                                   memory_shape)
+from pretrain.stages import stage_rope
+
+
+@dataclass
+class StageRope:
+    """The RoPE a part of the run trains with: the model's, or what a curriculum stage sets (pretrain/stages.py)."""
+
+    label: str
+    """"stage 2 'long_32k'", or "" for a run without stages."""
+    theta: float
+    scaling: RopeScaling
+    set_by: str = ""
+    """The field that set theta when a stage did (e.g. curriculum.stages.1.rope_theta); "" for the model's."""
 
 
 @dataclass
@@ -29,6 +43,12 @@ class RunPlan:
     stage_memory: list[tuple[str, MemoryEstimate]] = field(default_factory=list)
     """(label, estimate) of each curriculum stage with its own seq_len (pretrain/stages.py): the same tokens per
     micro batch in fewer, longer samples; the run must fit in the largest."""
+    rope: list[StageRope] = field(default_factory=list)
+    """The RoPE of each stage (one entry without stages), as the trainer sets it when a stage begins."""
+    attention: str = ""
+    """model.attention: sdpa, eager or document."""
+    max_seq_len: int = 0
+    """model.max_seq_len: the positions the RoPE tables are built for."""
 
     @property
     def problems(self) -> list[PlanProblem]:
@@ -50,7 +70,48 @@ def run_plan(cfg: Any, num_parameters: int, hardware: Hardware, tokens_per_s: fl
             if problem:
                 plan.problems.append(PlanProblem("memory", f"{label}: {problem}" if label else problem))
                 break
-    return RunPlan(plan, memory, hardware, num_parameters, stages)
+    return RunPlan(plan, memory, hardware, num_parameters, stages, rope_by_stage(cfg), cfg.model.attention,
+                   cfg.model.max_seq_len)
+
+
+def rope_by_stage(cfg: Any) -> list[StageRope]:
+    """The RoPE in force in each curriculum stage (the model's alone without stages), for the plan to show."""
+    curriculum = getattr(cfg, "curriculum", None)
+    stages = list(curriculum.stages) if curriculum is not None else []
+    if not stages:
+        return [StageRope("", cfg.model.rope_theta, cfg.model.rope_scaling)]
+    out = []
+    for index, stage in enumerate(stages):
+        try:
+            theta, scaling = stage_rope(cfg.model, stages, index)
+        except TypeError:  # a misnamed rope_scaling field: refused by check_config, nothing to show
+            return []
+        setter = max((i for i in range(index + 1) if stages[i].rope_theta), default=None)
+        set_by = f"curriculum.stages.{setter}.rope_theta" if setter is not None else ""
+        out.append(StageRope(f"stage {index + 1} {stage.name!r}", theta, scaling, set_by))
+    return out
+
+
+def format_rope(rope: StageRope) -> str:
+    """`RoPE in stage 2 'long_32k': theta 8,000,000 (curriculum.stages.1.rope_theta), scaling llama3 x8 of 8192
+    positions (low/high frequency factors 1/4)`."""
+    theta = f"{int(rope.theta):,}" if rope.theta == int(rope.theta) else f"{rope.theta:g}"
+    where = f" in {rope.label}" if rope.label else ""
+    setter = f" ({rope.set_by})" if rope.set_by else ""
+    return f"RoPE{where}: theta {theta}{setter}, scaling {format_scaling(rope.scaling)}"
+
+
+def format_scaling(scaling: RopeScaling) -> str:
+    """`none`, or the type, its factor, the length it stretches and the fields its type reads."""
+    if scaling.type == "none":
+        return "none"
+    original = f"{scaling.original_max_seq_len} positions" if scaling.original_max_seq_len else "model.max_seq_len"
+    text = f"{scaling.type} x{scaling.factor:g} of {original}"
+    if scaling.type == "llama3":
+        text += f" (low/high frequency factors {scaling.low_freq_factor:g}/{scaling.high_freq_factor:g})"
+    elif scaling.type == "yarn":
+        text += f" (beta fast/slow {scaling.beta_fast:g}/{scaling.beta_slow:g})"
+    return text
 
 
 def memory_by_stage(cfg: Any, shape: MemoryShape) -> list[tuple[str, MemoryEstimate]]:
@@ -93,6 +154,12 @@ def batch_line(run: RunPlan) -> str:
 
 def format_run_plan(run: RunPlan) -> str:
     model = f"model: {run.num_parameters:,} parameters ({format_count(run.num_parameters)})"
+    if run.attention:  # what each stage trains with besides its data (papercut 4 of issue 39: the plan showed neither)
+        model += f", attention {run.attention}, max_seq_len {run.max_seq_len:,}"
+    fp8 = run.memory.shape.model
+    if fp8.fp8 != "off":  # the blocks' Linear layers in FP8 (pretrain/model/fp8.py); its casts are a memory term
+        model += f", FP8 {fp8.fp8}" + (" (emulated: tests only)" if fp8.fp8_emulate else "")
+    model += "".join("\n" + format_rope(rope) for rope in run.rope)
     memory = model + "\n" + batch_line(run) + "\n" + format_memory(run.memory, run.hardware.gpu_bytes, run.hardware.where)
     for label, estimate in run.stage_memory:
         memory += (f"\n  {label}: peak allocated {estimate.peak_allocated / 2**30:.1f} GiB, required "

@@ -5,12 +5,14 @@
   DS_ACCELERATOR=cpu and gloo. torchrun starts faster than the deepspeed launcher on CPU and
   gives bitwise-equal losses (docs/deepspeed-on-cpu.md); `--launcher deepspeed` picks the latter.
 
-The whole config is composed and checked here first (types, ranges, names, the batch over the
-ranks about to start, the data as the ranks will open it, the plan: stage budgets, repetition,
-checkpoint disk, GPU memory, and `model.init_from`'s tensors from their safetensors headers),
-without importing torch or DeepSpeed: a mistake exits with status 2 and one line per problem before
-any process starts, and `--dry-run` prints the command only for a valid config (it skips the data,
-the plan and init_from's tensors: they may live on the cluster). Multi-node and SLURM launches are
+The whole config is composed and checked here first (types, ranges, names, each stage's length and
+RoPE, the data's vocabulary against model.vocab_size, eval.downstream's task files: the checks `ayumi
+plan` and `--cfg job` make too, pretrain/preflight.py; then the batch over the ranks about to start,
+the data as the ranks will open it, the plan: stage budgets, repetition, checkpoint disk, GPU memory,
+and `model.init_from`'s tensors from their safetensors headers), without importing torch or
+DeepSpeed: a mistake exits with status 2 and one line per problem before any process starts, and
+`--dry-run` prints the command only for a valid config (it skips the files the config names: the
+data, the tokenizer, the task files, the plan and init_from's tensors: they may live on the cluster). Multi-node and SLURM launches are
 the scripts under launch/.
 
 What the ranks refuse once running (a shard damaged after this check, a disk that fills) they say
@@ -106,6 +108,9 @@ def launch_env(gpus: int) -> dict[str, str]:
     # A SIGTERM that reaches torchrun itself is passed on to the ranks, which then need time to save:
     # torchrun's own default before SIGKILL is 30 s.
     env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_GRACE_S))
+    # The ranks run `python -m pretrain.train` in the user's folder, which Python would put first on the import path:
+    # a folder there named tokenizer/, data/ or pretrain/ (a tokenizer output, say) would hide ayumi's own package.
+    env.setdefault("PYTHONSAFEPATH", "1")
     return env
 
 
@@ -195,13 +200,16 @@ def main(argv: list[str]) -> int:
     from pretrain.job.run_lock import check_unlocked
     from pretrain.model.hf_import import HFImportError
     from pretrain.config import (
-        CHECKED_BY_LAUNCHER_ENV, EXIT_CONFIG_ERROR, ConfigError, config_from_args, data_parallel_grad_accum,
-        data_parallel_size, default_run_notice, print_config_error,
+        CHECKED_BY_LAUNCHER_ENV, EXIT_CONFIG_ERROR, ConfigError, data_parallel_grad_accum, data_parallel_size,
+        default_run_notice, print_config_error,
     )
+    from pretrain.preflight import config_before_launch
 
     args, overrides = parse_args(argv)
     try:
-        cfg = config_from_args(overrides)  # types, ranges, names; no torch or DeepSpeed import
+        # Types, ranges, names, stages, and (unless a dry run: they may live on the cluster) the data's vocabulary
+        # and the task files (pretrain/preflight.py); no torch or DeepSpeed import
+        cfg = config_before_launch(overrides, check_files=not args.dry_run)
         if cfg is None:  # --cfg job: printed, nothing started
             return 0
         gpus = gpu_count()

@@ -48,12 +48,14 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"{USAGE}\n\n{training_config_help()}")
         return 0
-    from pretrain.config import config_from_args, print_config_error
+    from pretrain.config import print_config_error
+    from pretrain.preflight import config_before_launch
     from pretrain.model.flops import count_parameters
 
     try:
         rest, options = parse_args(argv)
-        cfg = config_from_args(rest)  # the same checks as `ayumi train`: ranges, names, model shapes
+        # The same checks as `ayumi train` before it starts a rank: ranges, names, shapes, stages, vocabulary, tasks
+        cfg = config_before_launch(rest)
     except ValueError as err:  # a bad option, or a ConfigError (a ValueError too)
         print_config_error("ayumi plan", err)
         return BAD_INPUT

@@ -4,6 +4,7 @@ resume, and the refusals. The run itself (2 ranks, switch in-process, exact resu
 tests/pretrain/test_stage_lengths_cpu.py."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -163,10 +164,15 @@ def test_stage_shapes_the_run_cannot_train_are_refused_in_one_line(change, messa
         setattr(cfg.stages[1], key, value)
     problems = stage_problems(cfg.stages, ModelConfig(max_seq_len=8 * SEQ), SEQ, 4)
     assert len(problems) == 1 and problems[0].startswith(message), problems
-    too_long = stage_problems(cfg.stages[:1] + [Stage("x", 1, {"a": 1}, seq_len=16 * SEQ)],
-                              ModelConfig(max_seq_len=8 * SEQ), SEQ, 16)
+    too_long_stages = cfg.stages[:1] + [Stage("x", 1, {"a": 1}, seq_len=16 * SEQ)]
+    too_long = stage_problems(too_long_stages, ModelConfig(max_seq_len=8 * SEQ), SEQ, 16)
     assert too_long == [f"curriculum.stages.1.seq_len={16 * SEQ} exceeds model.max_seq_len={8 * SEQ}; raise "
-                        "model.max_seq_len"]
+                        f"model.max_seq_len (model.max_seq_len={16 * SEQ}) and give the stage a RoPE for that length "
+                        "(curriculum.stages.1.rope_theta or rope_scaling)"]
+    longer_rope = [*too_long_stages[:1], replace(too_long_stages[1], rope_theta=4e4)]
+    assert stage_problems(longer_rope, ModelConfig(max_seq_len=8 * SEQ), SEQ, 16) == [  # its RoPE is the stage's own
+        f"curriculum.stages.1.seq_len={16 * SEQ} exceeds model.max_seq_len={8 * SEQ}; raise model.max_seq_len "
+        f"(model.max_seq_len={16 * SEQ})"]
 
 
 def test_a_stage_rope_holds_until_a_later_stage_sets_another():

@@ -1,8 +1,10 @@
 """The context-extension recipe as documented: every `ayumi` command of docs/continued-pretraining.md's "Extending
 the context to 32k" and of the header of conf/experiment/extend_32k.yaml composes as written, with a Llama-3.1-8B
 config.json standing in for the base: two stages of 8192 then 32768 tokens under sequence parallelism 4 with document
-masking, the curriculum fits the data command's domains, each stage's memory fits the planned GPUs, and the RoPE-base
-variant for a base without scaling gives the long stage its base."""
+masking, the curriculum fits the data command's domains, each stage's memory fits the planned GPUs (the loss chunked),
+and the plan shows each stage's RoPE. The RoPE-base variant for a base without scaling runs against Llama-3-8B's own
+config.json (8192 positions) and gives the long stage its base; the 3.1 commands on that base are refused with the
+fix. Both config.json files hold the published fields of the models they stand for."""
 from __future__ import annotations
 
 import json
@@ -22,6 +24,9 @@ LLAMA31_8B = {"architectures": ["LlamaForCausalLM"], "attention_bias": False, "a
                                "original_max_position_embeddings": 8192, "rope_type": "llama3"},
               "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 128256}
 """config.json of meta-llama/Llama-3.1-8B, the architecture of the base the documents name (no weights are read)."""
+LLAMA3_8B = {**LLAMA31_8B, "max_position_embeddings": 8192, "rope_scaling": None}
+"""config.json of meta-llama/Meta-Llama-3-8B: Llama 3.1's architecture at 8192 positions, without RoPE scaling (the
+base of the documented RoPE-base variant, e.g. a Llama 3 Swallow)."""
 
 
 def docs_section() -> str:
@@ -60,7 +65,7 @@ def test_the_documented_extension_composes_and_each_stage_fits(document, base):
     from pretrain.config import config_from_args
     from pretrain.model.flops import count_parameters
     from pretrain.plan.hardware import planned_hardware
-    from pretrain.plan.run_plan import run_plan
+    from pretrain.plan.run_plan import format_run_plan, run_plan
     from pretrain.stages import stage_problems
 
     text = docs_section() if document == "docs" else yaml_header()
@@ -85,14 +90,56 @@ def test_the_documented_extension_composes_and_each_stage_fits(document, base):
         [(label, long_stage)] = planned.stage_memory
         assert label == "stage 2 'long_32k' (seq_len 32768, micro batch 1)"
         assert long_stage.required < 80 * 2**30
+        text = format_run_plan(planned)  # papercut 4 of issue 39: each stage's RoPE and the attention, shown
+        assert "parameters (8.03B), attention document, max_seq_len 131,072\n" in text
+        llama3 = "theta 500,000, scaling llama3 x8 of 8192 positions (low/high frequency factors 1/4)"
+        assert f"RoPE in stage 1 'ja_8k': {llama3}\nRoPE in stage 2 'long_32k': {llama3}\n" in text
+        # Papercut 6: the loss stays chunked at a 128k vocabulary (it showed 9.8 GiB of whole fp32 logits).
+        assert cfg.model.loss_chunk_tokens == 4096
+        for estimate in (planned.memory, long_stage):
+            [transients] = [term for term in estimate.terms if term.name == "transients"]
+            assert transients.note == "loss: fused, chunked" and transients.bytes < 4 * 2**30
 
 
-def test_the_rope_base_variant_sets_the_long_stage_base(base):
+@pytest.fixture
+def llama3_base(tmp_path) -> str:
+    folder = tmp_path / "Llama-3-Swallow-8B"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA3_8B))
+    return str(folder)
+
+
+def test_the_rope_base_variant_works_with_a_real_llama3_base(llama3_base, capsys):
+    """B4 of issue 39: the documented variant for a base without RoPE scaling, run against Llama-3-8B's own
+    config.json (8192 positions), was refused: `curriculum.stages.1.seq_len=32768 exceeds model.max_seq_len=8192`
+    (the test ran it against the 3.1 config, which has 131072). Through the CLI: `ayumi train ... --cfg job` takes
+    it, and `ayumi plan` refuses only for the data this machine lacks, with each stage's RoPE in its output."""
     from pretrain.config import config_from_args
     from pretrain.stages import model_in_stage
+    from pretrain.tools import launch, plan
 
     [variant] = bullets_commands(docs_section())
-    args = [arg.replace("/models/Llama-3-Swallow-8B", base) for arg in variant]
-    cfg = config_from_args(args[1:])
+    args = [arg.replace("/models/Llama-3-Swallow-8B", llama3_base) for arg in variant][1:]
+    assert launch.main([*args, "--cfg", "job"]) == 0, capsys.readouterr().err
+    assert capsys.readouterr().err == ""
+    assert plan.main([*args, "--free-bytes", "1e15"]) == 1
+    out, err = capsys.readouterr()
+    assert "REFUSED:\n  [data] data root /data/shards/ja_en_l3 does not exist" in out and "(1 problem(s)" in err
+    assert "RoPE in stage 1 'ja_8k': theta 500,000, scaling none" in out
+    assert "RoPE in stage 2 'long_32k': theta 8,000,000 (curriculum.stages.1.rope_theta), scaling none" in out
+    cfg = config_from_args(args)
+    assert (cfg.model.hidden_size, cfg.model.rope_scaling.type, cfg.model.max_seq_len) == (4096, "none", 32768)
     stages = cfg.curriculum.stages
     assert [model_in_stage(cfg.model, stages, i).rope_theta for i in range(2)] == [500000.0, 8000000.0]
+
+
+def test_the_31_recipe_on_a_llama3_base_is_refused_with_the_fix(llama3_base, capsys):
+    """The main commands (a Llama 3.1 base) against Llama-3-8B: one line naming the stage, the limit and the fix."""
+    from pretrain.tools import plan
+
+    [args] = [[arg.replace(BASE, llama3_base) for arg in command] for command in documented_commands(docs_section())
+              if command[0] == "plan"]
+    assert plan.main(args[1:]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "ayumi plan: curriculum.stages.1.seq_len=32768 exceeds model.max_seq_len=8192; raise model.max_seq_len "
+        "(model.max_seq_len=32768) and give the stage a RoPE for that length (curriculum.stages.1.rope_theta or rope_scaling)"]
