@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Wheels for running bench/gpu_acceptance.py (or any ayumi training) on a GPU machine that reaches no package
 # registry and already has torch, transformers, sentencepiece and safetensors (docs/performance.md, "Running on a
-# machine without a registry"). Run here, where pip reaches a registry; carry the folder (about 11 MiB).
+# machine without a registry"). Run here, where pip reaches a registry; carry the folder (about 14 MiB).
 #
 #   bash bench/gpu_wheels.sh [FOLDER] [PYTHON_VERSION]     # default: .whl and 3.12
 #
 # There: python3 -m pip install --no-index --no-deps --target /tmp/site FOLDER/*.whl && export PYTHONPATH=/tmp/site:$PWD
 # Versions are this venv's, so both machines run what the tests here ran. W&B is left out (large): use logging=none.
+# torchao (model.fp8): 0.18's compiled kernels are built for torch 2.11, the GPU machine's; float8 training is
+# plain PyTorch on top of them.
 # The acceptance run's peer part needs nothing more: transformers' LlamaForCausalLM and torch.compile (triton comes
 # with the machine's CUDA torch) are already there, and it reads ayumi's config through the Hydra wheels below.
 set -euo pipefail
@@ -16,7 +18,7 @@ py=${2:-3.12}
 pip=(.venv/bin/python -m pip)
 version() { .venv/bin/python -c "import importlib.metadata as m; print(m.version('$1'))"; }
 mkdir -p "$out"
-binary=(hjson pydantic pydantic_core annotated-types typing-inspection hydra-core omegaconf zstandard xxhash)
+binary=(hjson pydantic pydantic_core annotated-types typing-inspection hydra-core omegaconf zstandard xxhash torchao)
 specs=()
 for name in "${binary[@]}"; do specs+=("$name==$(version "$name")"); done
 platforms=()

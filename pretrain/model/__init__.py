@@ -1,7 +1,8 @@
 """ayumi's own Llama: layers, the model, presets, parameter and FLOP counts, the HF import, vocabulary growth,
 RoPE and its scalings (rope.py), document masking of packed samples (documents.py), and the tensor-parallel
 layout (which weights are cut, and how shards merge back); inductor's cache folder per CPU instruction-set
-setting (used when compiling).
+setting (used when compiling); FP8 training of the blocks' Linear layers (fp8.py, model.fp8).
 
-May import: `pretrain.ranges`, `tokenizer` (vocabulary growth reads SentencePiece models); never DeepSpeed.
+May import: `pretrain.ranges`, `tokenizer` (vocabulary growth reads SentencePiece models), `torchao` (fp8.py, only
+when model.fp8 is on); never DeepSpeed.
 """

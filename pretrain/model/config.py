@@ -13,6 +13,8 @@ from pretrain.ranges import Range, above, at_least, between, range_problems
 
 ATTENTION_KERNELS = ("sdpa", "eager", "document")
 COMPILE_MODES = ("auto", "off", "blocks", "full")
+FP8_RECIPES = ("off", "tensorwise", "rowwise")
+"""model.fp8's values: off, or torchao.float8's recipe of that name (pretrain/model/fp8.py)."""
 
 
 SCALING_TYPES = ("none", "linear", "dynamic", "yarn", "llama3")
@@ -128,11 +130,23 @@ class ModelConfig:
     new_token_init: str = "base_mean"
     """Rows of a grown vocabulary: base_mean (mean of the base rows of the base tokenizer's split of the new piece,
     as Swallow), mean (mean of all base rows) or random (normal, init_std)."""
+    fp8: str = "off"
+    """FP8 training of the blocks' Linear layers (torchao.float8, pretrain/model/fp8.py): off, tensorwise (one scale
+    per tensor: the faster recipe) or rowwise (one scale per row: finer scales, slower). The embedding, the LM head and any
+    Linear whose sizes do not divide by 16 stay in the training dtype; weights, optimizer states and checkpoints are
+    unchanged, so a run resumes with it on or off. Needs a GPU of compute capability 8.9+ (H100, H200, L4, RTX 4090),
+    ZeRO 0-2 and no tensor parallelism; refused before launch otherwise (docs/performance.md, "FP8")."""
+    fp8_emulate: bool = False
+    """For tests only: model.fp8 through torchao's emulation (FP8 rounding, matmuls in the training dtype), which runs
+    on the CPU and on any GPU, and is slower than model.fp8=off."""
 
     def __post_init__(self):
         # A config read back from JSON (a checkpoint's record, dataclasses.asdict) holds the scaling as a dict.
         if isinstance(self.rope_scaling, dict):
             self.rope_scaling = RopeScaling(**self.rope_scaling)
+        # YAML reads an unquoted `fp8: off` as the boolean false (and a str field then holds "False"): it means off.
+        if self.fp8 is False or str(self.fp8).lower() == "false":
+            self.fp8 = "off"
 
     RANGES: ClassVar[dict[str, Range]] = {
         **{size: at_least(1) for size in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -158,6 +172,8 @@ def shape_problems(cfg: ModelConfig, prefix: str = "model.") -> list[str]:
         problems.append(f"{prefix}compile={cfg.compile!r}: choose one of {', '.join(COMPILE_MODES)}")
     if cfg.attention not in ATTENTION_KERNELS:
         problems.append(f"{prefix}attention={cfg.attention!r}: choose one of {', '.join(ATTENTION_KERNELS)}")
+    if cfg.fp8 not in FP8_RECIPES:
+        problems.append(f"{prefix}fp8={cfg.fp8!r}: choose one of {', '.join(FP8_RECIPES)}")
     problems += scaling_problems(cfg.rope_scaling, f"{prefix}rope_scaling.")
     if cfg.num_heads < 1 or cfg.num_kv_heads < 1 or cfg.hidden_size < 1:
         return problems  # the divisions below need positive sizes; the range check says what to fix

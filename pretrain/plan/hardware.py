@@ -77,6 +77,19 @@ def gpu_properties(index: int) -> tuple[str, int]:
     return props.name, int(props.total_memory)
 
 
+def gpu_capability(index: int) -> tuple[int, int]:
+    """CUDA compute capability (major, minor) of device `index`: (9, 0) for an H100 or H200, (8, 0) for an A100."""
+    import torch
+
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+def visible_gpu_capabilities() -> list[tuple[str, tuple[int, int]]]:
+    """(name, compute capability) of each GPU torch sees here; empty on a machine without an NVIDIA device
+    (answered without importing torch, as gpu_count)."""
+    return [(gpu_properties(index)[0], gpu_capability(index)) for index in range(gpu_count())]
+
+
 def planned_hardware(cfg: Any, ranks: int | None = None) -> Hardware:
     """The GPUs to check against: those visible here (count and memory), else train.num_gpus and
     train.gpu_memory_gib; `ranks` when the caller knows the job's size. The data-parallel size is the GPUs

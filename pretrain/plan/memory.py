@@ -31,6 +31,11 @@ What one GPU holds at the peak of a step (the start of backward), in bytes:
 - **transients**: the largest short-lived buffer of the step, either the loss's (plain: fp32 logits,
   log-softmax and their gradient; chunked: one chunk's fp32 logits plus fp32 copies of the head's
   weight and its gradient) or a recomputed block's activations with its gradients.
+- **FP8 casts** (model.fp8 on, pretrain/model/fp8.py): torchao saves each FP8 layer's input and weight for
+  backward in the training dtype, as without FP8, so the activations and model states above are unchanged (an upper
+  bound: compiled, inductor may keep the FP8 copies instead); what FP8 adds is one layer's FP8 copies at a time,
+  of its weight, input and output gradient, each cast again transposed in backward (`fp8_cast_bytes`). Not yet
+  checked against a GPU's measured peak.
 - **allowance**: 10% of the above for the caching allocator's fragmentation, plus 1 GiB for the CUDA
   context, cuBLAS/NCCL workspaces (not in `torch.cuda.max_memory_allocated`, but not free either).
 `peak_allocated` is the figure to compare with `torch.cuda.max_memory_allocated()`; `required` adds the
@@ -308,6 +313,21 @@ def transient_bytes(shape: MemoryShape) -> int:
     return max(loss, recompute + grads)
 
 
+def fp8_cast_bytes(shape: MemoryShape) -> int:
+    """The FP8 copies (1 byte an element) of the largest FP8 layer's weight, input and output gradient, twice (each
+    is cast again transposed for backward's GEMMs); 0 with model.fp8=off. One layer's at a time: they are freed as
+    its GEMMs end, and the scales (one float per tensor or per row) are negligible beside them."""
+    model = shape.model
+    if model.fp8 == "off":
+        return 0
+    n, h, tp = shape.local_tokens, model.hidden_size, shape.tensor_parallel
+    head_dim = h // model.num_heads
+    # (in, out) of the blocks' projections: q/o, k/v, the MLP's gate/up and down (the LM head stays unconverted)
+    layers = [(h, model.num_heads * head_dim // tp), (h, model.num_kv_heads * head_dim // tp),
+              (h, model.intermediate_size // tp), (model.intermediate_size // tp, h)]
+    return max(2 * (fan_in * fan_out + n * fan_in + n * fan_out) for fan_in, fan_out in layers)
+
+
 # -- the estimate ---------------------------------------------------------------------------------
 def estimate_memory(shape: MemoryShape) -> MemoryEstimate:
     parameters = local_parameters(shape.model, shape.tensor_parallel)
@@ -325,6 +345,10 @@ def estimate_memory(shape: MemoryShape) -> MemoryEstimate:
     # The step's own buffers come after backward freed the activations: they raise the peak only past those.
     step = step_bytes(parameters, shape) - estimate.term("activations")
     estimate.terms.append(MemoryTerm("transients", max(transient_bytes(shape), step), f"loss: {head}"))
+    if shape.model.fp8 != "off":  # shown only when on: the plan says FP8 is counted, and how
+        estimate.terms.append(MemoryTerm("FP8 casts", fp8_cast_bytes(shape),
+                                         f"model.fp8={shape.model.fp8}: one layer's FP8 copies at a time; activations "
+                                         "kept in the training dtype, as without FP8"))
     dynamic = estimate.peak_allocated
     estimate.terms.append(MemoryTerm("fragmentation", int(FRAGMENTATION * dynamic), f"{FRAGMENTATION:.0%} allowance"))
     estimate.terms.append(MemoryTerm("CUDA context", CONTEXT_BYTES, "context, cuBLAS and NCCL workspaces"))
@@ -421,6 +445,7 @@ def format_memory(estimate: MemoryEstimate, capacity: int | None = None, where: 
              + (", optimizer offload" if shape.offload_optimizer else "") + (", param offload" if shape.offload_param else "")
              + (f", tensor-parallel {shape.tensor_parallel}" if shape.tensor_parallel > 1 else "")
              + (f", sequence-parallel {shape.sequence_parallel}" if shape.sequence_parallel > 1 else "")
+             + (f", FP8 {shape.model.fp8}" if shape.model.fp8 != "off" else "")
              + f", {shape.data_parallel} data-parallel ranks):"]
     for term in estimate.terms:
         if term.bytes or term.note:

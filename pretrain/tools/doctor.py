@@ -282,8 +282,23 @@ def check_plan(overrides: list[str]) -> tuple[list[Check], object | None]:
                            free_bytes=disk_free(Path(cfg.checkpoint.dir)))
     problem = disk_problem(disk)
     detail = f"{cfg.name}: {parameters:,} parameters; {disk_summary(disk)}"
-    checks = [Check("plan", "checkpoints", FAIL if problem else OK, detail, problem or ""), check_memory(cfg)]
+    checks = [Check("plan", "checkpoints", FAIL if problem else OK, detail, problem or ""), check_memory(cfg),
+              check_fp8(cfg)]
     return checks, cfg
+
+
+def check_fp8(cfg) -> Check:
+    """model.fp8 against the GPUs here and the layout: the refusals `ayumi train` would make (pretrain/preflight.py)."""
+    from pretrain.preflight import fp8_problems
+
+    model = cfg.model
+    if model.fp8 == "off":
+        return Check("plan", "fp8", INFO, "off (model.fp8=tensorwise or rowwise on a GPU of compute capability 8.9+)")
+    problems = fp8_problems(cfg)
+    if problems:
+        return Check("plan", "fp8", FAIL, " / ".join(problems)[:400], "model.fp8=off, or the fix each line names")
+    how = "torchao's emulation, for tests only" if model.fp8_emulate else "torchao float8"
+    return Check("plan", "fp8", OK, f"{model.fp8} ({how}): the blocks' Linear layers; embedding and LM head unchanged")
 
 
 def check_memory(cfg) -> Check:
