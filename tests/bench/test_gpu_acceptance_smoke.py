@@ -31,6 +31,7 @@ BEHAVIOUR = {  # part -> checks that must pass on the CPU too
     "demo_train": {"demo_exit"},
     "long_context": {"documents_alone", "document_kernels", "llama3_rope", "short_to_long"},
     "peer": {"peer_trained"},
+    "fp8_loss": {"fp8_loss_tensorwise", "fp8_loss_rowwise", "fp8_no_stability_event"},  # under torchao's emulation
 }
 
 
@@ -76,13 +77,18 @@ def test_the_behaviour_checks_pass_on_the_cpu(smoke, part):
 
 def test_speed_parts_report_the_trainer_figures(smoke):
     _, results, _ = smoke
-    for key in ("speed_1b_2048", "speed_7b_layers", "speed_1b_plan", "speed_1b_4096", "profile_1b", "speed_1b_plain_loss"):
+    for key in ("speed_1b_2048", "speed_7b_layers", "speed_1b_plan", "speed_1b_4096", "profile_1b", "speed_1b_plain_loss",
+                "speed_1b_fp8", "speed_7b_layers_fp8"):
         figures = results["parts"][key]["figures"]
         assert figures["tokens_per_s"] > 0 and figures["compiled"] == "blocks" and figures["planned_peak"] > 0
         assert len(figures["step_seconds"]) == 2
     assert results["parts"]["speed_1b_plan"]["figures"]["micro_batch"] == 2 * \
         results["parts"]["speed_1b_2048"]["figures"]["micro_batch"]
     assert "model.loss_chunk_tokens=0" in results["parts"]["speed_1b_plain_loss"]["figures"]["overrides"]
+    for fp8, bf16_target in (("speed_1b_fp8", ">=1.15"), ("speed_7b_layers_fp8", ">=1.25")):
+        assert "model.fp8=tensorwise" in results["parts"][fp8]["figures"]["overrides"]  # emulated on the CPU
+        row = next(row for row in results["parts"][fp8]["rows"] if row[0].startswith("tokens/s over bf16's"))
+        assert row[2] == bf16_target and row[3] is None  # shown beside its bf16 part, judged only on a GPU
 
 
 def test_the_peer_trains_the_tokens_a_step_of_speed_1b_2048_and_is_compared(smoke):
