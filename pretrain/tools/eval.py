@@ -13,7 +13,8 @@ task files with default settings, and `tasks=[{path:A,delimiter:""}]` the full f
 after them. It prints a table (each metric with n and its standard error, as lm-evaluation-harness prints them)
 and writes JSON: with `--out FILE` there; else, for a run, `--all` writes the run's curve RUN_DIR/eval/downstream.json
 and one checkpoint writes beside it, RUN_DIR/eval/downstream.step_XXXXXXX.json, so it never replaces the curve.
-`--all` scores every checkpoint it can: a damaged one is marked in the table and the JSON (exit status 1).
+`--all` scores every checkpoint it can: a damaged one is marked in the table and the JSON (exit status 1); one
+holding a file that could run code stops the command (exit status 2, nothing written).
 """
 from __future__ import annotations
 
@@ -221,16 +222,24 @@ def score_model(model, tokenizer, settings, device: torch.device) -> list[Any]:
 def score_checkpoints(paths: list[Path], every: bool, settings, dtype: torch.dtype, device: torch.device,
                       tokenizer_dir: Path | None) -> list[Scored]:
     """Each checkpoint's scores. With `every` (a curve) a checkpoint that cannot be loaded (damaged files, a save
-    it cannot read) is recorded with its reason and the others are still scored; alone, it is an error."""
-    from pretrain.checkpoint.checkpointer import CheckpointCorrupt, CheckpointError
+    it cannot read) is recorded with its reason and the others are still scored; alone, it is an error, and so is
+    an unsafe one (a file that could run code) in a curve."""
+    from pretrain.checkpoint.checkpointer import CheckpointCorrupt, CheckpointError, CheckpointUnsafe
     from pretrain.checkpoint.layout import step_of
+    from pretrain.checkpoint.safety import folder_problem
 
+    for path in paths if every else ():  # every folder checked before any is read (one is checked as it loads)
+        problem = folder_problem(path)
+        if problem:
+            raise CheckpointUnsafe(problem)
     results = []
     for path in paths:
         try:
             model, tokenizer, step = load_checkpoint_model(path, dtype, device, tokenizer_dir)
         except CheckpointError as err:
-            if not every:
+            # A file that could run code stops the whole command, curve or not: someone could write into this run,
+            # and a curve with a hole would read as ordinary damage (fail closed: nothing written, exit 2).
+            if not every or isinstance(err, CheckpointUnsafe):
                 raise
             print(f"ayumi eval: {path.name} left out of the curve: {err}", file=sys.stderr)
             results.append(Scored(path.name, step_of(path.name), [], str(err), isinstance(err, CheckpointCorrupt)))

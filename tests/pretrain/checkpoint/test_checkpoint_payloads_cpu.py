@@ -121,6 +121,10 @@ def test_verify_export_and_eval_refuse_every_kind_of_file_without_running_it(pla
     tasks.write_text(json.dumps({"context": "a", "choices": ["b", "c"], "gold": 0}) + "\n")
     assert main(["eval", str(run / "checkpoints" / TAG), f"tasks={tasks}", "--out", str(tmp_path / "out.json")]) == 2
     assert one_line(capsys.readouterr().err, "ayumi eval: ").startswith(f"ayumi eval: {path} {REFUSAL}")
+    # A curve stops too (not a hole marked "damaged"), and writes nothing.
+    assert main(["eval", str(run), "--all", f"tasks={tasks}", "--out", str(tmp_path / "curve.json")]) == 2
+    assert one_line(capsys.readouterr().err, "ayumi eval: ").startswith(f"ayumi eval: {path} {REFUSAL}")
+    assert not (tmp_path / "out.json").exists() and not (tmp_path / "curve.json").exists()
     assert not marker.exists()
 
 
