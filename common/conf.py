@@ -61,6 +61,110 @@ def describe_error(err: BaseException) -> str:
     return "invalid configuration: " + "\n  ".join(parts)
 
 
+# -- a composition mistake in one line, the same in every command ---------------------------------
+
+def composition_message(err: ConfigCompositionError, overrides: Iterable[str], schema: type,
+                        root: str = "the config", conf_dir: Path | None = None) -> str:
+    """What a command prints for a ConfigCompositionError: one line for a usual mistake (composition_problem),
+    else Hydra's whole explanation."""
+    return composition_problem(err.__cause__, list(overrides), schema, root, conf_dir) or str(err)
+
+
+def composition_problem(err: BaseException | None, overrides: list[str] | tuple[str, ...], schema: type,
+                        root: str = "the config", conf_dir: Path | None = None) -> str | None:
+    """One line for the usual composition mistakes: an unknown key ("did you mean", or that a key new to a mapping
+    needs Hydra's '+'), a wrongly typed value, an unknown group option, each named as typed (or with the config file
+    that set it); None for others.
+
+    err: the exception Hydra raised (ConfigCompositionError's cause). schema and root: the dataclass the composed
+    config's top level is and how a message names that top level. conf_dir: the config root composed from."""
+    top = str(err)
+    missing = re.search(r"Could not find '([^'/]+)/([^']+)'", top)
+    if missing:
+        group, option = missing.groups()
+        return (f"{group}={option}: no such option in {conf_label(conf_dir)}{group}/; choose one of "
+                f"{', '.join(group_options(group, conf_dir))}")
+    cause = next((e for e in _chain(err) if getattr(e, "full_key", None)), None)
+    if cause is None:
+        return None
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    key = dotted(str(cause.full_key))
+    typed = typed_override(top, key, overrides)
+    in_file = re.match(r"In '([^']+)'", top)
+    given = typed or (f"{key} (set in {conf_label(conf_dir)}{in_file.group(1)}.yaml)" if in_file else key)
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
+        return unknown_key_problem(cause, given, typed, schema, root)
+    first_line = str(getattr(cause, "msg", cause)).splitlines()[0]
+    return f"{given}: {first_line}"
+
+
+def dotted(key: str) -> str:
+    """OmegaConf's `a.list[1].b` as Hydra's override grammar spells it, `a.list.1.b` (what a user types back)."""
+    return re.sub(r"\[(\d+)\]", r".\1", key)
+
+
+def typed_override(top: str, key: str, overrides: list[str] | tuple[str, ...]) -> str | None:
+    """The override, as typed, that a composition error is about: the one Hydra names ("Could not override 'a.b'",
+    "Error merging override a.b=..."), else one whose key is the error's key, a section of it, or inside it."""
+    named = re.search(r"Could not override '([^']+)'|Error merging override ([^=\s]+)=", top)
+    if named:
+        wanted = named.group(1) or named.group(2)
+        for override in overrides:
+            if override_key(override) == wanted:
+                return override
+    for override in overrides:
+        typed_key = dotted(override_key(override))
+        if (key + ".").startswith(typed_key + ".") or (typed_key + ".").startswith(key + "."):
+            return override
+    return None
+
+
+def override_key(override: str) -> str:
+    """The key of an override as typed: `+a.b=1` -> `a.b` (Hydra's prefixes +, ++ and ~ dropped)."""
+    return override.lstrip("+~").split("=", 1)[0]
+
+
+def unknown_key_problem(cause: BaseException, given: str, typed: str | None, schema: type, root: str) -> str:
+    """The line for a key the config lacks: "did you mean" among the section's own keys (a dataclass), or, for a
+    mapping that takes any key (a stage's weights, rope_scaling), that a key new to it needs Hydra's '+'."""
+    import difflib
+
+    key = dotted(str(cause.full_key))
+    leaf = str(getattr(cause, "key", None) or key.rpartition(".")[2])
+    section = key[:-len(leaf) - 1] if key.endswith("." + leaf) else ""
+    owner = getattr(cause, "object_type", None)
+    if not section and owner not in (None, schema) and typed:
+        # Inside a list given whole (stages=[{...}]): OmegaConf names the key from the entry, not the config.
+        label, prefix = f"an entry of {override_key(typed)}", ""
+    else:
+        label, prefix = section or root, f"{section}." if section else ""
+    if owner is dict:  # a mapping with no fixed keys: in struct mode Hydra adds one only when told to
+        fix = f"+{typed}" if typed else f"+{key}=VALUE"
+        return f"{given}: {label} has no key {leaf!r}: a new key needs Hydra's '+' ({fix})"
+    names = ([f.name for f in dataclasses.fields(owner)] if dataclasses.is_dataclass(owner)
+             else schema_keys(section, schema))
+    close = difflib.get_close_matches(leaf, names, n=1)
+    hint = f"did you mean {prefix}{close[0]}?" if close else f"known keys: {', '.join(names)}"
+    return f"{given}: {label} has no key {leaf!r}; {hint}"
+
+
+def _chain(err: BaseException | None):
+    """An exception and the ones it was raised from, outermost first."""
+    while err is not None:
+        yield err
+        err = err.__cause__ or err.__context__
+
+
+def schema_keys(section: str, schema: type) -> list[str]:
+    """The field names of a config section (dotted path; '' = the top level) of a dataclass schema."""
+    from omegaconf import DictConfig, OmegaConf
+
+    tree = OmegaConf.structured(schema)
+    node = OmegaConf.select(tree, section) if section else tree
+    return [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
+
+
 ENV_ONLY = re.compile(r"\$\{oc\.env:([A-Za-z_][A-Za-z0-9_]*)\}")
 """An environment variable without a default (`${oc.env:NAME}`): the value must come from somewhere."""
 

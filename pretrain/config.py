@@ -12,17 +12,15 @@ again in every rank before distributed init. A ConfigError names the field, the 
 """
 from __future__ import annotations
 
-import difflib
 import math
 import os
 import re
 import sys
-from dataclasses import dataclass, field, fields as dataclass_fields, is_dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, TextIO
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from curriculum.config import CurriculumConfig
 from curriculum.declared import tokenizer_missing
@@ -39,6 +37,7 @@ from common.conf import (
     CONF_DIR, ConfigCompositionError, compose, composed_from, conf_label, config_help, fields_help, group_options,
     unset_environment,
 )
+from common.conf import composition_problem as common_composition_problem
 
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
@@ -385,89 +384,9 @@ def compose_config(overrides: list[str] | tuple[str, ...] = (), config_name: str
 
 def composition_problem(err: BaseException | None, overrides: list[str] | tuple[str, ...],
                         schema: type | None = None, root: str = "the config") -> str | None:
-    """One line for the usual composition mistakes: an unknown key, a wrongly typed value, an unknown
-    group option, each named as typed (or with the config file that set it); None for others.
-
-    schema and root: the dataclass the composed config's top level is (AyumiConfig, or `ayumi eval`'s
-    DownstreamConfig) and how a message names that top level."""
-    top = str(err)
-    missing = re.search(r"Could not find '([^'/]+)/([^']+)'", top)
-    if missing:
-        group, option = missing.groups()
-        return (f"{group}={option}: no such option in {conf_label(CONF_DIR)}{group}/; choose one of "
-                f"{', '.join(group_options(group, CONF_DIR))}")
-    cause = next((e for e in _chain(err) if getattr(e, "full_key", None)), None)
-    if cause is None:
-        return None
-    key = dotted(str(cause.full_key))
-    typed = typed_override(top, key, overrides)
-    in_file = re.match(r"In '([^']+)'", top)
-    given = typed or (f"{key} (set in {conf_label(CONF_DIR)}{in_file.group(1)}.yaml)" if in_file else key)
-    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
-        return unknown_key_problem(cause, given, typed, schema or AyumiConfig, root)
-    first_line = str(getattr(cause, "msg", cause)).splitlines()[0]
-    return f"{given}: {first_line}"
-
-
-def dotted(key: str) -> str:
-    """OmegaConf's `a.list[1].b` as Hydra's override grammar spells it, `a.list.1.b` (what a user types back)."""
-    return re.sub(r"\[(\d+)\]", r".\1", key)
-
-
-def typed_override(top: str, key: str, overrides: list[str] | tuple[str, ...]) -> str | None:
-    """The override, as typed, that a composition error is about: the one Hydra names ("Could not override 'a.b'",
-    "Error merging override a.b=..."), else one whose key is the error's key, a section of it, or inside it."""
-    named = re.search(r"Could not override '([^']+)'|Error merging override ([^=\s]+)=", top)
-    if named:
-        wanted = named.group(1) or named.group(2)
-        for override in overrides:
-            if override_key(override) == wanted:
-                return override
-    for override in overrides:
-        typed_key = dotted(override_key(override))
-        if (key + ".").startswith(typed_key + ".") or (typed_key + ".").startswith(key + "."):
-            return override
-    return None
-
-
-def override_key(override: str) -> str:
-    """The key of an override as typed: `+a.b=1` -> `a.b` (Hydra's prefixes +, ++ and ~ dropped)."""
-    return override.lstrip("+~").split("=", 1)[0]
-
-
-def unknown_key_problem(cause: BaseException, given: str, typed: str | None, schema: type, root: str) -> str:
-    """The line for a key the config lacks: "did you mean" among the section's own keys (a dataclass), or, for a
-    mapping that takes any key (a stage's weights, rope_scaling), that a key new to it needs Hydra's '+'."""
-    key = dotted(str(cause.full_key))
-    leaf = str(getattr(cause, "key", None) or key.rpartition(".")[2])
-    section = key[:-len(leaf) - 1] if key.endswith("." + leaf) else ""
-    owner = getattr(cause, "object_type", None)
-    if not section and owner not in (None, schema) and typed:
-        # Inside a list given whole (stages=[{...}]): OmegaConf names the key from the entry, not the config.
-        label, prefix = f"an entry of {override_key(typed)}", ""
-    else:
-        label, prefix = section or root, f"{section}." if section else ""
-    if owner is dict:  # a mapping with no fixed keys: in struct mode Hydra adds one only when told to
-        fix = f"+{typed}" if typed else f"+{key}=VALUE"
-        return f"{given}: {label} has no key {leaf!r}: a new key needs Hydra's '+' ({fix})"
-    names = ([f.name for f in dataclass_fields(owner)] if is_dataclass(owner)
-             else _schema_keys(section, schema))
-    close = difflib.get_close_matches(leaf, names, n=1)
-    hint = f"did you mean {prefix}{close[0]}?" if close else f"known keys: {', '.join(names)}"
-    return f"{given}: {label} has no key {leaf!r}; {hint}"
-
-
-def _chain(err: BaseException | None):
-    while err is not None:
-        yield err
-        err = err.__cause__ or err.__context__
-
-
-def _schema_keys(section: str, schema: type | None = None) -> list[str]:
-    """The field names of a config section (dotted path; '' = the top level) of schema (default AyumiConfig)."""
-    tree = OmegaConf.structured(schema or AyumiConfig)
-    node = OmegaConf.select(tree, section) if section else tree
-    return [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
+    """One line for the usual composition mistakes (common/conf.py's composition_problem, which tokenizer/ and data/
+    use too), schema defaulting to AyumiConfig; None for others."""
+    return common_composition_problem(err, overrides, schema or AyumiConfig, root, CONF_DIR)
 
 
 def to_object(cfg: DictConfig) -> AyumiConfig:

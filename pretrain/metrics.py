@@ -25,11 +25,18 @@ WANDB_ID_FILE = "wandb_run_id"
 ALERT_EVENTS = {"spike": "WARN", "rollback": "WARN", "recovered": "INFO", "loss_scale_reset": "WARN",
                 "loss_scale_alarm": "WARN", "stop": "ERROR", "stability_stop": "ERROR", "checkpoint_corrupt": "WARN"}
 EVENT_COLUMNS = ["step", "tokens", "event", "message"]
+LOGGED_AT_STEP = "logged_at_step"
+"""An event's field when its `step` names another step than the run's when it was written (a damaged checkpoint's
+own step, logged where the run resumed): the run's step then. Cutting events.jsonl back on a resume and W&B's step
+go by it, so such an event stays with the stretch of the run that wrote it."""
 
 
 def format_duration(seconds: float) -> str:
+    """`4.2s`, `12s`, `3m05s`, `2h07m`: tenths below ten seconds, whole units above."""
     if not math.isfinite(seconds) or seconds < 0:
         return "?"
+    if seconds < 10:  # rounded to whole seconds, a short span reads as none ("41.6% of the run ... 0s in all")
+        return f"{seconds:.1f}s"
     seconds = int(round(seconds))
     hours, rest = divmod(seconds, 3600)
     minutes, secs = divmod(rest, 60)
@@ -71,13 +78,18 @@ def truncate_jsonl(path: Path, max_step: int) -> None:
     kept = []
     for line in path.read_text().splitlines():
         try:
-            if json.loads(line).get("step", 0) <= max_step:
+            if timeline_step(json.loads(line)) <= max_step:
                 kept.append(line)
         except json.JSONDecodeError:
             continue  # a line cut by a crash
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
     tmp.replace(path)
+
+
+def timeline_step(record: dict[str, Any]) -> int:
+    """The run's step when a metrics or events record was written: its `step`, or LOGGED_AT_STEP when it has one."""
+    return int(record.get(LOGGED_AT_STEP, record.get("step", 0)))
 
 
 class NullLogger:
@@ -161,18 +173,21 @@ class MetricsLogger(NullLogger):
         record = {"step": step, "tokens": tokens, "event": kind, "message": message, **fields,
                   "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
         self._events.write(json.dumps(record, default=str) + "\n")
-        self.info(f"[event] {kind} at step {step} ({format_count(tokens)} tokens){': ' + message if message else ''}")
+        logged_at = timeline_step(record)
+        where = f"logged at step {logged_at}, " if logged_at != step else ""
+        self.info(f"[event] {kind} at step {step} ({where}{format_count(tokens)} tokens)"
+                  f"{': ' + message if message else ''}")
         if self._wandb_run is not None:
-            self._wandb_event(kind, step, tokens, message)
+            self._wandb_event(kind, step, tokens, message, logged_at)
 
-    def _wandb_event(self, kind: str, step: int, tokens: int, message: str) -> None:
+    def _wandb_event(self, kind: str, step: int, tokens: int, message: str, logged_at: int) -> None:
         import wandb
 
         self._event_rows.append([step, tokens, kind, message])
         # The whole table each time: W&B shows the latest version of a logged table.
         self._wandb_run.log({f"events/{kind}": 1, "events/table": wandb.Table(columns=EVENT_COLUMNS,
                                                                               data=self._event_rows)},
-                            step=self._wandb_step_for(step))
+                            step=self._wandb_step_for(logged_at))  # W&B's steps follow the run's
         if kind in ALERT_EVENTS:
             try:
                 self._wandb_run.alert(title=f"ayumi {self.cfg.name}: {kind} at step {step}", text=message or kind,

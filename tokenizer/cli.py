@@ -51,10 +51,13 @@ def verb_help(verb: str) -> str:
 
 def compose(overrides: list[str]):
     """The composed `tokenizer_build` config (a DictConfig) for these overrides."""
-    from common.conf import compose as compose_conf
-    from tokenizer.config import register_configs
+    from common.conf import ConfigCompositionError, composition_message, compose as compose_conf
+    from tokenizer.config import TokenizerBuildConfig, register_configs
 
-    return compose_conf("tokenizer_build", overrides, register_configs)
+    try:
+        return compose_conf("tokenizer_build", overrides, register_configs)
+    except ConfigCompositionError as err:  # one line with "did you mean" or the '+' a new key needs, as train's
+        raise ConfigCompositionError(composition_message(err, overrides, TokenizerBuildConfig)) from err
 
 
 def to_object(cfg):

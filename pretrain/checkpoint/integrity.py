@@ -36,7 +36,7 @@ from typing import Any, Iterable
 
 import xxhash
 
-from pretrain.checkpoint.layout import META
+from pretrain.checkpoint.layout import META, complete_tags, step_of
 
 ALGORITHM = "xxh3_128"
 """The hash of every checkpoint file: ~10 GB/s on one core, far above any disk, and it releases the GIL."""
@@ -273,3 +273,14 @@ def verify(tag_dir: Path, share: tuple[int, int] = (0, 1)) -> Verdict:
 def damaged_line(tag_dir: Path, problem: str) -> str:
     """The one line naming a damaged checkpoint and its file."""
     return f"checkpoint {tag_dir} is damaged: {problem}"
+
+
+def newest_intact_before(root: Path, tag: str) -> tuple[str, Verdict] | None:
+    """The newest complete checkpoint under `root` older than `tag` that is not damaged (verified, or saved before
+    checksums were recorded), with its verdict; None when every older one is damaged or there is none. Older ones
+    are hashed newest first until one passes: what a user refused `tag` should take instead."""
+    for older in reversed([name for name in complete_tags(root) if step_of(name) < step_of(tag)]):
+        verdict = verify(root / older)
+        if verdict.status != DAMAGED:
+            return older, verdict
+    return None

@@ -12,7 +12,8 @@
   holds more than tensors and plain data is no damage but a file that could run code when loaded: the verification
   raises CheckpointUnsafe on every rank, whatever `on_corrupt` says (never set aside: an older checkpoint is no
   answer to a planted file), and the run stops with status 2 (pretrain/checkpoint/safety.py);
-- `Note` and `report`: what happened on the way, as `checkpoint_corrupt` events and console notices.
+- `Note` and `report`: what happened on the way, as `checkpoint_corrupt` events (at the damaged checkpoint's own
+  step, the run's beside it) and console notices.
 
 All ranks call these together and every decision is agreed first (the verdict and the state check go through
 Checkpointer.first_problem), so all ranks load, set aside or refuse alike; only rank 0 renames. A checkpoint
@@ -29,6 +30,8 @@ from pretrain.checkpoint import integrity
 from pretrain.checkpoint.checkpointer import (
     LATEST, Checkpointer, CheckpointCorrupt, CheckpointError, complete_tags, latest_tag, resolve_checkpoint, step_of,
 )
+from pretrain.checkpoint.layout import is_tag
+from pretrain.metrics import LOGGED_AT_STEP
 
 CORRUPT_EVENT = "checkpoint_corrupt"
 """The events.jsonl kind of a damaged checkpoint set aside."""
@@ -47,6 +50,8 @@ class Note:
     kind: str
     message: str
     fields: dict[str, Any] = field(default_factory=dict)
+    step: int | None = None
+    """The step the note is about when it is not the run's (a damaged checkpoint's own): the event's step."""
 
 
 @dataclass
@@ -93,7 +98,8 @@ def _refuse_or_set_aside(checkpointer: Checkpointer, err: CheckpointCorrupt, fal
         raise CheckpointError(f"{err}. Fix: {fix}") from None
     aside = checkpointer.set_aside(err.tag_dir)
     return Note(CORRUPT_EVENT, f"{err}; set aside as {aside.name} (kept, never loaded again)",
-                {"checkpoint": str(err.tag_dir), "set_aside_as": str(aside), "problem": err.problem})
+                {"checkpoint": str(err.tag_dir), "set_aside_as": str(aside), "problem": err.problem},
+                step=step_of(err.tag_dir.name) if is_tag(err.tag_dir.name) else None)
 
 
 def _none_left(notes: list[Note]) -> CheckpointError:
@@ -168,9 +174,13 @@ def resume_start(start: Start | None, checkpointer: Checkpointer, engine) -> Loa
 
 
 def report(notes: list[Note], logger, step: int, tokens: int) -> None:
-    """Notes into the run's log: events (events.jsonl, console, W&B) and notices (console)."""
+    """Notes into the run's log: events (events.jsonl, console, W&B) and notices (console). `step` and `tokens`: the
+    run's when it found them. An event about a checkpoint of its own step is logged at that step (a damaged step 8
+    found on resuming at 4 reads "at step 8"), the run's step kept beside it (LOGGED_AT_STEP)."""
     for note in notes:
         if note.kind == NOTICE:
             logger.info(note.message)
-        else:
+        elif note.step is None:
             logger.event(note.kind, step, tokens, note.message, **note.fields)
+        else:
+            logger.event(note.kind, note.step, tokens, note.message, **note.fields, **{LOGGED_AT_STEP: step})

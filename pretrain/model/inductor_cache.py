@@ -8,10 +8,11 @@ written for the first instruction set, is built with the second one's flags: AVX
 gave NaN in compiled blocks and the reverse a segfault; on an AVX2 CPU, AVX2 kernels reused without vector
 instructions fail to build, and scalar kernels reused as AVX2 are silently kept.
 
-What: before anything compiles, `use_isa_keyed_cache` points TORCHINDUCTOR_CACHE_DIR at a subfolder of
-torch's default folder named by that setting (inductor's pick, ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA or
-DNNL_MAX_CPU_ISA, the torch version), so a kernel is only ever reused under the setting it was built for.
-A TORCHINDUCTOR_CACHE_DIR the user set is kept as it is: that folder is theirs to keep to one setting.
+What: before anything compiles, `use_isa_keyed_cache` points TORCHINDUCTOR_CACHE_DIR at a subfolder named by
+that setting (inductor's pick, ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA or DNNL_MAX_CPU_ISA, the torch version),
+so a kernel is only ever reused under the setting it was built for. The subfolder is of torch's default folder,
+or of the TORCHINDUCTOR_CACHE_DIR the user set: a folder of one's own is as easily shared by two settings (a run
+limited to AVX2 after a native one gave NaN there, as in the default folder before).
 """
 from __future__ import annotations
 
@@ -40,9 +41,8 @@ def isa_folder_name() -> str:
 
 
 def use_isa_keyed_cache() -> str:
-    """Points TORCHINDUCTOR_CACHE_DIR at this process's ISA-keyed folder unless the user chose a folder; returns
-    the folder inductor will use. Torch's own default (torch writes it into the environment once it used it, so
-    child processes inherit it) and a keyed folder inherited from a parent count as not chosen."""
+    """Points TORCHINDUCTOR_CACHE_DIR at this process's ISA-keyed subfolder of the cache folder (the user's, else
+    torch's default) and returns it: the folder inductor will use."""
     current = os.environ.get(CACHE_VARIABLE)  # read before isa_folder_name: picking the ISA sets it
     try:  # private torch modules: where a torch lacks them, inductor's own folder is used as before
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
@@ -51,11 +51,16 @@ def use_isa_keyed_cache() -> str:
         name = isa_folder_name()
     except ImportError:
         return current or ""
-    if current:
-        current = os.path.abspath(current)
-        ours = os.path.dirname(current) == default and os.path.basename(current).startswith(PREFIX)
-        if current != default and not ours:
-            return current
-    folder = os.path.join(default, name)
+    folder = os.path.join(cache_base(current, default), name)
     os.environ[CACHE_VARIABLE] = folder
     return folder
+
+
+def cache_base(current: str | None, default: str) -> str:
+    """The folder the keyed subfolders go in: the TORCHINDUCTOR_CACHE_DIR set (torch writes its own default back
+    once it used it, and a parent passes its keyed subfolder on to its children: the folder above that one), else
+    torch's default."""
+    if not current:
+        return default
+    current = os.path.abspath(current)
+    return os.path.dirname(current) if os.path.basename(current).startswith(PREFIX) else current

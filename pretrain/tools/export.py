@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -157,6 +158,33 @@ def _write_folder(tmp: Path, hf_config, tensors: dict[str, Tensor], tokenizer_fi
             os.fsync(f.fileno())
 
 
+def older_checkpoint_fix(damaged: Path, args: argparse.Namespace) -> str:
+    """What to do about a damaged checkpoint: export the newest older one of its run that is not damaged (named,
+    with the command, this call's options kept), or, when none is left, how to look for an intact copy."""
+    from pretrain.checkpoint import integrity
+
+    found = integrity.newest_intact_before(damaged.parent, damaged.name)
+    if found is None:
+        return (f"no older checkpoint beside it is intact; put an intact copy back, or list what verifies with "
+                f"`ayumi checkpoint verify {shlex.quote(str(damaged.parent))}`")
+    tag, verdict = found
+    how = ("that verifies" if verdict.status == integrity.VERIFIED
+           else "that is not damaged (it records no checksums, so it is exported unverified)")
+    return f"export the newest older checkpoint {how}, {tag}: {export_command(damaged.parent / tag, args)}"
+
+
+def export_command(checkpoint: Path, args: argparse.Namespace) -> str:
+    """`ayumi export hf CHECKPOINT OUT_DIR` with the options this call was given, ready to paste."""
+    words = ["ayumi", "export", "hf", str(checkpoint), str(args.out_dir)]
+    if args.dtype != "fp32":
+        words += ["--dtype", args.dtype]
+    if args.tokenizer_dir:
+        words += ["--tokenizer-dir", str(args.tokenizer_dir)]
+    if args.overwrite:
+        words.append("--overwrite")
+    return shlex.join(words)
+
+
 def main(argv: list[str]) -> int:
     """`ayumi export hf CHECKPOINT OUT_DIR [--overwrite] [--dtype fp32|bf16|fp16] [--tokenizer-dir DIR]`."""
     from common.conf import config_help
@@ -178,7 +206,9 @@ def main(argv: list[str]) -> int:
                     help="HF tokenizer folder to copy (default: the one recorded in the checkpoint)")
     args = parser.parse_args(argv)
 
-    from pretrain.checkpoint.checkpointer import CheckpointError, load_for_export  # here: --help stays fast
+    from pretrain.checkpoint.checkpointer import (  # here: --help stays fast
+        CheckpointCorrupt, CheckpointError, load_for_export,
+    )
 
     try:
         state_dict, cfg, extra = load_for_export(args.checkpoint)
@@ -188,6 +218,9 @@ def main(argv: list[str]) -> int:
             tokenizer_dir=args.tokenizer_dir or extra.get("tokenizer_dir"),
             dtype=DTYPES[args.dtype], overwrite=args.overwrite,
         )
+    except CheckpointCorrupt as err:  # the run may hold an intact older one: say which, and how to export it
+        print(f"ayumi export hf: {err}. Fix: {older_checkpoint_fix(err.tag_dir, args)}", file=sys.stderr)
+        return BAD_INPUT
     except (ExportError, CheckpointError, FileNotFoundError) as err:
         # Bad input (a folder that holds no checkpoint, an OUT_DIR in the way): one line, exit 2.
         print(f"ayumi export hf: {err}", file=sys.stderr)

@@ -118,3 +118,21 @@ def test_ctrl_c_with_worker_processes_stops_cleanly(tmp_path, tokenizer_dir, en_
         time.sleep(0.1)
     else:
         raise AssertionError("worker processes outlived the interrupted run")
+
+
+def test_a_misspelt_key_gets_one_line_with_did_you_mean(capsys):
+    """Issue 39, item 2: `ayumi data prepare` gave Hydra's raw five lines for a typo; now one line as `train` gives
+    it, inside a domain too (its keys are DomainConfig's)."""
+    cases = {
+        "data.rot=x": "ayumi data prepare: error: data.rot=x: data has no key 'rot'; did you mean data.root?",
+        "data.domains.en.val_fration=0.1": "ayumi data prepare: error: data.domains.en.val_fration=0.1: "
+                                           "data.domains.en has no key 'val_fration'; did you mean "
+                                           "data.domains.en.val_fraction?",
+        "data=tny": "ayumi data prepare: error: data=tny: no such option in conf/data/; choose one of demo, ja_en, "
+                    "ja_en_math_code, megatron, tiny",
+    }
+    for override, line in cases.items():
+        capsys.readouterr()
+        preset = [] if override.startswith("data=") else ["data=tiny"]
+        assert ayumi(["data", "prepare", *preset, override, "--cfg", "job"]) == BAD_INPUT
+        assert capsys.readouterr().err.splitlines() == [line]

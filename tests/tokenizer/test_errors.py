@@ -112,3 +112,23 @@ def test_sweep_expands_comma_overrides_into_candidates():
     combos = sweep_candidates(["tokenizer=tiny", "tokenizer.total_vocab=1000,2000", "tokenizer.model_type=unigram,bpe"])
     assert len(combos) == 4
     assert ["tokenizer=tiny", "tokenizer.total_vocab=2000", "tokenizer.model_type=bpe"] in combos
+
+
+def test_a_misspelt_key_gets_one_line_with_did_you_mean_through_ayumi(capsys):
+    """Issue 39, item 2: `ayumi tokenizer build` gave Hydra's raw five lines for a typo; now one line as `train`
+    gives it: the override as typed, "did you mean", or the '+' a key new to a mapping needs."""
+    from pretrain.tools.cli import main as ayumi
+
+    cases = {
+        "tokenizer.total_vocb=100": "ayumi tokenizer build: config error: tokenizer.total_vocb=100: tokenizer has no "
+                                    "key 'total_vocb'; did you mean tokenizer.total_vocab?",
+        "tokenizr.total_vocab=100": "ayumi tokenizer build: config error: tokenizr.total_vocab=100: the config has no "
+                                    "key 'tokenizr'; did you mean tokenizer?",
+        "tokenizer.domains.xx.vocab_size=100": "ayumi tokenizer build: config error: tokenizer.domains.xx.vocab_size="
+                                               "100: tokenizer.domains has no key 'xx': a new key needs Hydra's '+' "
+                                               "(+tokenizer.domains.xx.vocab_size=100)",
+    }
+    for override, line in cases.items():
+        capsys.readouterr()
+        assert ayumi(["tokenizer", "build", override, "--cfg", "job"]) == BAD_INPUT
+        assert capsys.readouterr().err.splitlines() == [line]

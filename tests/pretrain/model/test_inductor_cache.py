@@ -1,5 +1,5 @@
 """Inductor's cache is keyed by the CPU instruction-set setting (pretrain/model/inductor_cache.py): two settings
-never share compiled kernels, a folder the user chose is kept, and torch's own cache key really does leave the
+never share compiled kernels, in torch's default folder or in one the user chose, and torch's own cache key really does leave the
 setting out (the expected failure below, against torch alone)."""
 from __future__ import annotations
 
@@ -51,12 +51,25 @@ def test_each_setting_gets_its_own_folder_under_torchs_default(temp_default, mon
     assert use_isa_keyed_cache() not in (scalar, avx2)
 
 
-def test_torchs_default_is_keyed_and_a_folder_the_user_chose_is_kept(temp_default, monkeypatch, tmp_path):
+def test_torchs_default_written_back_is_keyed(temp_default, monkeypatch):
     monkeypatch.setenv(CACHE_VARIABLE, str(temp_default))  # what torch writes back once it used its default
-    assert os.path.basename(use_isa_keyed_cache()).startswith(PREFIX)
+    keyed = use_isa_keyed_cache()
+    assert os.path.basename(keyed).startswith(PREFIX) and os.path.dirname(keyed) == str(temp_default)
+
+
+def test_a_folder_the_user_chose_is_keyed_inside(temp_default, monkeypatch, tmp_path):
+    """Issue 39: a TORCHINDUCTOR_CACHE_DIR the user set was used as it was, so a run limited to AVX2 and a native one
+    shared its kernels (NaN, as in the default folder before): each setting now gets a subfolder of it."""
     chosen = str(tmp_path / "mine")
     monkeypatch.setenv(CACHE_VARIABLE, chosen)
-    assert use_isa_keyed_cache() == chosen and os.environ[CACHE_VARIABLE] == chosen
+    native = use_isa_keyed_cache()
+    assert os.path.dirname(native) == chosen and os.path.basename(native).startswith(PREFIX)
+    assert os.environ[CACHE_VARIABLE] == native
+    assert use_isa_keyed_cache() == native  # a child process inherits the keyed folder and keeps it
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # another setting, inherited folder and all
+    limited = use_isa_keyed_cache()
+    assert os.path.dirname(limited) == chosen and limited != native
+    assert not (temp_default.exists() and any(temp_default.iterdir())), "nothing moved to torch's default folder"
 
 
 @pytest.mark.slow

@@ -272,3 +272,19 @@ def test_through_the_ayumi_cli(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "summary.html" in proc.stdout
     assert (run_dir / "report" / "summary.md").exists()
+
+
+def test_a_short_downstream_time_is_not_rounded_to_nothing(tmp_path):
+    """Issue 39: a small run's report read "41.6% of the run's wall time … 0s in all": scorings of a fraction of a
+    second each were summed, then rounded to whole seconds, while the share said they were much of the run."""
+    run_dir = write_run(tmp_path / "run", downstream_every=10, val_tokens=True)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        if "eval/downstream_seconds" in row:
+            row["eval/downstream_seconds"], row["eval/time_share"] = 0.06, 0.416
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert report.main([str(run_dir), "--smooth", "0"]) == 0
+    summary = (run_dir / "report" / "summary.md").read_text()
+    # Nine scorings (the rolled-back one at step 50 included: its time was spent): 0.54 s.
+    assert ("Downstream time share: 41.6% of the run's wall time (`eval/time_share` at the last scoring); "
+            "0.5s in all (`eval/downstream_seconds`).") in summary
