@@ -226,7 +226,7 @@ class SpikeDetector:
             else:
                 self._history.append((step, float(loss), log_grad))
                 self._domains.accept(step, domains or {}, mix_rise)
-                diverging = self._divergence(step)
+                diverging = self._divergence(step, loss_sig)
                 if diverging:
                     return self._diverged(step, loss, grad_norm, diverging, loss_sig, grad_sig, mix_sig)
             return self._verdict(step, "ok", "", loss, grad_norm, loss_sig, grad_sig, note=judged.note, mix=mix_sig)
@@ -235,21 +235,20 @@ class SpikeDetector:
         return self._flag(step, loss, grad_norm, "; ".join(judged.reasons), loss_sig, grad_sig, large=judged.large,
                           kind="outlier", mix=mix_sig)
 
-    def _divergence(self, step: int) -> str:
+    def _divergence(self, step: int, loss_sig: _Signal | None) -> str:
         """Why the loss is diverging ("" when it is not): its baseline stands divergence_rise above the lowest one
         since the last stage switch or rollback.
 
         A learning rate past the stable edge can raise the loss over a hundred steps, each step within the noise
         of the one before: the spike tests, which compare a step with the newest steps, never fire. The baseline
-        (median of the newest center_window accepted losses) against its own low point does; a healthy run's
-        baseline only falls within a stage. Not judged in a stage switch's grace (the new mix sets a new level,
-        from which the low point starts again) nor before the detector's warm-up ends."""
+        this step was judged against (loss_sig's: the median of the newest center_window accepted losses) against
+        its own low point does; a healthy run's baseline only falls within a stage. Not judged in a stage switch's
+        grace (the new mix sets a new level, from which the low point starts again) nor while the detector warms up
+        (no loss_sig)."""
         cfg = self.cfg
-        if (cfg.divergence_rise <= 0 or step < self._loss_grace_until or step < cfg.warmup_steps
-                or len(self._history) < max(cfg.min_history, cfg.center_window)):
+        if cfg.divergence_rise <= 0 or loss_sig is None or step < self._loss_grace_until:
             return ""
-        recent = np.fromiter((h[1] for h in list(self._history)[-cfg.center_window:]), dtype=np.float64)
-        baseline = float(np.median(recent))
+        baseline = loss_sig.baseline
         if self._lowest is None or baseline < self._lowest[0]:
             self._lowest = (baseline, step)
             return ""

@@ -8,6 +8,7 @@ fix. Both config.json files hold the published fields of the models they stand f
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -49,12 +50,17 @@ def bullets_commands(text: str) -> list[list[str]]:
     return [shlex.split(found)[1:] for found in re.findall(r"`(ayumi train [^`]+)`", text)]
 
 
+def base_folder(tmp_path: Path, name: str, config: dict) -> str:
+    """A base model's folder holding only its published config.json (the recipe reads nothing else at plan time)."""
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
 @pytest.fixture
 def base(tmp_path) -> str:
-    folder = tmp_path / "Llama-3.1-Swallow-8B"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(LLAMA31_8B))
-    return str(folder)
+    return base_folder(tmp_path, "Llama-3.1-Swallow-8B", LLAMA31_8B)
 
 
 @pytest.mark.parametrize("document", ["docs", "yaml"])
@@ -103,10 +109,7 @@ def test_the_documented_extension_composes_and_each_stage_fits(document, base):
 
 @pytest.fixture
 def llama3_base(tmp_path) -> str:
-    folder = tmp_path / "Llama-3-Swallow-8B"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(LLAMA3_8B))
-    return str(folder)
+    return base_folder(tmp_path, "Llama-3-Swallow-8B", LLAMA3_8B)
 
 
 def test_the_rope_base_variant_works_with_a_real_llama3_base(llama3_base, capsys):
