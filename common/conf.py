@@ -43,11 +43,48 @@ def compose(config_name: str, overrides: Iterable[str], register: Callable[[], N
 
     register()
     GlobalHydra.instance().clear()  # an earlier in-process command may have left it initialized
+    overrides = list(overrides)
     try:
         with initialize_config_dir(config_dir=str(conf_dir or CONF_DIR), version_base=None):
-            return hydra_compose(config_name=config_name, overrides=list(overrides))
+            composed = hydra_compose(config_name=config_name, overrides=overrides)
     except Exception as err:  # Hydra and OmegaConf raise many types; all are configuration errors here
         raise ConfigCompositionError(describe_error(err)) from err
+    added = key_added_to_fixed_section(composed, overrides, conf_dir or CONF_DIR)
+    if added is not None:
+        raise ConfigCompositionError(describe_error(added)) from added
+    return composed
+
+
+def key_added_to_fixed_section(composed, overrides: list[str], conf_dir: Path):
+    """OmegaConf's KeyError for the first `+key=value` (or `++`) that adds a key a config section does not have,
+    else None.
+
+    Hydra's '+' lifts struct mode, so `+train.foo=1` composes and the typed config then drops `foo` without a word:
+    a misspelt key would silently do nothing. '+' is for the mappings that take any key (a stage's weights,
+    rope_scaling, stability.inject.lr_multiply); a section that is a dataclass keeps its own keys. Config group
+    overrides (`+experiment=NAME`, `+stability/inject=NAME`) are Hydra's, not keys, and are left alone.
+    """
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+    from omegaconf.errors import ConfigKeyError
+
+    for override in overrides:
+        key = override_key(override)
+        if not override.startswith("+") or "/" in key or "@" in key or ("." not in key and (conf_dir / key).is_dir()):
+            continue
+        node, parts = composed, dotted(key).split(".")
+        for depth, part in enumerate(parts):
+            if isinstance(node, ListConfig):
+                node = node[int(part)] if part.isdigit() and int(part) < len(node) else None
+                continue
+            if not isinstance(node, DictConfig):
+                break
+            owner = OmegaConf.get_type(node)
+            if dataclasses.is_dataclass(owner) and part not in {f.name for f in dataclasses.fields(owner)}:
+                err = ConfigKeyError(f"Key '{part}' not in '{owner.__name__}' (added with '+')")
+                err.full_key, err.key, err.object_type = ".".join(parts[:depth + 1]), part, owner
+                return err
+            node = node.get(part)
+    return None
 
 
 def describe_error(err: BaseException) -> str:
@@ -95,6 +132,8 @@ def composition_problem(err: BaseException | None, overrides: list[str] | tuple[
     given = typed or (f"{key} (set in {conf_label(conf_dir)}{in_file.group(1)}.yaml)" if in_file else key)
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
         return unknown_key_problem(cause, given, typed, schema, root)
+    if getattr(cause, "object_type", None) is list and str(getattr(cause, "key", "")).isdigit():
+        return missing_entry_problem(key, len(cause.parent_node or ()), given)
     first_line = str(getattr(cause, "msg", cause)).splitlines()[0]
     return f"{given}: {first_line}"
 
@@ -113,8 +152,11 @@ def typed_override(top: str, key: str, overrides: list[str] | tuple[str, ...]) -
         for override in overrides:
             if override_key(override) == wanted:
                 return override
-    for override in overrides:
-        typed_key = dotted(override_key(override))
+    typed_keys = [(override, dotted(override_key(override))) for override in overrides]
+    for override, typed_key in typed_keys:  # the key itself first: `tokenizer=tiny +tokenizer.foo=1` is about foo
+        if typed_key == key:
+            return override
+    for override, typed_key in typed_keys:
         if (key + ".").startswith(typed_key + ".") or (typed_key + ".").startswith(key + "."):
             return override
     return None
@@ -147,6 +189,15 @@ def unknown_key_problem(cause: BaseException, given: str, typed: str | None, sch
     close = difflib.get_close_matches(leaf, names, n=1)
     hint = f"did you mean {prefix}{close[0]}?" if close else f"known keys: {', '.join(names)}"
     return f"{given}: {label} has no key {leaf!r}; {hint}"
+
+
+def missing_entry_problem(key: str, entries: int, given: str) -> str:
+    """The line for an override that names a list entry the list lacks (`curriculum.stages.7.seq_len=64` on four
+    stages): OmegaConf's own words are a type error about an empty dict."""
+    section, _, index = key.rpartition(".")
+    has = f"has {entries} entries (0-{entries - 1})" if entries > 1 else ("has 1 entry (0)" if entries else "is empty")
+    return (f"{given}: {section} {has}, so there is no entry {index}; an override changes an entry, it cannot add "
+            f"one (give the whole list: {section}=[...])")
 
 
 def _chain(err: BaseException | None):

@@ -267,11 +267,12 @@ def _writable(path: Path) -> bool:
 
 def check_plan(overrides: list[str]) -> tuple[list[Check], object | None]:
     """Compose the run's config; compare its checkpoints' size with the free disk. (checks, config or None)"""
-    from pretrain.config import ConfigError, compose_config, to_object, total_steps
+    from pretrain.config import ConfigError, checked_config, composed_from_args, total_steps
     from pretrain.model.flops import count_parameters
 
     try:
-        cfg = to_object(compose_config(overrides))
+        # As `ayumi train` composes it (model.* from model.init_from included) and with the config's own rules.
+        cfg = checked_config(composed_from_args(overrides)[0])
         parameters = count_parameters(cfg.model)
     except (ConfigError, ValueError) as err:
         message = " / ".join(line.strip() for line in str(err).splitlines() if line.strip())
@@ -283,8 +284,20 @@ def check_plan(overrides: list[str]) -> tuple[list[Check], object | None]:
     problem = disk_problem(disk)
     detail = f"{cfg.name}: {parameters:,} parameters; {disk_summary(disk)}"
     checks = [Check("plan", "checkpoints", FAIL if problem else OK, detail, problem or ""), check_memory(cfg),
-              check_fp8(cfg)]
+              check_fp8(cfg), check_run_files(cfg)]
     return checks, cfg
+
+
+def check_run_files(cfg) -> Check:
+    """The files `ayumi train` checks before any rank starts (pretrain/preflight.py): the data's vocabulary against
+    model.vocab_size and eval.downstream's task files. model.fp8 is check_fp8's row."""
+    from pretrain.preflight import task_file_problems, vocabulary_problems
+
+    problems = vocabulary_problems(cfg) + task_file_problems(cfg)
+    if problems:
+        return Check("plan", "run files", FAIL, " / ".join(problems)[:400], "the fix each line names")
+    tasks = f", {len(cfg.eval.downstream.tasks)} eval task file(s)" if cfg.eval.downstream.tasks else ""
+    return Check("plan", "run files", OK, f"vocabulary fits model.vocab_size={cfg.model.vocab_size}{tasks}")
 
 
 def check_fp8(cfg) -> Check:
