@@ -68,7 +68,8 @@ class DetectorConfig:
     loss_alone_rise: float = 0.5
     """A loss this fraction above its baseline (with z >= loss_z) is an outlier without the grad norm confirming it."""
     grad_alone_ratio: float = 8.0
-    """A grad norm this many times its baseline (with z >= grad_z) is an outlier without the loss confirming it."""
+    """A grad norm this many times its baseline (with z >= grad_z) is an outlier without the loss confirming it, unless
+    the step is clipped (its update is then bounded whatever the norm, and it needs confirming like any other)."""
     divergence_rise: float = 0.10
     """A spike too: the loss baseline this fraction above the lowest it reached since the last stage switch or
     rollback, a slow climb no single step shows (an LR past the stable edge); 0 = off."""

@@ -69,7 +69,8 @@ class StabilityMonitor:
         """
         if self.judgement.verdict is not None:
             return self.judgement.action
-        verdict = self.detector.observe(step, loss, grad_norm, domains)
+        # The threshold this step is clipped with: clip.observe (after_step) has not seen it yet.
+        verdict = self.detector.observe(step, loss, grad_norm, domains, clip_threshold=self.clip.threshold())
         action = self.policy.decide(verdict, step, checkpoints)
         self.judgement = StepJudgement(verdict, action, grad_norm)
         return action

@@ -124,6 +124,31 @@ def test_an_extreme_signal_needs_no_confirmation():
     assert "on its own" in verdicts[700].reason and "on its own" in verdicts[900].reason
 
 
+def test_a_clipped_step_needs_confirming_however_large_its_grad_norm():
+    """Issue 38's detection table: a clean fp32 run withheld one update, a lone batch whose grad norm was 11.7x its
+    baseline (loss z below confirm_z). Its update was clipped to 1.0 anyway, and applying it changed nothing (the
+    next 100 steps' loss within 0.5%). So an extreme grad norm needs no confirmation only when its update is not
+    clipped; clipped, it is an unconfirmed excursion, and a lasting one is still a spike by repeating."""
+    base = normal_curve(seed=6)
+    curve = Curve(base.loss.copy(), base.grad_norm.copy())
+    curve.grad_norm[700] *= 20
+    curve.grad_norm[1200:] *= 20  # the grad norm stays up: clipped or not, that is an episode
+
+    def judged(clip: float):
+        detector = SpikeDetector(DetectorConfig())
+        return [detector.observe(step, float(curve.loss[step]), float(curve.grad_norm[step]), clip_threshold=clip)
+                for step in range(len(curve))]
+
+    clipped = judged(clip=1.0)  # the grad norm here is ~0.3: 20x it is clipped
+    assert clipped[700].kind == "ok" and "clipped to 1, so its update is bounded" in clipped[700].note
+    assert alarms(clipped)[:2] == [(1201, "outlier"), (1202, "spike")]
+    assert clipped[1202].spike_start == 1200
+    for clip in (0.0, 100.0):  # no clipping, or a threshold above the norm: the update is as large as the norm says
+        unclipped = judged(clip)
+        assert unclipped[700].kind == "outlier" and "8x or more on its own" in unclipped[700].reason
+        assert (1200, "outlier") in alarms(unclipped)
+
+
 def test_without_a_grad_norm_the_loss_is_judged_alone():
     base = normal_curve(seed=7)
     loss = base.loss.copy()
