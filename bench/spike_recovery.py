@@ -144,7 +144,9 @@ def common_overrides(args: argparse.Namespace, data: Path, run_root: Path) -> li
     """The workload, identical for the three runs (and the load-timing job)."""
     tokens = args.steps * args.global_batch * args.seq
     return [
-        "experiment=cpu_tiny", f"data.root={data}", f"run_root={run_root}", "logging=none",
+        # model.vocab_size set: the worker composes with compose_config, which leaves cpu_tiny's 0 (follow the
+        # tokenizer) unresolved; VOCAB is the byte corpus's vocabulary.
+        "experiment=cpu_tiny", f"model.vocab_size={VOCAB}", f"data.root={data}", f"run_root={run_root}", "logging=none",
         f"train.tokens={tokens}", f"train.seq_len={args.seq}", f"model.max_seq_len={args.seq}",
         f"train.global_batch_size={args.global_batch}", f"train.micro_batch_size={args.global_batch // 2}",
         f"train.seed={args.seed}", f"train.eval_interval={args.eval_interval}",

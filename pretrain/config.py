@@ -581,7 +581,8 @@ def checked_config(composed: DictConfig) -> AyumiConfig:
 
 def composed_from_args(args: list[str]) -> tuple[DictConfig, bool]:
     """(the composed training config, whether `--cfg job` asks for it printed) from command-line arguments (Hydra
-    overrides, `--cfg job`, the launcher's `--local_rank`), model.* read from model.init_from's folder; unchecked.
+    overrides, `--cfg job`, the launcher's `--local_rank`), model.* read from model.init_from's folder, then
+    model.vocab_size=0 replaced by the tokenizer's vocabulary (vocab_from_tokenizer); unchecked.
     Raises ConfigError. Imports no torch or DeepSpeed."""
     overrides, print_cfg = split_cli_args(args)
     composed = compose_config(overrides)
@@ -590,6 +591,7 @@ def composed_from_args(args: list[str]) -> tuple[DictConfig, bool]:
         raise ConfigError("\n".join(unset))
     if _init_from(composed):
         shape_from_hf_folder(composed, overrides)
+    vocab_from_tokenizer(composed)
     return composed, print_cfg
 
 
@@ -618,6 +620,23 @@ def _init_from(composed: DictConfig) -> str | None:
         return composed.model.get("init_from")
     except OmegaConfBaseException as err:
         raise ConfigError(describe_error(err)) from None
+
+
+def vocab_from_tokenizer(composed: DictConfig) -> None:
+    """model.vocab_size=0 (follow the tokenizer) made the tokenizer's vocabulary padded to model.vocab_multiple, in
+    place (pretrain/vocabulary.py): here, the one function every command and every rank composes through, so all
+    of them train, plan and record the same number. ConfigError when there is no tokenizer to follow."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    from common.conf import describe_error
+    from pretrain.vocabulary import follow_tokenizer
+
+    try:
+        follow_tokenizer(composed)
+    except OmegaConfBaseException as err:  # e.g. data.root interpolating a key that does not exist
+        raise ConfigError(describe_error(err)) from None
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def shape_from_hf_folder(composed: DictConfig, overrides: list[str]) -> None:

@@ -7,7 +7,8 @@ line and exit status 2 (common/status.py):
 - the config's own rules (pretrain.config.check_config): ranges, names, model shapes, and each curriculum stage's
   length and RoPE (pretrain/stages.py);
 - the vocabulary: the data root was made by the run's tokenizer, and model.vocab_size has a row for every id in it
-  (`check_vocabulary`, which every rank runs again before it opens a shard);
+  (`check_vocabulary`, which every rank runs again before it opens a shard; model.vocab_size=0 has already become
+  the tokenizer's, padded: pretrain/vocabulary.py);
 - the task files of eval.downstream, read and tokenized as the ranks read them (`read_downstream_tasks`), one line
   per bad file.
 - model.fp8 against the hardware and the layout (`fp8_problems`): a GPU of compute capability 8.9+ on every visible
@@ -32,6 +33,7 @@ from data.manifest import MANIFEST_NAME, ManifestError, check_manifest_tokenizer
 from omegaconf import OmegaConf
 
 from pretrain.config import AyumiConfig, ConfigError, check_config, checked_config, composed_from_args
+from pretrain.model.hf_import import padded_vocab
 from tokenizer.info import TokenizerNotFoundError
 
 
@@ -97,10 +99,12 @@ def check_vocabulary(cfg: AyumiConfig, manifest: dict, tokenizer: dict, root: Pa
                 f"{recorded['sha256'][:12]}…, but that tokenizer ({tokenizer['tokenizer_dir']}) has "
                 f"{tokenizer['tokenizer_vocab_size']}: the record was edited or damaged. Fix: re-run `ayumi data prepare`")
     if recorded["vocab_size"] > cfg.model.vocab_size:
+        # The suggestion is the padded number model.vocab_size=0 would have given: the GPU-friendly size that fits.
+        padded = padded_vocab(recorded["vocab_size"], cfg.model.vocab_multiple)
         raise ConfigError(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the vocabulary of the tokenizer that made "
-            f"{root} ({recorded['vocab_size']} ids, {manifest_path}). Fix: set model.vocab_size >= {recorded['vocab_size']} "
-            "(a multiple of 64 is fastest)")
+            f"{root} ({recorded['vocab_size']} ids, {manifest_path}). Fix: model.vocab_size=0 (follows the tokenizer) "
+            f"or >= {padded}")
 
 
 def vocabulary_problems(cfg: AyumiConfig) -> list[str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import warnings
 from dataclasses import asdict
 from pathlib import Path
@@ -393,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
         # downstream_tasks) with the checks `ayumi train` made before starting this rank; `--cfg job` makes them here.
         cfg = config_before_launch(argv, check_files=False)
     except ConfigError as err:
+        if not first:
+            linger_before_refusing()
         return refuse(err, say=first)
     if cfg is None:  # --cfg job printed it
         return 0
@@ -418,6 +421,18 @@ def main(argv: list[str] | None = None) -> int:
         record_exit(EXIT_STABILITY_STOP)
         return EXIT_STABILITY_STOP
     return 0
+
+
+UNSAID_REFUSAL_WAIT_S = 3.0
+"""How long a rank that leaves a config refusal to rank 0 waits before exiting (linger_before_refusing)."""
+
+
+def linger_before_refusing() -> None:
+    """Wait a moment before a silent refusal made before distributed init. The ranks are not in step yet, and
+    torchrun or the deepspeed launcher stop every rank once one exits: a rank quicker to exit could cut rank 0 off
+    before its line is out (a data root that model.vocab_size=0 cannot read is refused here, as any config error)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        time.sleep(UNSAID_REFUSAL_WAIT_S)
 
 
 def refuse(err: Exception, say: bool) -> int:

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.helpers import EN_TEXT, JA_TEXT, REPO, read_jsonl
 from tests.tokenizer.conftest import FIXTURES, stdlib_docstrings
@@ -116,11 +117,17 @@ def test_the_own_corpus_path_runs_verbatim(tmp_path):
     assert manifest["tokenizer"]["sha256"] == meta["sha256"]
 
     assert "plan ok" in outputs["plan"]
+    # model.vocab_size is not on the lines: it follows the tokenizer, padded to 128, as the section says the plan shows
+    padded = -(-meta["vocab_size"] // 128) * 128
+    assert f"vocabulary: model {padded:,} (tokenizer {meta['vocab_size']:,} ids, padded to a multiple of 128)" \
+        in outputs["plan"]
+    assert f"{padded:,}" in readme_section()
 
     run = tmp_path / "runs" / option(commands, "ayumi train", "name")
     steps = [r["step"] for r in read_jsonl(run / "metrics.jsonl") if "train/loss" in r]
     tokens = int(option(commands, "ayumi train", "train.tokens"))
     assert steps and steps[-1] == tokens // (8 * 64)  # cpu_tiny: global batch 8 x 64 tokens
+    assert yaml.safe_load((run / "config.yaml").read_text())["model"]["vocab_size"] == padded  # the number, not 0
     latest = (run / "checkpoints" / "latest").read_text().strip()
     assert (run / "checkpoints" / latest / "ayumi.json").exists()
 
@@ -133,6 +140,5 @@ def test_the_own_corpus_path_runs_verbatim(tmp_path):
     export = next(c for c in commands if c.startswith("ayumi export hf"))
     hf = tmp_path / shlex.split(export)[-1]
     config = json.loads((hf / "config.json").read_text())
-    vocab = int(option(commands, "ayumi train", "model.vocab_size"))
-    assert config["vocab_size"] == vocab >= meta["vocab_size"]
+    assert config["vocab_size"] == padded >= meta["vocab_size"]  # what the run recorded reaches the export
     assert (hf / "model.safetensors").exists() and (hf / "tokenizer.json").exists()

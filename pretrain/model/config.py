@@ -77,7 +77,12 @@ class ModelConfig:
     name: str = "debug"
     """Preset name, for logs and the exported HF config."""
     vocab_size: int = 512
-    """Vocabulary size (the tokenizer's, optionally padded to a multiple of 64/128)."""
+    """Vocabulary size: embedding and LM-head rows, at least the tokenizer's ids. 0 = follow the tokenizer: the
+    vocabulary data.root's manifest records (else data.tokenizer_dir's), padded up to a multiple of vocab_multiple;
+    the resolved number is what `--cfg job` prints and the run's config.yaml records (pretrain/vocabulary.py)."""
+    vocab_multiple: int = 128
+    """vocab_size=0 pads the tokenizer's vocabulary up to a multiple of this (Megatron-LM's
+    --make-vocab-size-divisible-by: GPU-friendly GEMM shapes); 1 = no padding. Unused when vocab_size is set."""
     hidden_size: int = 64
     """Width of the residual stream."""
     intermediate_size: int = 176
@@ -149,8 +154,11 @@ class ModelConfig:
             self.fp8 = "off"
 
     RANGES: ClassVar[dict[str, Range]] = {
-        **{size: at_least(1) for size in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                                          "num_heads", "num_kv_heads", "max_seq_len")},
+        **{size: at_least(1) for size in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
+                                          "num_kv_heads", "max_seq_len")},
+        # 0 never reaches a check from the command line: composed_from_args has put the tokenizer's number there.
+        "vocab_size": at_least(1, "0, to follow the tokenizer, is resolved as the config is composed"),
+        "vocab_multiple": at_least(1, "1 = no padding"),
         "rope_theta": above(0), "norm_eps": above(0), "init_std": above(0), "z_loss": at_least(0, "0 = off"),
         "embedding_grad_alpha": between(0, 1, low_open=True, note="1.0 = off"),
         "loss_chunk_tokens": at_least(0, "0 = the plain path, whole logits"),

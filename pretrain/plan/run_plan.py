@@ -18,6 +18,7 @@ from pretrain.plan.hardware import Hardware
 from pretrain.plan.memory import (MemoryEstimate, MemoryShape, estimate_memory, format_memory, memory_problem,
                                   memory_shape)
 from pretrain.stages import stage_rope
+from pretrain.vocabulary import tokenizer_vocabulary, vocabulary_line
 
 
 @dataclass
@@ -49,6 +50,8 @@ class RunPlan:
     """model.attention: sdpa, eager or document."""
     max_seq_len: int = 0
     """model.max_seq_len: the positions the RoPE tables are built for."""
+    vocabulary: str = ""
+    """The model's vocabulary beside its tokenizer's (pretrain/vocabulary.py's vocabulary_line); "" = not shown."""
 
     @property
     def problems(self) -> list[PlanProblem]:
@@ -71,7 +74,14 @@ def run_plan(cfg: Any, num_parameters: int, hardware: Hardware, tokens_per_s: fl
                 plan.problems.append(PlanProblem("memory", f"{label}: {problem}" if label else problem))
                 break
     return RunPlan(plan, memory, hardware, num_parameters, stages, rope_by_stage(cfg), cfg.model.attention,
-                   cfg.model.max_seq_len)
+                   cfg.model.max_seq_len, vocabulary_of(cfg))
+
+
+def vocabulary_of(cfg: Any) -> str:
+    """The plan's vocabulary line: model.vocab_size (already the tokenizer's when it was 0) and the tokenizer's ids,
+    so a padded or hand-set vocabulary shows what it holds."""
+    tokenizer = tokenizer_vocabulary(cfg.data.root, cfg.data.tokenizer_dir)
+    return vocabulary_line(cfg.model.vocab_size, cfg.model.vocab_multiple, tokenizer)
 
 
 def rope_by_stage(cfg: Any) -> list[StageRope]:
@@ -159,6 +169,7 @@ def format_run_plan(run: RunPlan) -> str:
     fp8 = run.memory.shape.model
     if fp8.fp8 != "off":  # the blocks' Linear layers in FP8 (pretrain/model/fp8.py); its casts are a memory term
         model += f", FP8 {fp8.fp8}" + (" (emulated: tests only)" if fp8.fp8_emulate else "")
+    model += f"\n{run.vocabulary}" if run.vocabulary else ""
     model += "".join("\n" + format_rope(rope) for rope in run.rope)
     memory = model + "\n" + batch_line(run) + "\n" + format_memory(run.memory, run.hardware.gpu_bytes, run.hardware.where)
     for label, estimate in run.stage_memory:

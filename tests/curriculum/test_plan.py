@@ -14,7 +14,7 @@ from curriculum.plan import (
     CheckpointShape, PlanRefused, RunShape, available_samples, check_plan, checkpoint_count, checkpoint_size,
     format_plan, make_plan, plan_from_config, raise_if_refused,
 )
-from pretrain.config import compose_config, to_object
+from pretrain.config import compose_config, composed_from_args, to_object
 from pretrain.model.flops import count_parameters
 from tests.curriculum.helpers import three_stage, write_domains
 from tests.helpers import REPO, tiny_overrides, write_tiny_corpus
@@ -211,7 +211,7 @@ def test_no_curriculum_plan_refuses_reading_the_data_more_than_4_times(data_root
 def tiny_config(tmp_path, *extra):
     """cpu_tiny with the tiny curriculum, composed as `pretrain.train` does."""
     root = write_tiny_corpus(tmp_path / "tiny")
-    return to_object(compose_config(tiny_overrides(root, tmp_path / "runs", *extra, "curriculum=tiny")))
+    return to_object(composed_from_args(tiny_overrides(root, tmp_path / "runs", *extra, "curriculum=tiny"))[0])
 
 
 def test_plan_from_a_composed_training_config(tmp_path):

@@ -7,6 +7,7 @@ from pretrain.config import (
 )
 from pretrain.ranges import unknown_rule_keys
 from common.conf import CONF_DIR, group_options
+from tests.helpers import write_tiny_corpus
 
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 
@@ -31,6 +32,11 @@ def test_every_experiment_composes_and_checks(name, tmp_path):
         assert cfg.model.max_seq_len == STARTS_FROM_A_MODEL[name] and cfg.model.vocab_size == 32000
     else:
         cfg = to_object(compose_config([f"experiment={name}"]))
+        if cfg.model.vocab_size == 0:  # follows the tokenizer: composed as every command composes it, on data
+            from pretrain.config import config_from_args
+
+            cfg = config_from_args([f"experiment={name}", f"data.root={write_tiny_corpus(tmp_path / 'data')}"])
+            assert cfg.model.vocab_size == 512  # the test corpus's 512 ids, already a multiple of 128
     assert isinstance(cfg, AyumiConfig)
     check_config(cfg)
     assert cfg.name and total_steps(cfg.train) > 0
@@ -127,7 +133,7 @@ def test_steps_are_derived_from_tokens():
 
 
 def test_cross_checks():
-    cfg = to_object(compose_config(["experiment=cpu_tiny", "train.seq_len=4096"]))
+    cfg = to_object(compose_config(["experiment=cpu_tiny", "model.vocab_size=512", "train.seq_len=4096"]))
     with pytest.raises(ConfigError, match="model.max_seq_len"):
         check_config(cfg)
     cfg = to_object(compose_config(["deepspeed.offload_param=true", "deepspeed.zero_stage=2"]))
@@ -145,8 +151,12 @@ def test_cli_args_drop_the_launchers_local_rank():
 
 # -- every mistake caught before anything starts: ranges, names, shapes, one line each ----------------
 
+TINY = ["experiment=cpu_tiny", "model.vocab_size=512"]
+"""cpu_tiny with its test corpus's vocabulary: compose_config alone does not fill in model.vocab_size=0."""
+
+
 def problems_of(*overrides: str) -> list[str]:
-    return config_problems(to_object(compose_config(["experiment=cpu_tiny", *overrides])))
+    return config_problems(to_object(compose_config([*TINY, *overrides])))
 
 
 @pytest.mark.parametrize("override,message", [
@@ -176,7 +186,7 @@ def problems_of(*overrides: str) -> list[str]:
 def test_each_mistake_is_one_line_naming_key_value_and_range(override, message):
     assert problems_of(override) == [message]
     with pytest.raises(ConfigError) as raised:
-        check_config(to_object(compose_config(["experiment=cpu_tiny", override])))
+        check_config(to_object(compose_config([*TINY, override])))
     assert str(raised.value) == message
 
 
@@ -285,11 +295,86 @@ def test_training_entry_refuses_before_distributed_init(monkeypatch, capsys):
 
     monkeypatch.setattr(train, "init_distributed", no_init)
     monkeypatch.setenv("RANK", "0")
-    assert train.main(["experiment=cpu_tiny", "optim.lr=-0.001", "checkpoint.keep_last=-1"]) == 2
+    assert train.main([*TINY, "optim.lr=-0.001", "checkpoint.keep_last=-1"]) == 2
     assert capsys.readouterr().err.splitlines() == [
         "pretrain.train: optim.lr=-0.001 must be > 0",
         "pretrain.train: checkpoint.keep_last=-1 must be >= 0 (0 = keep every checkpoint)",
     ]
     monkeypatch.setenv("RANK", "1")  # the other ranks exit the same way, silently
-    assert train.main(["experiment=cpu_tiny", "optim.lr=-0.001"]) == 2
+    assert train.main([*TINY, "optim.lr=-0.001"]) == 2
     assert capsys.readouterr().err == ""
+
+
+# -- model.vocab_size=0 follows the tokenizer, padded to model.vocab_multiple (pretrain/vocabulary.py) ----------
+
+def vocab_of(tmp_path, *overrides: str) -> int:
+    """model.vocab_size of cpu_tiny as every command composes it (composed_from_args, then check_config)."""
+    from pretrain.config import config_from_args
+
+    return config_from_args(["experiment=cpu_tiny", f"run_root={tmp_path / 'runs'}", *overrides]).model.vocab_size
+
+
+def test_the_vocabulary_follows_the_data_roots_tokenizer_padded_to_128(tmp_path, capsys):
+    """A manifest recording 2,000 ids gives 2,048 rows, in the config and in what `--cfg job` prints; 512 stays 512."""
+    from omegaconf import OmegaConf
+
+    from pretrain.preflight import config_before_launch
+
+    root = write_tiny_corpus(tmp_path / "c2000", vocab_size=2000)
+    assert vocab_of(tmp_path, f"data.root={root}") == 2048
+    assert vocab_of(tmp_path, f"data.root={root}", "model.vocab_multiple=1") == 2000
+    assert config_before_launch(["experiment=cpu_tiny", f"data.root={root}", "--cfg", "job"]) is None
+    assert OmegaConf.create(capsys.readouterr().out).model.vocab_size == 2048
+    assert vocab_of(tmp_path, f"data.root={write_tiny_corpus(tmp_path / 'c512')}") == 512
+
+
+def test_without_a_manifest_the_vocabulary_follows_data_tokenizer_dir(tmp_path):
+    """No data prepared yet: data.tokenizer_dir's 600 pieces give 640 rows. The data root's record comes first."""
+    from tests.data.helpers import JA_PARAGRAPHS, english_texts, write_tokenizer
+
+    tokenizer = write_tokenizer(tmp_path / "tok", english_texts()[:100] + JA_PARAGRAPHS)  # 600 pieces
+    assert vocab_of(tmp_path, f"data.root={tmp_path / 'not_prepared'}", f"data.tokenizer_dir={tokenizer}") == 640
+    root = write_tiny_corpus(tmp_path / "c2000", vocab_size=2000)
+    assert vocab_of(tmp_path, f"data.root={root}", f"data.tokenizer_dir={tokenizer}") == 2048
+    edit_manifest_vocabulary(root, 4000)  # no longer readable (its checksum): the tokenizer is what is left
+    assert vocab_of(tmp_path, f"data.root={root}", f"data.tokenizer_dir={tokenizer}") == 640
+
+
+def edit_manifest_vocabulary(root, vocab: int) -> None:
+    """The root's manifest.json with another vocabulary, by hand (its record_sha256 no longer matches)."""
+    import json
+
+    manifest = json.loads((root / "manifest.json").read_text())
+    manifest["tokenizer"]["vocab_size"] = vocab
+    (root / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_with_nothing_to_follow_the_vocabulary_is_one_line_naming_the_fix(tmp_path):
+    fix = ("Fix: prepare the data (`ayumi data prepare`) or give its data.root, set data.tokenizer_dir, or set "
+           "model.vocab_size")
+    root = tmp_path / "not_prepared"
+    with pytest.raises(ConfigError) as raised:
+        vocab_of(tmp_path, f"data.root={root}")
+    assert str(raised.value) == (f"model.vocab_size=0 follows the tokenizer, but data.root={root} does not exist and "
+                                 f"data.tokenizer_dir is unset. {fix}")
+    root.mkdir()  # a folder, but no finished data root in it
+    with pytest.raises(ConfigError) as raised:
+        vocab_of(tmp_path, f"data.root={root}", f"data.tokenizer_dir={tmp_path / 'no_tok'}")
+    assert str(raised.value) == (f"model.vocab_size=0 follows the tokenizer, but data.root={root} has no readable "
+                                 f"manifest.json and data.tokenizer_dir={tmp_path / 'no_tok'} cannot be read. {fix}")
+    damaged = write_tiny_corpus(tmp_path / "damaged")
+    edit_manifest_vocabulary(damaged, 4000)
+    with pytest.raises(ConfigError) as raised:  # the manifest's own line, not "no manifest"
+        vocab_of(tmp_path, f"data.root={damaged}")
+    assert str(raised.value).startswith(f"model.vocab_size=0 follows the tokenizer, but {damaged / 'manifest.json'} "
+                                        "was changed after `ayumi data prepare` wrote it")
+    assert len(str(raised.value).splitlines()) == 1
+    with pytest.raises(ConfigError, match=r"^model.vocab_multiple=0 must be >= 1 \(1 = no padding\)$"):
+        vocab_of(tmp_path, f"data.root={write_tiny_corpus(tmp_path / 'c512')}", "model.vocab_multiple=0")
+
+
+def test_a_vocabulary_set_by_hand_is_kept(tmp_path):
+    """An explicit number is the model's, whatever the tokenizer (check_vocabulary refuses one too small)."""
+    root = write_tiny_corpus(tmp_path / "c2000", vocab_size=2000)
+    assert vocab_of(tmp_path, f"data.root={root}", "model.vocab_size=4000") == 4000
+    assert vocab_of(tmp_path, f"data.root={tmp_path / 'not_prepared'}", "model.vocab_size=512") == 512

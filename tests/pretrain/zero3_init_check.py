@@ -23,8 +23,8 @@ from pretrain.engine.optimizer import param_groups  # noqa: E402
 
 import deepspeed  # noqa: E402  (test code may import it: the check is about DeepSpeed's partitioning)
 
-cfg = to_object(compose_config(["experiment=cpu_tiny", "deepspeed.zero_stage=3", "deepspeed.zero3_init=true",
-                                   "deepspeed.precision=bf16"]))
+cfg = to_object(compose_config(["experiment=cpu_tiny", "model.vocab_size=512", "deepspeed.zero_stage=3",
+                                   "deepspeed.zero3_init=true", "deepspeed.precision=bf16"]))
 dist = init_distributed("cpu")
 torch.manual_seed(cfg.train.seed)
 model = build_model(lambda init_weights: Llama(cfg.model, init_weights=init_weights), cfg, dist)

@@ -42,7 +42,7 @@ def one_step(setup: str, accum_dtype: str, dist_info, ids: torch.Tensor):
     """
     stage, offload = int(setup[0]), setup.endswith("_offload")
     cfg = to_object(compose_config([
-        "experiment=cpu_tiny", f"deepspeed.zero_stage={stage}", "deepspeed.precision=bf16",
+        "experiment=cpu_tiny", "model.vocab_size=512", f"deepspeed.zero_stage={stage}", "deepspeed.precision=bf16",
         f"deepspeed.grad_accum_dtype={accum_dtype}", "train.micro_batch_size=1", "train.global_batch_size=16",
         f"deepspeed.offload_optimizer={offload}", f"deepspeed.offload_param={offload and stage == 3}",
     ]))

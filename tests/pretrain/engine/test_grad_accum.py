@@ -19,13 +19,13 @@ from pretrain.model.llama import Llama
 def ds_config(*overrides: str, world_size: int = 2) -> dict:
     from pretrain.engine.train_engine import render_ds_config
 
-    cfg = to_object(compose_config(["experiment=cpu_tiny", "train.micro_batch_size=1", "train.global_batch_size=16",
-                                    *overrides]))
+    cfg = to_object(compose_config(["experiment=cpu_tiny", "model.vocab_size=512", "train.micro_batch_size=1",
+                                    "train.global_batch_size=16", *overrides]))
     return render_ds_config(cfg, world_size)
 
 
 def test_fp32_is_the_default_and_other_values_are_refused():
-    cfg = to_object(compose_config(["experiment=cpu_tiny"]))
+    cfg = to_object(compose_config(["experiment=cpu_tiny", "model.vocab_size=512"]))
     assert cfg.deepspeed.grad_accum_dtype == "fp32"
     cfg.deepspeed.grad_accum_dtype = "fp16"
     with pytest.raises(ConfigError, match=r"deepspeed.grad_accum_dtype=fp16 must be one of fp32, bf16"):

@@ -138,8 +138,8 @@ from pretrain.model.llama import Llama
 dist = init_distributed("cpu")
 seen = {{}}
 for stage in (1, 2, 3):
-    cfg = to_object(compose_config(["experiment=cpu_tiny", f"deepspeed.zero_stage={{stage}}", "deepspeed.precision=bf16",
-                                    "train.micro_batch_size=1", "train.global_batch_size=4"]))
+    cfg = to_object(compose_config(["experiment=cpu_tiny", "model.vocab_size=512", f"deepspeed.zero_stage={{stage}}",
+                                    "deepspeed.precision=bf16", "train.micro_batch_size=1", "train.global_batch_size=4"]))
     engine = TrainEngine(Llama(cfg.model), cfg, dist)
     flags = []
     for param in engine.module.parameters():

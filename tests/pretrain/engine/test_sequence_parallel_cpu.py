@@ -102,7 +102,8 @@ def test_zero3_data_parallel_document_masking_with_restarted_positions(tmp_path)
 ])
 def test_what_does_not_combine_is_refused_in_one_line(extra, says):
     """Checked before any rank starts: `ayumi plan` (the same checks as the ranks') exits 2 with the field named."""
-    proc = subprocess.run([sys.executable, "-m", "pretrain.tools.cli", "plan", "experiment=cpu_tiny", *extra],
+    proc = subprocess.run([sys.executable, "-m", "pretrain.tools.cli", "plan", "experiment=cpu_tiny",
+                           "model.vocab_size=512", *extra],  # no data root: nothing for the vocabulary to follow
                           cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert says in proc.stdout + proc.stderr

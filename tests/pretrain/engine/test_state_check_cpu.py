@@ -20,7 +20,7 @@ dist = init_distributed("cpu")
 ids = torch.randint(0, 512, (4, 65), generator=torch.Generator().manual_seed(1))
 found = {{}}
 for stage, precision in ((0, "fp32"), (1, "bf16"), (2, "fp32"), (3, "fp32")):
-    cfg = to_object(compose_config(["experiment=cpu_tiny", f"deepspeed.zero_stage={{stage}}",
+    cfg = to_object(compose_config(["experiment=cpu_tiny", "model.vocab_size=512", f"deepspeed.zero_stage={{stage}}",
                                     f"deepspeed.precision={{precision}}"]))
     torch.manual_seed(0)
     engine = TrainEngine(Llama(cfg.model), cfg, dist)

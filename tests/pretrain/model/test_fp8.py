@@ -75,7 +75,8 @@ def test_a_gpu_below_compute_capability_8_9_is_refused_naming_it():
 
 
 def test_zero3_and_tensor_parallelism_are_refused_with_a_reason():
-    cfg = to_object(compose_config(["experiment=cpu_tiny", "model.fp8=tensorwise", "model.fp8_emulate=true"]))
+    cfg = to_object(compose_config(["experiment=cpu_tiny", "model.vocab_size=512", "model.fp8=tensorwise",
+                                    "model.fp8_emulate=true"]))
     assert fp8_setup_problems(cfg) == []
     check_fp8(cfg, "cpu")  # emulated on the CPU: allowed
     zero3 = replace(cfg, deepspeed=replace(cfg.deepspeed, zero_stage=3))
@@ -145,8 +146,8 @@ dist = init_distributed("cpu")
 ids = torch.randint(0, 512, (4, 65), generator=torch.Generator().manual_seed(1))
 
 def engine_for(stage, recipe):
-    cfg = to_object(compose_config(["experiment=cpu_tiny", f"deepspeed.zero_stage={{stage}}", "deepspeed.precision=bf16",
-                                    f"model.fp8={{recipe}}", "model.fp8_emulate=true"]))
+    cfg = to_object(compose_config(["experiment=cpu_tiny", "model.vocab_size=512", f"deepspeed.zero_stage={{stage}}",
+                                    "deepspeed.precision=bf16", f"model.fp8={{recipe}}", "model.fp8_emulate=true"]))
     torch.manual_seed(0)
     model = Llama(cfg.model)
     convert_to_fp8(model, recipe, emulate=True)

@@ -20,7 +20,7 @@ from tests.pretrain.test_loader import CountingSource, first_ids
 
 
 def config(*overrides):
-    return to_object(compose_config(["experiment=cpu_tiny", *overrides]))
+    return to_object(compose_config(["experiment=cpu_tiny", "model.vocab_size=512", *overrides]))  # no data to follow
 
 
 def test_layout_cuts_every_projection_and_nothing_else():

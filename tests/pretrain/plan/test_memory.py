@@ -174,7 +174,7 @@ def test_ayumi_plan_command_exits_1_on_memory(tmp_path, capsys):
 
 
 def test_without_a_gpu_memory_is_estimated_not_checked():
-    cfg = to_object(compose_config(["experiment=cpu_tiny"]))
+    cfg = to_object(compose_config(["experiment=cpu_tiny", "model.vocab_size=512"]))
     hardware = Hardware(2, None, "no GPU visible and train.gpu_memory_gib unset")
     run = run_plan(cfg, count_parameters(cfg.model), hardware, free_bytes=2**40)
     assert "memory" not in [p.kind for p in run.problems]
@@ -208,9 +208,9 @@ def test_the_plan_names_the_parameters_and_on_a_cpu_the_ranks_ayumi_train_starts
     import pretrain.plan.hardware as hardware
 
     monkeypatch.setattr(hardware, "gpu_count", lambda: 0)  # this machine as a CPU-only one, whatever it has
-    plan_cli.main(["experiment=cpu_tiny", f"data.root={tmp_path}"])
+    plan_cli.main(["experiment=cpu_tiny", f"data.root={tmp_path}", "model.vocab_size=512"])  # no data to follow
     out = capsys.readouterr().out
-    cfg = to_object(compose_config(["experiment=cpu_tiny"]))
+    cfg = to_object(compose_config(["experiment=cpu_tiny", "model.vocab_size=512"]))
     assert f"model: {count_parameters(cfg.model):,} parameters" in out
     assert f"x {hardware.CPU_RANKS} data-parallel rank(s), on {hardware.CPU_RANKS} CPU rank(s)" in out
     assert "GPU(s)" not in out and "train.gpu_memory_gib=80 train.num_gpus=8" not in out

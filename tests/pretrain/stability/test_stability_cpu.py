@@ -170,7 +170,7 @@ from pretrain.engine.train_engine import TrainEngine
 from pretrain.model.llama import Llama
 
 stage, precision, fault = {stage}, {precision!r}, {fault!r}
-cfg = to_object(compose_config(["experiment=cpu_tiny", f"deepspeed.zero_stage={{stage}}",
+cfg = to_object(compose_config(["experiment=cpu_tiny", "model.vocab_size=512", f"deepspeed.zero_stage={{stage}}",
                                 f"deepspeed.precision={{precision}}"]))
 dist = init_distributed("cpu")
 torch.manual_seed(0)

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.helpers import REPO, tiny_overrides, write_tiny_corpus
 from tests.pretrain.tools.test_train_config_errors import imported, messages
@@ -47,15 +48,35 @@ def assert_refused_alike(runs: dict[str, subprocess.CompletedProcess], lines: li
 
 
 def test_a_tokenizer_larger_than_the_model_is_refused_before_launch(tmp_path):
-    """Papercut 1: data made by a 2000-piece tokenizer and cpu_tiny's model.vocab_size=512: `plan` said ok and the
-    ranks refused after torchrun started (the line at 3 and 43 of 43). Now all three refuse at once, one line."""
+    """Papercut 1: data made by a 2000-piece tokenizer and model.vocab_size=512 set by hand: `plan` said ok and the
+    ranks refused after torchrun started (the line at 3 and 43 of 43). Now all three refuse at once, one line,
+    suggesting what model.vocab_size=0 would give."""
     root = write_tiny_corpus(tmp_path / "corpus", vocab_size=2000)
-    runs = refusals(tmp_path, tiny_overrides(root, tmp_path / "runs"))
+    runs = refusals(tmp_path, tiny_overrides(root, tmp_path / "runs", "model.vocab_size=512"))
     assert_refused_alike(runs, [
         f"model.vocab_size=512 is smaller than the vocabulary of the tokenizer that made {root} (2000 ids, "
-        f"{root / 'manifest.json'}). Fix: set model.vocab_size >= 2000 (a multiple of 64 is fastest)"], tmp_path)
+        f"{root / 'manifest.json'}). Fix: model.vocab_size=0 (follows the tokenizer) or >= 2048"], tmp_path)
     fixed = ayumi(tmp_path, "plan", *tiny_overrides(root, tmp_path / "runs"), "model.vocab_size=2048")
     assert fixed.returncode == 0 and "plan ok" in fixed.stdout, messages(fixed.stderr)
+
+
+def test_the_plan_prints_the_models_vocabulary_and_the_tokenizers(tmp_path):
+    """cpu_tiny follows the tokenizer: 2,000 ids become 2,048 rows, which the plan, `--cfg job` and the plan's
+    parameter count all show; a number set by hand is printed beside the tokenizer's."""
+    root = write_tiny_corpus(tmp_path / "corpus", vocab_size=2000)
+    follows = ayumi(tmp_path, "plan", *tiny_overrides(root, tmp_path / "runs"))
+    assert follows.returncode == 0, messages(follows.stderr)
+    assert "vocabulary: model 2,048 (tokenizer 2,000 ids, padded to a multiple of 128)" in follows.stdout.splitlines()
+    from pretrain.config import config_from_args
+    from pretrain.model.flops import count_parameters
+
+    expected = count_parameters(config_from_args(tiny_overrides(root, tmp_path / "runs", "model.vocab_size=2048")).model)
+    assert f"model: {expected:,} parameters" in follows.stdout
+    printed = ayumi(tmp_path, "train", *tiny_overrides(root, tmp_path / "runs"), "--cfg", "job")
+    assert printed.returncode == 0 and yaml.safe_load(printed.stdout)["model"]["vocab_size"] == 2048
+    by_hand = ayumi(tmp_path, "plan", *tiny_overrides(root, tmp_path / "runs", "model.vocab_size=4000"))
+    assert by_hand.returncode == 0, messages(by_hand.stderr)
+    assert "vocabulary: model 4,000, tokenizer 2,000 ids" in by_hand.stdout.splitlines()
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ def imported(stderr: str) -> set[str]:
 
 
 def test_mistakes_are_refused_before_any_rank_starts(tmp_path):
-    proc = ayumi_train(tmp_path, "experiment=cpu_tiny", "optim.lr=-0.001", "train.seq_len=-1",
+    proc = ayumi_train(tmp_path, "experiment=cpu_tiny", "model.vocab_size=512", "optim.lr=-0.001", "train.seq_len=-1",
                        "checkpoint.keep_last=-1", "train.eval_interval=-5", "name=", importtime=True)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert messages(proc.stderr) == [
@@ -70,12 +70,13 @@ def test_a_new_key_in_a_stage_says_it_needs_hydras_plus(tmp_path):
 
 
 def test_dry_run_prints_the_command_only_for_a_valid_config(tmp_path):
-    bad = ayumi_train(tmp_path, "--dry-run", "--nproc", "2", "experiment=cpu_tiny", "train.global_batch_size=10")
+    tiny = ["experiment=cpu_tiny", "model.vocab_size=512"]  # a dry run reads no data: nothing to follow
+    bad = ayumi_train(tmp_path, "--dry-run", "--nproc", "2", *tiny, "train.global_batch_size=10")
     assert bad.returncode == 2 and bad.stdout == ""
     assert messages(bad.stderr) == [
         "ayumi train: train.global_batch_size=10 is not a multiple of train.micro_batch_size=4 x 2 data-parallel "
         "ranks = 8; choose a global batch that divides, e.g. 8"]
-    good = ayumi_train(tmp_path, "--dry-run", "--nproc", "2", "experiment=cpu_tiny")
+    good = ayumi_train(tmp_path, "--dry-run", "--nproc", "2", *tiny)
     assert good.returncode == 0 and good.stdout.startswith("+ ") and "pretrain.train experiment=cpu_tiny" in good.stdout
     assert "no experiment=" not in good.stderr  # one was named: nothing to explain
 
@@ -102,7 +103,12 @@ def test_the_plan_is_checked_before_any_rank_starts(tmp_path):
     assert over.stdout == "" and not (tmp_path / "runs").exists()
     assert not {"torch", "deepspeed"} & imported(over.stderr)
 
-    missing = ayumi_train(tmp_path, *tiny_overrides(tmp_path / "nowhere", tmp_path / "runs"))
+    # The plan's own data check (with no number to follow, model.vocab_size=0 names the missing data.root first).
+    missing = ayumi_train(tmp_path, *tiny_overrides(tmp_path / "nowhere", tmp_path / "runs", "model.vocab_size=512"))
     assert missing.returncode == 2 and missing.stdout == ""
     assert f"data root {tmp_path / 'nowhere'} does not exist: run `ayumi data prepare` or set data.root" in missing.stderr
     assert "Traceback" not in missing.stderr
+    followed = ayumi_train(tmp_path, *tiny_overrides(tmp_path / "nowhere", tmp_path / "runs"))
+    assert followed.returncode == 2 and followed.stdout == "" and not (tmp_path / "runs").exists()
+    assert messages(followed.stderr)[0].startswith(
+        f"ayumi train: model.vocab_size=0 follows the tokenizer, but data.root={tmp_path / 'nowhere'} does not exist")
