@@ -30,12 +30,14 @@ class ConfigCompositionError(ValueError):
     """Hydra could not compose the config (unknown key, wrong type, missing group option)."""
 
 
-def compose(config_name: str, overrides: Iterable[str], register: Callable[[], None], conf_dir: Path | None = None):
+def compose(config_name: str, overrides: Iterable[str], register: Callable[[], None], conf_dir: Path | None = None,
+            schema: type | None = None, root: str = "the config"):
     """conf/<config_name>.yaml with Hydra overrides, as a DictConfig: no output dir, no cwd change.
 
     `register` puts the command's structured schemas into Hydra's ConfigStore first. Raises
-    ConfigCompositionError with every message in Hydra's exception chain (the outer one often
-    lacks the key, the value or the reason).
+    ConfigCompositionError: given `schema` (the dataclass the composed config's top level is; `root`, how a
+    message names that top level), one line for a usual mistake (composition_problem), else every message in
+    Hydra's exception chain (the outer one often lacks the key, the value or the reason).
     """
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
@@ -43,15 +45,16 @@ def compose(config_name: str, overrides: Iterable[str], register: Callable[[], N
 
     register()
     GlobalHydra.instance().clear()  # an earlier in-process command may have left it initialized
-    overrides = list(overrides)
+    overrides, conf_dir = list(overrides), Path(conf_dir or CONF_DIR)
     try:
-        with initialize_config_dir(config_dir=str(conf_dir or CONF_DIR), version_base=None):
+        with initialize_config_dir(config_dir=str(conf_dir), version_base=None):
             composed = hydra_compose(config_name=config_name, overrides=overrides)
+        added = key_added_to_fixed_section(composed, overrides, conf_dir)
+        if added is not None:
+            raise added
     except Exception as err:  # Hydra and OmegaConf raise many types; all are configuration errors here
-        raise ConfigCompositionError(describe_error(err)) from err
-    added = key_added_to_fixed_section(composed, overrides, conf_dir or CONF_DIR)
-    if added is not None:
-        raise ConfigCompositionError(describe_error(added)) from added
+        problem = composition_problem(err, overrides, schema, root, conf_dir) if schema is not None else None
+        raise ConfigCompositionError(problem or describe_error(err)) from err
     return composed
 
 
@@ -99,13 +102,6 @@ def describe_error(err: BaseException) -> str:
 
 
 # -- a composition mistake in one line, the same in every command ---------------------------------
-
-def composition_message(err: ConfigCompositionError, overrides: Iterable[str], schema: type,
-                        root: str = "the config", conf_dir: Path | None = None) -> str:
-    """What a command prints for a ConfigCompositionError: one line for a usual mistake (composition_problem),
-    else Hydra's whole explanation."""
-    return composition_problem(err.__cause__, list(overrides), schema, root, conf_dir) or str(err)
-
 
 def composition_problem(err: BaseException | None, overrides: list[str] | tuple[str, ...], schema: type,
                         root: str = "the config", conf_dir: Path | None = None) -> str | None:

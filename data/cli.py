@@ -43,12 +43,10 @@ def prepare_help() -> str:
 def compose(overrides: list[str]):
     """The composed `data_prepare` config (a DictConfig) for these overrides."""
     from data.config import DataPrepareConfig, register_configs
-    from common.conf import ConfigCompositionError, composition_message, compose as compose_conf
+    from common.conf import compose as compose_conf
 
-    try:
-        return compose_conf("data_prepare", overrides, register_configs)
-    except ConfigCompositionError as err:  # one line with "did you mean" or the '+' a new key needs, as train's
-        raise ConfigCompositionError(composition_message(err, overrides, DataPrepareConfig)) from err
+    # One line with "did you mean" or the '+' a new key needs, as train's.
+    return compose_conf("data_prepare", overrides, register_configs, schema=DataPrepareConfig)
 
 
 def resolved_yaml(cfg) -> str:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TextIO
@@ -37,7 +36,6 @@ from common.conf import (
     CONF_DIR, ConfigCompositionError, compose, composed_from, conf_label, config_help, fields_help, group_options,
     unset_environment,
 )
-from common.conf import composition_problem as common_composition_problem
 
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
@@ -373,20 +371,13 @@ def register_configs() -> None:
 def compose_config(overrides: list[str] | tuple[str, ...] = (), config_name: str = "config") -> DictConfig:
     """Compose conf/<config_name>.yaml with Hydra overrides (no output dir, no cwd change).
 
-    A mistake is a ConfigError of one line when it is a usual one (composition_problem), else
+    A mistake is a ConfigError of one line when it is a usual one (common.conf.composition_problem), else
     Hydra's whole explanation.
     """
     try:
-        return compose(config_name, overrides, register_configs, conf_dir=CONF_DIR)
+        return compose(config_name, overrides, register_configs, conf_dir=CONF_DIR, schema=AyumiConfig)
     except ConfigCompositionError as err:
-        raise ConfigError(composition_problem(err.__cause__, overrides) or str(err)) from err
-
-
-def composition_problem(err: BaseException | None, overrides: list[str] | tuple[str, ...],
-                        schema: type | None = None, root: str = "the config") -> str | None:
-    """One line for the usual composition mistakes (common/conf.py's composition_problem, which tokenizer/ and data/
-    use too), schema defaulting to AyumiConfig; None for others."""
-    return common_composition_problem(err, overrides, schema or AyumiConfig, root, CONF_DIR)
+        raise ConfigError(str(err)) from err
 
 
 def to_object(cfg: DictConfig) -> AyumiConfig:

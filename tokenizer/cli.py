@@ -51,13 +51,11 @@ def verb_help(verb: str) -> str:
 
 def compose(overrides: list[str]):
     """The composed `tokenizer_build` config (a DictConfig) for these overrides."""
-    from common.conf import ConfigCompositionError, composition_message, compose as compose_conf
+    from common.conf import compose as compose_conf
     from tokenizer.config import TokenizerBuildConfig, register_configs
 
-    try:
-        return compose_conf("tokenizer_build", overrides, register_configs)
-    except ConfigCompositionError as err:  # one line with "did you mean" or the '+' a new key needs, as train's
-        raise ConfigCompositionError(composition_message(err, overrides, TokenizerBuildConfig)) from err
+    # One line with "did you mean" or the '+' a new key needs, as train's.
+    return compose_conf("tokenizer_build", overrides, register_configs, schema=TokenizerBuildConfig)
 
 
 def to_object(cfg):

@@ -63,7 +63,6 @@ def compose_settings(own: dict[str, Any], overrides: list[str]):
 
     from common.conf import ConfigCompositionError, compose
     from downstream.config import DownstreamConfig, TaskConfig
-    from pretrain.config import composition_problem
 
     overrides = [re.sub(rf"^([+~]*){re.escape(SECTION)}", r"\1", text) for text in overrides]
     for text in overrides:  # a task file given alone is the usual slip: say so in one line, not Hydra's three
@@ -78,11 +77,11 @@ def compose_settings(own: dict[str, Any], overrides: list[str]):
     if paths is not None:
         base.tasks = [TaskConfig(path=path) for path in paths]
     try:
-        composed = compose(EVAL_CONFIG, overrides, lambda: ConfigStore.instance().store(name=EVAL_CONFIG, node=base))
+        composed = compose(EVAL_CONFIG, overrides, lambda: ConfigStore.instance().store(name=EVAL_CONFIG, node=base),
+                           schema=DownstreamConfig, root=SECTION.rstrip("."))
         return OmegaConf.to_object(composed)
     except ConfigCompositionError as err:
-        raise ValueError(composition_problem(err.__cause__, overrides, DownstreamConfig, SECTION.rstrip("."))
-                         or str(err)) from None
+        raise ValueError(str(err)) from None
     except OmegaConfBaseException as err:  # a value that converts only when the dataclasses are built
         raise ValueError(f"{SECTION}{err.full_key}: {str(err).splitlines()[0]}") from None
 
