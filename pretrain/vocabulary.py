@@ -21,36 +21,21 @@ FOLLOWS_TOKENIZER = 0
 """The model.vocab_size that means "the tokenizer's vocabulary, padded to model.vocab_multiple"."""
 
 
-def manifest_vocabulary(root: str | Path) -> int | None:
-    """The vocabulary data.root's manifest.json records (its tokenizer's), or None when there is no readable one."""
+def recorded_vocabulary(root: str | Path) -> tuple[int | None, str | None]:
+    """(the vocabulary data.root's manifest.json records, why a manifest that is there gives none): (N, None) when it
+    reads, (None, None) without a manifest, (None, its own line naming the file and the fix) when it is damaged,
+    edited by hand or of another format."""
+    from data.manifest import MANIFEST_NAME, load_manifest
+
+    path = Path(root) / MANIFEST_NAME
+    if not path.is_file():
+        return None, None
     try:
-        return read_manifest_vocabulary(root)
-    except (OSError, ValueError, KeyError, TypeError):  # missing, unfinished or damaged: the data check says which
-        return None
-
-
-def read_manifest_vocabulary(root: str | Path) -> int:
-    """The vocabulary data.root's manifest.json records; ManifestError (naming the file and the fix) when it
-    cannot be read or was changed by hand, KeyError or TypeError when it holds no vocabulary."""
-    from data.manifest import load_manifest
-
-    return int(load_manifest(root)["tokenizer"]["vocab_size"])
-
-
-def manifest_problem(root: str | Path) -> str | None:
-    """Why data.root's manifest.json cannot give the vocabulary although it is there (its own line: damaged, edited,
-    of another format); None when there is none to read or it reads."""
-    from data.manifest import MANIFEST_NAME
-
-    if not (Path(root) / MANIFEST_NAME).is_file():
-        return None
-    try:
-        read_manifest_vocabulary(root)
-    except (OSError, ValueError) as err:
-        return str(err)
+        return int(load_manifest(root)["tokenizer"]["vocab_size"]), None
+    except (OSError, ValueError) as err:  # ManifestError among them: the data check would say the same
+        return None, str(err)
     except (KeyError, TypeError):
-        return f"{Path(root) / MANIFEST_NAME} records no tokenizer vocabulary. Fix: re-run `ayumi data prepare`"
-    return None
+        return None, f"{path} records no tokenizer vocabulary. Fix: re-run `ayumi data prepare`"
 
 
 def tokenizer_dir_vocabulary(tokenizer_dir: str | None) -> int | None:
@@ -67,7 +52,7 @@ def tokenizer_dir_vocabulary(tokenizer_dir: str | None) -> int | None:
 
 def tokenizer_vocabulary(root: str | Path, tokenizer_dir: str | None) -> int | None:
     """The tokenizer's vocabulary: the data root's record first (what the model must embed), else the tokenizer's."""
-    recorded = manifest_vocabulary(root)
+    recorded, _ = recorded_vocabulary(root)
     return recorded if recorded is not None else tokenizer_dir_vocabulary(tokenizer_dir)
 
 
@@ -80,15 +65,16 @@ def follow_tokenizer(composed: DictConfig) -> None:
     multiple = int(model.vocab_multiple)
     if multiple < 1:  # refused by the range check too; here it would divide by zero first
         raise ValueError(f"model.vocab_multiple={multiple} must be >= 1 (1 = no padding)")
-    pieces = tokenizer_vocabulary(data.root, data.get("tokenizer_dir"))
+    recorded, damaged = recorded_vocabulary(data.root)
+    pieces = recorded if recorded is not None else tokenizer_dir_vocabulary(data.get("tokenizer_dir"))
     if pieces is None:
-        raise ValueError(no_tokenizer_message(data.root, data.get("tokenizer_dir")))
+        raise ValueError(no_tokenizer_message(data.root, data.get("tokenizer_dir"), damaged))
     OmegaConf.update(composed, "model.vocab_size", padded_vocab(pieces, multiple), merge=False)
 
 
-def no_tokenizer_message(root: str, tokenizer_dir: str | None) -> str:
-    """Why model.vocab_size=0 has nothing to follow, and the fixes, in one line."""
-    damaged = manifest_problem(root)
+def no_tokenizer_message(root: str, tokenizer_dir: str | None, damaged: str | None) -> str:
+    """Why model.vocab_size=0 has nothing to follow, and the fixes, in one line. damaged: recorded_vocabulary's line
+    for a manifest that is there but gives no vocabulary."""
     if damaged:  # the manifest's own line names the file and its fix, as the data check would say it
         return f"model.vocab_size=0 follows the tokenizer, but {damaged}"
     # A mistyped data.root is the usual cause: say so rather than speak of a manifest inside nothing.
