@@ -36,7 +36,7 @@ from typing import Any, Iterable
 
 import xxhash
 
-from pretrain.checkpoint.layout import META, complete_tags, step_of
+from pretrain.checkpoint.layout import META, older_tags
 
 ALGORITHM = "xxh3_128"
 """The hash of every checkpoint file: ~10 GB/s on one core, far above any disk, and it releases the GIL."""
@@ -279,7 +279,7 @@ def newest_intact_before(root: Path, tag: str) -> tuple[str, Verdict] | None:
     """The newest complete checkpoint under `root` older than `tag` that is not damaged (verified, or saved before
     checksums were recorded), with its verdict; None when every older one is damaged or there is none. Older ones
     are hashed newest first until one passes: what a user refused `tag` should take instead."""
-    for older in reversed([name for name in complete_tags(root) if step_of(name) < step_of(tag)]):
+    for older in older_tags(root, tag):
         verdict = verify(root / older)
         if verdict.status != DAMAGED:
             return older, verdict

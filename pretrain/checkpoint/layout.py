@@ -54,6 +54,11 @@ def complete_tags(root: Path) -> list[str]:
     return sorted(tags, key=step_of)
 
 
+def older_tags(root: Path, tag: str) -> list[str]:
+    """The complete tags under root older than `tag`, newest first: where a damaged `tag`'s stand-in is looked for."""
+    return [name for name in reversed(complete_tags(root)) if step_of(name) < step_of(tag)]
+
+
 def quarantined(root: Path) -> list[Path]:
     """The folders a run set aside as damaged under root (`step_0000040.corrupt`, ...), oldest step first."""
     if not root.is_dir():

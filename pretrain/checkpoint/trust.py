@@ -28,9 +28,9 @@ from typing import Any
 from common.files import write_text_atomic
 from pretrain.checkpoint import integrity
 from pretrain.checkpoint.checkpointer import (
-    LATEST, Checkpointer, CheckpointCorrupt, CheckpointError, complete_tags, latest_tag, resolve_checkpoint, step_of,
+    LATEST, Checkpointer, CheckpointCorrupt, CheckpointError, latest_tag, resolve_checkpoint, step_of,
 )
-from pretrain.checkpoint.layout import is_tag
+from pretrain.checkpoint.layout import is_tag, older_tags
 from pretrain.metrics import LOGGED_AT_STEP
 
 CORRUPT_EVENT = "checkpoint_corrupt"
@@ -138,7 +138,7 @@ def newest_first(root: Path) -> list[str]:
     latest = latest_tag(root)
     if latest is None:
         return []
-    return [latest] + [tag for tag in reversed(complete_tags(root)) if step_of(tag) < step_of(latest)]
+    return [latest] + older_tags(root, latest)
 
 
 def choose_start(load_from: str | None, resume: bool, on_corrupt: str, checkpointer: Checkpointer) -> Start | None:
