@@ -2,18 +2,11 @@
 metrics.jsonl and the W&B offline run, and a resume on a different number of ranks."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from tests.helpers import read_jsonl, run_training, run_whole_and_resumed, tiny_overrides, write_tiny_corpus
+from tests.helpers import read_jsonl, run_training, run_whole_and_resumed, tiny_overrides
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    return write_tiny_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def check_ok(proc) -> None:

@@ -26,11 +26,6 @@ pytestmark = pytest.mark.slow
 FP16_ENTRY = str(REPO / "tests" / "pretrain" / "fp16_train.py")
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    return write_tiny_corpus(tmp_path_factory.mktemp("corpus"))
-
-
 def check_ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, proc.stdout[-6000:]
 

@@ -11,22 +11,16 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import psutil
 import pytest
 
 from tests.helpers import REPO, cpu_env, read_jsonl, run_training, run_whole_and_resumed, tiny_overrides, \
-    train_losses, write_tiny_corpus
+    train_losses
 
 pytestmark = pytest.mark.slow
 
 ASYNC = "checkpoint.async_save=true"
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    return write_tiny_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.mark.parametrize("stage", [0, 3])

@@ -30,7 +30,7 @@ from common.safe_load import DEEPSPEED_GLOBALS, load
 from pretrain.checkpoint import integrity
 from pretrain.checkpoint.layout import META
 from pretrain.tools.cli import main
-from tests.helpers import run_training, tiny_overrides, write_tiny_corpus
+from tests.helpers import run_training, tiny_overrides
 from tests.pretrain.tools.test_train_exit_status import ayumi, ranks_said
 
 pytestmark = pytest.mark.slow
@@ -55,11 +55,6 @@ class Payload:
 
     def __reduce__(self):
         return os.mkdir, (self.marker,)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    return write_tiny_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from pretrain.checkpoint import integrity
 from pretrain.checkpoint.checkpointer import complete_tags
 from pretrain.checkpoint.integrity import VERIFIED, verify
 from pretrain.tools.cli import main
-from tests.helpers import read_jsonl, run_training, tiny_overrides, train_losses, write_tiny_corpus
+from tests.helpers import read_jsonl, run_training, tiny_overrides, train_losses
 from tests.pretrain.tools.test_train_exit_status import ayumi, ranks_said
 
 pytestmark = pytest.mark.slow
@@ -44,11 +44,6 @@ BASE = {  # each stage's run: checkpoints every 8 steps (ZeRO 2: the ring's ever
     3: ["deepspeed=zero3", "train.max_steps=24", "checkpoint.interval=8", "checkpoint.async_save=true"],
 }
 MODEL = "mp_rank_00_model_states.pt"
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    return write_tiny_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module")

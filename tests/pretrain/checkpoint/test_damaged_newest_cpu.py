@@ -17,17 +17,12 @@ from pathlib import Path
 import pytest
 
 from pretrain.metrics import truncate_jsonl
-from tests.helpers import REPO, cpu_env, read_jsonl, run_training, tiny_overrides, write_tiny_corpus
+from tests.helpers import REPO, cpu_env, read_jsonl, run_training, tiny_overrides
 
 pytestmark = pytest.mark.slow
 
 COMMON = ["train.eval_interval=0", "deepspeed.precision=fp32", "checkpoint.interval=4", "checkpoint.keep_last=0"]
 MODEL = "mp_rank_00_model_states.pt"
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    return write_tiny_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module")

@@ -12,17 +12,12 @@ import psutil
 import pytest
 
 from pretrain.job.hang_watchdog import EXIT_HANG
-from tests.helpers import REPO, cpu_env, read_jsonl, run_training, tiny_overrides, train_losses, write_tiny_corpus
+from tests.helpers import REPO, cpu_env, read_jsonl, run_training, tiny_overrides, train_losses
 
 pytestmark = pytest.mark.slow
 
 WATCH = ["hang.timeout_s=10", "hang.heartbeat_s=1", "train.eval_interval=0", "checkpoint.interval=10",
          "train.tokens=1000000"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    return write_tiny_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def test_a_stopped_rank_ends_the_job_with_a_report_and_a_restart_resumes_exactly(corpus, tmp_path):

@@ -16,17 +16,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers import REPO, cpu_env, free_port, read_jsonl, run_training, tiny_overrides, train_losses, write_tiny_corpus
+from tests.helpers import REPO, cpu_env, free_port, read_jsonl, run_training, tiny_overrides, train_losses
 
 pytestmark = pytest.mark.slow
 
 AYUMI = REPO / ".venv" / "bin" / "ayumi"
 LONG = ["train.tokens=1000000", "checkpoint.interval=0"]  # long enough that a signal lands mid-run
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    return write_tiny_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def command(launcher: str, overrides: list[str]) -> list[str]:

@@ -17,18 +17,13 @@ from data.domains import open_run_data
 from data.packed import ShuffledDomains
 from pretrain.config import config_from_args
 from pretrain.model.hf_import import read_hf_config, rope_settings
-from tests.helpers import REPO, cpu_env, run_training, tiny_overrides, train_losses, write_tiny_corpus
+from tests.helpers import REPO, cpu_env, run_training, tiny_overrides, train_losses
 from tests.pretrain.model.test_hf_import import save_random_llama
 from tests.pretrain.model.test_rope_scaling import SCALINGS
 
 pytestmark = pytest.mark.slow
 LLAMA3_ROPE = SCALINGS["llama3"]
 """Llama 3.1-3.3's RoPE scaling, its original length cut to 16 of the tiny model's 128 positions so that it matters."""
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    return write_tiny_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def first_batch(corpus: Path, overrides: list[str]) -> torch.Tensor:

@@ -6,19 +6,10 @@ Both runs are the real entry, `python -m pretrain.train` on 1 rank, on the tiny 
 """
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
-
-from tests.helpers import read_jsonl, run_training, tiny_overrides, write_tiny_corpus
+from tests.helpers import read_jsonl, run_training, tiny_overrides
 
 # cpu_tiny's run (256 steps of 8 samples) reads the tiny corpus (ja 167 + en 234 samples) 5.11 times.
 OVER_4 = ["curriculum=none", "train.tokens=131072"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    return write_tiny_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def test_trainer_refuses_an_over_repeated_run_without_a_curriculum_before_step_1(corpus, tmp_path):

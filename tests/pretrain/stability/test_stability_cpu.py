@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, cpu_env, read_jsonl, run_training, tiny_overrides, write_tiny_corpus
+from tests.helpers import REPO, cpu_env, read_jsonl, run_training, tiny_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -31,11 +31,6 @@ STABILITY = [
     "stability.recovery.ring_keep=20",  # keep older ring checkpoints: the restart test loads one
 ]
 SPIKE_AT_150 = "+stability.inject.lr_multiply={150:50.0,151:50.0,152:50.0}"
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    return write_tiny_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def events_of(run_dir: Path, kind: str | None = None) -> list[dict]:
