@@ -292,12 +292,16 @@ def check_run_files(cfg) -> Check:
     """The files `ayumi train` checks before any rank starts (pretrain/preflight.py): the data's vocabulary against
     model.vocab_size and eval.downstream's task files. model.fp8 is check_fp8's row."""
     from pretrain.preflight import task_file_problems, vocabulary_problems
+    from pretrain.vocabulary import tokenizer_vocabulary, vocabulary_line
 
     problems = vocabulary_problems(cfg) + task_file_problems(cfg)
     if problems:
         return Check("plan", "run files", FAIL, " / ".join(problems)[:400], "the fix each line names")
-    tasks = f", {len(cfg.eval.downstream.tasks)} eval task file(s)" if cfg.eval.downstream.tasks else ""
-    return Check("plan", "run files", OK, f"vocabulary fits model.vocab_size={cfg.model.vocab_size}{tasks}")
+    model = cfg.model  # the plan's line: what the vocabulary was checked against, or that no tokenizer is known yet
+    detail = vocabulary_line(model.vocab_size, model.vocab_multiple,
+                             tokenizer_vocabulary(cfg.data.root, cfg.data.tokenizer_dir))
+    tasks = f"; {len(cfg.eval.downstream.tasks)} eval task file(s) read" if cfg.eval.downstream.tasks else ""
+    return Check("plan", "run files", OK, detail + tasks)
 
 
 def check_fp8(cfg) -> Check:

@@ -80,3 +80,4 @@ def test_doctor_makes_the_checks_train_makes_before_launch(tmp_path):
     fixed = ayumi(tmp_path, "doctor", *overrides, "model.vocab_size=2048")
     row = next(line for line in fixed.stdout.splitlines() if "run files" in line)
     assert row.split()[:3] == ["ok", "run", "files"], fixed.stdout[-3000:]
+    assert row.split("run files", 1)[1].strip() == "vocabulary: model 2,048 (tokenizer 2,000 ids, padded to a multiple of 128)"
