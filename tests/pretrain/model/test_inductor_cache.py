@@ -1,6 +1,6 @@
 """Inductor's cache is keyed by the CPU instruction-set setting (pretrain/model/inductor_cache.py): two settings
-never share compiled kernels, in torch's default folder or in one the user chose, and torch's own cache key really does leave the
-setting out (the expected failure below, against torch alone)."""
+never share compiled kernels, in torch's default folder or in one the user chose, and torch's own cache key really
+does leave the setting out (the expected failure below, against torch alone)."""
 from __future__ import annotations
 
 import getpass
