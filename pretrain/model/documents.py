@@ -22,6 +22,9 @@ Kernels (`mask_kernel` picks one from what the device, dtype and head size suppo
 * "sdpa": SDPA with a boolean [B, 1, T, T] mask everywhere else (the CPU, fp32, other GPUs or head sizes):
   exact for every dtype and shape; it computes the whole T x T.
 
+Whether a device runs varlen is decided once per process (a small forward and backward checked against SDPA,
+`varlen_works`), said once on stderr, and kept: `kernel_choices()` gives it for a run's results.
+
 FlexAttention is not used: its compiled kernels failed on shapes real runs have (torch 2.11 on an H200:
 inductor's NoValidChoicesError in create_flex_decoding_kernel for a fp32 query of 90 tokens; flex picks
 its decoding kernel below 128 query tokens), and with long documents it was 10% slower than the flash
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +50,9 @@ VARLEN_DTYPES = (torch.float16, torch.bfloat16)
 """The dtypes flash attention computes in."""
 VARLEN_MAX_HEAD_DIM = 256
 """Flash attention's largest head size (a multiple of 8)."""
+UNSUPPORTED = (RuntimeError, TypeError, ValueError, NotImplementedError)
+"""What varlen_attn raises where it cannot run (other arguments, no backward, no kernel for this GPU): the probe
+answers "no" for good. An out-of-memory error among them says nothing about support (varlen_works)."""
 
 
 def document_ids(input_ids: Tensor, end_id: int) -> Tensor:
@@ -139,26 +146,104 @@ def mask_kernel(device: torch.device, dtype: torch.dtype | None = None, head_dim
     return "varlen" if varlen_device(device) and varlen_fits(dtype, head_dim) else "sdpa"
 
 
-@functools.lru_cache(maxsize=None)
-def varlen_device(device: torch.device) -> bool:
-    """Whether `device` runs torch's flash varlen attention: CUDA (not ROCm, untried here) with flash attention
-    built in, compute capability 8.0+, and a torch that has torch.nn.attention.varlen (2.9+)."""
+class ProbeInterrupted(Exception):
+    """varlen_works could not tell (the device ran out of memory): nothing is kept, the next call asks again."""
+
+
+_KERNELS: dict[str, dict[str, str]] = {}
+"""The kernel decided for each device so far, {"cuda:0": {"kernel": "varlen" | "sdpa", "why": ...}}: varlen_device's
+cache (a plain dict, which torch.compile reads in a graph, where it would trace through an lru_cache and probe
+again) and kernel_choices' answer."""
+
+
+def varlen_device(device: torch.device | str) -> bool:
+    """Whether `device` runs torch's flash varlen attention, decided once per device and process (_decide):
+    `cuda` is the current CUDA device, the same as `cuda:0` there, not a second probe. A probe that could not tell
+    (ProbeInterrupted) answers False for this call only."""
+    device = same_device(device)
+    if str(device) not in _KERNELS:
+        try:
+            (_decide_outside_graphs() if torch.compiler.is_compiling() else _decide)(device)
+        except ProbeInterrupted as err:
+            print(f"ayumi: document masking's varlen check on {device} was cut short ({err}); the dense mask this "
+                  "time, checked again next time", file=sys.stderr, flush=True)
+            return False
+    return _KERNELS[str(device)]["kernel"] == "varlen"
+
+
+def same_device(device: torch.device | str) -> torch.device:
+    """`device` with its index filled in (the current one, for a CUDA device named without), so that every name
+    of one device is one key."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    return device
+
+
+def _decide(device: torch.device) -> None:
+    """Decides `device`'s kernel (varlen_missing, then varlen_works), keeps it in _KERNELS and says it (stderr)."""
+    why_not = varlen_missing(device)
+    if why_not is None and not varlen_works(device):
+        why_not = "varlen_attn failed its check against SDPA"
+    kernel = "sdpa" if why_not else "varlen"
+    _KERNELS[str(device)] = {"kernel": kernel, "why": why_not or "flash varlen attention passed its check"}
+    print(f"ayumi: document masking on {device} runs {kernel}"
+          + (f" (the dense mask: {why_not})" if why_not else " (flash varlen attention)"), file=sys.stderr, flush=True)
+
+
+_decide_eagerly = None
+"""_decide behind torch.compiler.disable, made the first time a compiled model asks (the probe's backward and its
+print are no graph's)."""
+
+
+def _decide_outside_graphs():
+    """_decide as a compiled model must call it: outside its graph (made on first use: importing dynamo costs)."""
+    global _decide_eagerly
+    if _decide_eagerly is None:
+        _decide_eagerly = torch.compiler.disable(_decide)
+    return _decide_eagerly
+
+
+def kernel_choices() -> dict[str, dict[str, str]]:
+    """The document-masking kernel per device asked so far in this process, with why: {"cuda:0": {"kernel": "varlen"
+    | "sdpa", "why": "..."}}; {} where document masking never ran. A layer whose dtype or head size flash cannot
+    take (varlen_fits) runs sdpa on a varlen device too."""
+    return {device: dict(choice) for device, choice in _KERNELS.items()}
+
+
+def varlen_missing(device: torch.device) -> str | None:
+    """What keeps `device` from running torch's flash varlen attention, or None: it needs CUDA (not ROCm, untried
+    here) with flash attention built in, compute capability 8.0+, and a torch with torch.nn.attention.varlen."""
     if device.type != "cuda" or torch.version.hip or not torch.cuda.is_available():
-        return False
+        return f"no flash varlen on {'ROCm' if torch.version.hip else device.type} here"
     try:
         from torch.nn.attention.varlen import varlen_attn  # noqa: F401
     except ImportError:
-        return False
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen (2.9+)"
     if not torch.backends.cuda.is_flash_attention_available():
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 0) and varlen_works(device)
+        return "this torch was built without flash attention"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 0):
+        return f"compute capability {capability[0]}.{capability[1]}, flash attention needs 8.0+"
+    return None
 
 
 def varlen_works(device: torch.device) -> bool:
     """Whether varlen_attn really computes document masking here: one small grouped-head call, forward and
     backward, against SDPA with the dense mask. Checked once per device, so that a torch whose varlen_attn
     takes other arguments, or lacks a backward, leaves document masking on the dense kernel instead of
-    failing the run's first step."""
+    failing the run's first step. Runs with gradients on whatever the caller's mode (its first call may come
+    under torch.no_grad: an evaluation before the first step); raises ProbeInterrupted on running out of memory,
+    which says nothing about the kernel."""
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            return _varlen_matches_sdpa(device)
+    except torch.OutOfMemoryError as err:
+        raise ProbeInterrupted(f"out of memory: {err}") from err
+
+
+def _varlen_matches_sdpa(device: torch.device) -> bool:
+    """varlen_works' check itself (gradients on): False where varlen_attn raises an UNSUPPORTED error or differs."""
     generator = torch.Generator().manual_seed(0)
     documents = torch.tensor([[0] * 5 + [1] * 11 + [2] * 16]).to(device)
     q, k, v = (torch.randn(1, heads, 32, 32, generator=generator).to(device, torch.bfloat16).requires_grad_()
@@ -166,7 +251,9 @@ def varlen_works(device: torch.device) -> bool:
     try:
         out = varlen_attention(q, k, v, document_spans(documents))
         out.float().sum().backward()
-    except (RuntimeError, TypeError, ValueError, NotImplementedError):
+    except torch.OutOfMemoryError:
+        raise  # a RuntimeError too, but no answer (varlen_works)
+    except UNSUPPORTED:
         return False
     expected = masked_sdpa(q.detach(), k.detach(), v.detach(), dense_mask(documents))
     return bool(q.grad is not None and torch.isfinite(q.grad).all() and torch.allclose(out.detach().float(),
