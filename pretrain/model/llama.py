@@ -149,7 +149,9 @@ class Llama(nn.Module):
         chunk = self.cfg.loss_chunk_tokens
         if labels is not None and chunk > 0 and not return_logits:  # never the whole [B, T, vocab] logits
             scale = self.loss_scale(labels, whole_labels, split)
-            loss, token_ce, token_lse = self.lm_head(h, labels, chunk, scale, self.cfg.z_loss)
+            # model.compile=off compiles nothing, the loss's chunk kernel included (chunked_loss.loss_terms_for).
+            loss, token_ce, token_lse = self.lm_head(h, labels, chunk, scale, self.cfg.z_loss,
+                                                     compiled=self.cfg.compile != "off")
             return self.loss_from_tokens(token_ce, token_lse, labels, whole_labels, split, loss=loss)
         logits = self.lm_head(h)
         if labels is None:
