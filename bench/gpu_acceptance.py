@@ -77,7 +77,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.result_form import machine_line, result_line  # noqa: E402  (first: it reads the load at the start)
-from bench.gpu_speed import MEMORY_BAND  # noqa: E402
+from bench.gpu_speed import MEMORY_BAND, kernel_choices  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -186,6 +186,7 @@ def main(argv: list[str]) -> int:
               "host": platform.node(), "cpu_smoke": args.cpu_smoke, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
               "budget_s": args.budget, "parts": {}}
     print(report["machine"], flush=True)
+    print(expected_total(wanted, args), flush=True)
     deadline = time.monotonic() + args.budget
     for batch in SCHEDULE:
         keys = [k for k in batch if k in wanted]
@@ -207,6 +208,18 @@ def wanted_parts(parts: str | None, cpu_smoke: bool) -> list[str]:
     if parts is None:
         return list(PARTS) if cpu_smoke else list(DEFAULT_PARTS)
     return list(PARTS) if parts == "all" else [k for k in parts.split(",") if k]
+
+
+def expected_total(wanted: list[str], args) -> str:
+    """One line before the run starts: the parts, their limits and the most the run can take (the limits of parts that
+    run side by side overlap; the budget caps the sum)."""
+    limit = (lambda key: args.limits.get(key, SMOKE_LIMIT_S)) if args.cpu_smoke else \
+        (lambda key: args.limits.get(key, PARTS[key].limit_s))
+    batches = [[key for key in batch if key in wanted] for batch in SCHEDULE]
+    total = sum(max(limit(key) for key in batch) for batch in batches if batch)
+    listed = ", ".join(f"{key} {limit(key):.0f} s" for batch in batches for key in batch)
+    return (f"[acceptance] {len(wanted)} parts ({listed}): at most {min(total, args.budget):.0f} s "
+            f"(limits {total:.0f} s, budget {args.budget} s)")
 
 
 def part_limits(pairs: list[str]) -> dict[str, float]:
@@ -267,6 +280,7 @@ def start_part(key: str, args, work: Path, limit: float) -> dict:
     part_dir.mkdir(parents=True, exist_ok=True)
     result, log = part_dir / "result.json", part_dir / "part.log"
     result.unlink(missing_ok=True)
+    partial_path(result).unlink(missing_ok=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--out", str(part_dir), "--work", str(part_dir),
            "--worker", key, "--result", str(result)]
     if args.cpu_smoke:
@@ -300,7 +314,16 @@ def finish_part(key: str, entry: dict, timed_out: bool) -> dict:
         status = "passed" if passed and not timed_out else ("timeout" if timed_out else "failed")
         return {**base, "status": status, **result}
     tail = entry["log"].read_text(errors="replace")[-1500:] if entry["log"].is_file() else ""
-    return {**base, "status": "timeout" if timed_out else "error", "exit": entry["proc"].returncode, "log_tail": tail}
+    status = "timeout" if timed_out else "error"
+    failed = {**base, "status": status, "exit": entry["proc"].returncode, "log_tail": tail}
+    partial = partial_path(entry["result"])
+    if partial.is_file():  # what the part measured before it was stopped or failed
+        result = json.loads(partial.read_text())
+        how = f"stopped at its limit after {seconds:.0f} s" if timed_out else f"failed (exit {entry['proc'].returncode})"
+        rows = [*result.get("rows", []), ["partial result", f"the part {how}: the rows above are what it finished",
+                                          "", False]]
+        return {**failed, **result, "rows": rows, "partial": True}
+    return failed
 
 
 def append_log(path: Path, key: str, log: Path) -> None:
@@ -322,7 +345,7 @@ def markdown(report: dict) -> str:
              "| part | figure | value | target | ok |", "|---|---|---|---|---|"]
     for key, part in report["parts"].items():
         label = f"{part.get('letter', PARTS[key].letter)}. {key}"
-        if part["status"] in ("skipped", "error", "running") or not part.get("rows"):
+        if not part.get("rows") or (part["status"] in ("skipped", "error", "running") and not part.get("partial")):
             detail = part.get("detail") or (part.get("log_tail", "").strip().splitlines() or ["no result"])[-1]
             lines.append(f"| {label} | {part['status']} | {detail[:160].replace('|', '/')} | | no |")
             continue
@@ -330,7 +353,7 @@ def markdown(report: dict) -> str:
             ok_text = {True: "yes", False: "**no**", None: ""}[ok]
             cells = [str(c).replace("|", "/") for c in (figure, value, target)]
             lines.append(f"| {label} | {cells[0]} | {cells[1]} | {cells[2]} | {ok_text} |")
-        if part["status"] == "timeout":
+        if part["status"] == "timeout" and not part.get("partial"):
             lines.append(f"| {label} | timeout | stopped at its limit after {part['seconds']:.0f} s | | **no** |")
     return "\n".join(lines) + "\n"
 
@@ -347,12 +370,12 @@ def result_lines(parts: dict) -> list[str]:
                                  f">={PEAK_GEMM_TARGET:.2f}", unit="TFLOP/s"))
     for key in SPEED:
         figures = parts.get(key, {}).get("figures")
-        if figures and "max_allocated" in figures:
+        if figures and figures.get("tokens_per_s") and "max_allocated" in figures:
             # Named by the part as well: two parts can share a shape, a sequence length and a policy.
             lines += speed_lines(SPEED[key]["shape"], f"seq{figures['seq_len']}",
                                  f"{figures['checkpointing']}_{key}", figures, judged=SPEED[key].get("judged", False))
     ours, peer = (parts.get(key, {}).get("figures") or {} for key in ("speed_1b_2048", "peer"))
-    if "tokens_per_s" in ours and "tokens_per_s" in peer:
+    if ours.get("tokens_per_s") and peer.get("tokens_per_s"):
         # Judged on the ratio; never ok when the two trained different tokens a step or lengths.
         lines.append(result_line("gpu_acceptance_vs_peer", ours["tokens_per_s"], peer["tokens_per_s"],
                                  f">={PEER_TARGET}", unit="tok/s", ok=None if same_work(ours, peer) else False))
@@ -367,7 +390,7 @@ def result_lines(parts: dict) -> list[str]:
                                  documents["long_causal_step_ms"], "<=1.03", unit="ms"))
     for fp8, (bf16, target) in FP8_SPEEDUP.items():
         ours, base = (parts.get(key, {}).get("figures") or {} for key in (fp8, bf16))
-        if "tokens_per_s" in ours and "tokens_per_s" in base:
+        if ours.get("tokens_per_s") and base.get("tokens_per_s"):
             lines.append(result_line(f"gpu_acceptance_{fp8}", ours["tokens_per_s"], base["tokens_per_s"],
                                      f">={target}", unit="tok/s"))
     fp8_loss = parts.get("fp8_loss", {}).get("figures")
@@ -388,8 +411,32 @@ def result_lines(parts: dict) -> list[str]:
 def run_worker(args: argparse.Namespace) -> int:
     work = Path(args.work)
     result = WORKERS[args.worker](args, work)
-    Path(args.result).write_text(json.dumps(result, indent=1, default=str))
+    write_json(Path(args.result), result)
     return 0
+
+
+def partial_path(result: Path) -> Path:
+    """Where a part's worker keeps what it has measured so far (beside its final result.json)."""
+    return result.with_name("partial.json")
+
+
+DIE_AFTER_PARTIAL = "AYUMI_ACCEPTANCE_DIE_AFTER_PARTIAL"
+"""A fault drill for the driver: a part whose key this variable names is killed (SIGKILL, by itself) right after its
+first partial result, as a part killed at its limit or by the kernel is (tests/bench/test_gpu_acceptance_smoke.py)."""
+
+
+def write_partial(args, summary: dict) -> None:
+    """A worker's result so far (figures, rows, checks, as at its end): a part stopped at its limit still reports it."""
+    write_json(partial_path(Path(args.result)), summary)
+    if os.environ.get(DIE_AFTER_PARTIAL) == args.worker:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def write_json(path: Path, value: dict) -> None:
+    """`value` as JSON at `path`, replaced whole (the driver may read it at any moment)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=1, default=str))
+    os.replace(tmp, path)
 
 
 def check(name: str, ok: bool, detail: str) -> dict:
@@ -494,10 +541,19 @@ def worker_speed(args, work: Path) -> dict:
         cmd += ["--shapes", spec["shape"], "--seq", str(spec["seq"]), "--steps", str(spec.get("steps", 6)),
                 "--warmup", str(spec.get("warmup", 3)), "--grad-accum", "2",
                 "--micro-batch", str(spec.get("micro", "auto"))]
-    subprocess.run(cmd, cwd=REPO, check=True)
     shape = "tiny" if args.cpu_smoke else spec["shape"]
-    res = json.loads((work / f"{shape}_blocks_{spec['checkpointing']}.json").read_text())
-    return speed_summary(res, spec["shape"], spec.get("judged", False))
+    out = work / f"{shape}_blocks_{spec['checkpointing']}.json"
+    partial = out.with_name(out.name + ".partial")
+    proc = subprocess.Popen(cmd, cwd=REPO)
+    seen = None
+    while proc.poll() is None:  # gpu_speed rewrites its partial result after every step: pass it on
+        time.sleep(1.0)
+        if partial.is_file() and partial.stat().st_mtime_ns != seen:
+            seen = partial.stat().st_mtime_ns
+            write_partial(args, speed_summary(json.loads(partial.read_text()), spec["shape"], spec.get("judged", False)))
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench/gpu_speed.py exited {proc.returncode}")
+    return speed_summary(json.loads(out.read_text()), spec["shape"], spec.get("judged", False))
 
 
 def speed_summary(res: dict, shape: str, judged: bool) -> dict:
@@ -505,15 +561,23 @@ def speed_summary(res: dict, shape: str, judged: bool) -> dict:
     has a target for the setting, the memory plan's band always."""
     from bench.gpu_speed import memory_ceiling, mfu_target
 
-    tokens = res["tokens_per_s"]
+    tokens = res["tokens_per_s"]  # None in a partial result before the first timed step
     mfu = res.get("mfu")
     plan, measured = res["planned_peak"], res["max_allocated"]
     ratio = plan / measured if measured else None
     setting = (f"micro batch {res['micro_batch']} x seq {res['seq_len']} x accum {res['grad_accum']}, "
                f"checkpointing {res['checkpointing']}, compiled {res['compiled']}")
     rows = [["setting", setting, "", None],
-            ["tokens/s per GPU (median step)", f"{tokens:,.0f}", "", None],
-            ["first step (compilation)", f"{res['warmup_seconds'][0]:.1f} s", "", None]]
+            ["tokens/s per GPU (median step)",
+             f"{tokens:,.0f} ({len(res['step_seconds'])} timed steps)" if tokens else "no timed step", "", None]]
+    if res["warmup_seconds"]:
+        rows.append(["first step (compilation)", f"{res['warmup_seconds'][0]:.1f} s", "", None])
+    if res.get("startup_seconds"):
+        rows.append(["start-up: process to trainer build / trainer build (model, init, engine)",
+                     " / ".join(f"{res['startup_seconds'][key]:.1f} s" for key in ("process_to_build", "build_trainer")),
+                     "", None])
+    if res.get("kernels"):
+        rows.append(["kernels chosen (document attention; fp32-output GEMM)", kernels_text(res["kernels"]), "", None])
     checks = []
     target = mfu_target(shape, res) if judged else None
     if mfu is not None:
@@ -537,25 +601,41 @@ def speed_summary(res: dict, shape: str, judged: bool) -> dict:
     return {"figures": res, "rows": rows, "checks": checks}
 
 
+def kernels_text(kernels: dict) -> str:
+    """gpu_speed's record of the kernels a run chose ({what: {device: {aspect: choice}}}), in one cell."""
+    def per_device(choices: dict) -> str:
+        return ", ".join(f"{device} " + " ".join(f"{aspect}={value}" for aspect, value in picked.items()
+                                                if aspect != "why") for device, picked in choices.items())
+    return "; ".join(f"{name}: {per_device(choices) or 'not used'}" for name, choices in kernels.items())
+
+
 # -- b. the peer: the plain PyTorch recipe at speed_1b_2048's shape ------------------------------------------
-PEER = {"shape": "1b", "seq": 2048, "micro": 8, "accum": 4, "warmup": 3, "steps": 6}
-"""On the GPU: speed_1b_2048's model, sequence length and tokens a step (8 x 4 x 2048 = 65,536; ayumi 16 x 2 x 2048),
-micro 8 as the peer was first run on a GPU: the recipe keeps the whole [tokens x vocab] logits (bf16, an fp32 copy for
-the loss, its gradient: about 15 GiB at micro 16) beside fp32 weights, gradients and Adam moments (19 GB)."""
-PEER_SMOKE = {"shape": "tiny", "seq": 64, "micro": 1, "accum": 2, "warmup": 1, "steps": 2}
-"""On the CPU: gpu_speed's tiny shape and the tokens a step of the smoke run's speed_1b_2048 (micro 2 x seq 64), eager:
-compiling the whole model takes ~40 s of a 2-core box for figures that mean nothing there (the compiled path was run
-on the CPU by hand: one graph, no recompilation)."""
+PEER = {"shape": "1b", "seq": 2048, "layouts": [(8, 4), (16, 2)], "warmup": 3, "steps": 6}
+"""On the GPU: speed_1b_2048's model, sequence length and tokens a step (65,536), in both layouts of them that fit the
+recipe on one H100/H200: micro 8 x accum 4 and ayumi's micro 16 x accum 2. The faster one is the peer's figure. The
+recipe keeps the whole [tokens x vocab] logits (bf16, an fp32 copy for the loss, its gradient: about 15 GiB at micro
+16) beside fp32 weights, gradients and Adam moments (19 GB)."""
+PEER_SMOKE = {"shape": "tiny", "seq": 64, "layouts": [(1, 2), (2, 1)], "warmup": 1, "steps": 2}
+"""On the CPU: gpu_speed's tiny shape and the tokens a step of the smoke run's speed_1b_2048 (micro 2 x seq 64), both
+layouts, eager: compiling the whole model takes ~40 s of a 2-core box for figures that mean nothing there (the
+compiled path was run on the CPU by hand: one graph, no recompilation)."""
 PEER_TARGET = 1.25
 """ayumi's speed_1b_2048 tokens/s over the peer's (issue 37): what ayumi's trainer must give over the plain recipe."""
+PEER_ATTENTION = "ayumi_peer_causal"
+"""The attention the peer registers with transformers (peer_attention): causal SDPA with GQA and no mask."""
+ATTENTION_KERNEL_WORDS = ("flash", "fmha", "attention", "attn", "cudnn", "efficient", "sdpa")
+"""Words that name an attention kernel (or, on the CPU, SDPA's op) in a profile."""
 
 
 def worker_peer(args, work: Path) -> dict:
-    """The peer: speed_1b_2048's model trained the way a PyTorch user would write it, with no ayumi, DeepSpeed or
-    data loader: transformers' LlamaForCausalLM of the same shape (random init, nothing downloaded), torch.compile of
-    the whole model, bf16 autocast over fp32 weights, gradient clipping and fused AdamW with ayumi's optimizer
-    settings, random token ids already on the device. Median tokens/s over the timed steps after warm-up, MFU by the
-    trainer's FLOP count (pretrain/model/flops.py) and torch.cuda.max_memory_allocated over the timed steps."""
+    """The peer: speed_1b_2048's model trained the way a careful PyTorch user would write it, with no ayumi, DeepSpeed
+    or data loader: transformers' LlamaForCausalLM of the same shape (random init, nothing downloaded, use_cache off),
+    torch.compile of the whole model, causal SDPA with GQA and no materialised mask (peer_attention), bf16 autocast
+    over fp32 weights, gradient clipping and fused AdamW with ayumi's optimizer settings, random token ids already on
+    the device. Each layout of 65,536 tokens a step (PEER's) is timed: median tokens/s over the timed steps after
+    warm-up, MFU by the trainer's FLOP count (pretrain/model/flops.py), torch.cuda.max_memory_allocated over the timed
+    steps, and the attention kernels of one profiled step. The faster layout is the peer's figure. After each layout
+    the part's partial result is rewritten (a part stopped at its limit keeps the layouts it finished)."""
     import torch
 
     from pretrain.model.flops import flops_per_token, peak_flops
@@ -563,25 +643,46 @@ def worker_peer(args, work: Path) -> dict:
     spec = PEER_SMOKE if args.cpu_smoke else PEER
     device = torch.device(device_of(args))
     cfg = peer_config(spec)
-    model, optimizer = peer_model(cfg, device, compiled=device.type == "cuda")
+    attention = peer_attention()
+    model, optimizer = peer_model(cfg, device, compiled=device.type == "cuda", attention=attention)
+    flops, peak = flops_per_token(cfg.model, spec["seq"]), peak_flops(device)
+    layouts = []
+    for micro, accum in spec["layouts"]:
+        layouts.append(peer_layout(model, optimizer, cfg, spec, micro, accum, device, flops, peak))
+        write_partial(args, peer_summary(peer_figures(layouts, attention, device)))
+    return peer_summary(peer_figures(layouts, attention, device))
+
+
+def peer_layout(model, optimizer, cfg, spec: dict, micro: int, accum: int, device, flops: float, peak) -> dict:
+    """One layout (micro x accum) of the peer's tokens a step: warm-up (compilation), timed steps, one profiled step."""
+    import torch
+
     generator = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, cfg.model.vocab_size, (spec["micro"], spec["seq"]), generator=generator).to(device)
-               for _ in range(spec["accum"])]
+    batches = [torch.randint(0, cfg.model.vocab_size, (micro, spec["seq"]), generator=generator).to(device)
+               for _ in range(accum)]
     warmup = [peer_step(model, optimizer, batches, cfg.optim.grad_clip) for _ in range(spec["warmup"])]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     timed = [peer_step(model, optimizer, batches, cfg.optim.grad_clip) for _ in range(spec["steps"])]
-    tokens_per_step = spec["micro"] * spec["accum"] * spec["seq"]
+    max_allocated = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
+    kernels = attention_kernels(lambda: peer_step(model, optimizer, batches, cfg.optim.grad_clip), device)
+    tokens_per_step = micro * accum * spec["seq"]
     tokens_per_s = tokens_per_step / statistics.median(seconds for seconds, _ in timed)
-    flops, peak = flops_per_token(cfg.model, spec["seq"]), peak_flops(device)
-    figures = {"micro_batch": spec["micro"], "grad_accum": spec["accum"], "seq_len": spec["seq"],
-               "tokens_per_step": tokens_per_step, "tokens_per_s": tokens_per_s, "compiled": device.type == "cuda",
-               "step_seconds": [s for s, _ in timed], "warmup_seconds": [s for s, _ in warmup],
-               "losses": [loss for _, loss in warmup + timed], "flops_per_token": flops, "peak_flops": peak,
-               "mfu": tokens_per_s * flops / peak if peak else None,
-               "max_allocated": torch.cuda.max_memory_allocated() if device.type == "cuda" else 0,
-               "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"}
-    return peer_summary(figures)
+    return {"micro_batch": micro, "grad_accum": accum, "seq_len": spec["seq"], "tokens_per_step": tokens_per_step,
+            "tokens_per_s": tokens_per_s, "step_seconds": [s for s, _ in timed],
+            "warmup_seconds": [s for s, _ in warmup], "losses": [loss for _, loss in warmup + timed],
+            "flops_per_token": flops, "peak_flops": peak, "mfu": tokens_per_s * flops / peak if peak else None,
+            "max_allocated": max_allocated, "attention_kernels": kernels}
+
+
+def peer_figures(layouts: list[dict], attention: str, device) -> dict:
+    """The part's figures: the fastest layout's at the top (what ayumi is compared with), every layout under
+    `layouts`."""
+    import torch
+
+    best = max(layouts, key=lambda layout: layout["tokens_per_s"])
+    return {**best, "layouts": layouts, "attention": attention, "compiled": device.type == "cuda",
+            "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"}
 
 
 def peer_config(spec: dict):
@@ -592,9 +693,38 @@ def peer_config(spec: dict):
     return to_object(compose_config([*SHAPES[spec["shape"]], f"model.max_seq_len={max(spec['seq'], 64)}"]))
 
 
-def peer_model(cfg, device, compiled: bool):
-    """LlamaForCausalLM of the shape ayumi's export maps cfg.model to, made on `device` in fp32, and its AdamW:
-    decay on the matrices only, fused. Returns (the model to call, compiled or not; the optimizer)."""
+def peer_attention() -> str:
+    """Register causal SDPA with GQA and no mask with transformers, and return the name to ask for ("sdpa" when this
+    transformers cannot register one).
+
+    transformers' own "sdpa" builds a [B, 1, T, T] causal mask whenever it is traced, so under torch.compile of the
+    whole model (torch < 2.14) SDPA gets a mask: the memory-efficient kernel over the full T x T, K/V repeated to
+    every head, not flash. Training batches here have no padding, so `is_causal` is exact, and `enable_gqa` lets
+    SDPA read the K/V heads as they are. The mask function returns None, so no mask is made at all."""
+    import torch.nn.functional as F
+
+    try:
+        from transformers.masking_utils import AttentionMaskInterface
+        from transformers.modeling_utils import AttentionInterface
+    except ImportError:
+        return "sdpa"
+
+    def causal_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
+
+    def no_mask(*args, **kwargs):
+        return None
+
+    AttentionInterface.register(PEER_ATTENTION, causal_sdpa)
+    AttentionMaskInterface.register(PEER_ATTENTION, no_mask)
+    return PEER_ATTENTION
+
+
+def peer_model(cfg, device, compiled: bool, attention: str = "sdpa"):
+    """LlamaForCausalLM of the shape ayumi's export maps cfg.model to, made on `device` in fp32, with no KV cache and
+    the given attention, and its AdamW: decay on the matrices only, fused. Returns (the model to call, compiled or
+    not; the optimizer)."""
     import torch
     from transformers import LlamaForCausalLM
 
@@ -602,7 +732,8 @@ def peer_model(cfg, device, compiled: bool):
 
     torch.manual_seed(0)
     config = to_hf_config(cfg.model)
-    config._attn_implementation = "sdpa"  # torch's fused attention, the recipe's choice (also transformers' default)
+    config.use_cache = False  # training: a KV cache is never read
+    config._attn_implementation = attention
     with device:  # drawn where it trains: 1.2 B parameters drawn on the host, then copied, cost seconds of the limit
         model = LlamaForCausalLM(config).train()
     matrices = [p for p in model.parameters() if p.dim() >= 2]
@@ -610,7 +741,24 @@ def peer_model(cfg, device, compiled: bool):
     optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": cfg.optim.weight_decay},
                                    {"params": vectors, "weight_decay": 0.0}], lr=cfg.optim.lr,
                                   betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps, fused=True)
-    return (torch.compile(model) if compiled else model), optimizer
+    # dynamic=False: each layout's shape gets its own static graph, as ayumi's compiled blocks do.
+    return (torch.compile(model, dynamic=False) if compiled else model), optimizer
+
+
+def attention_kernels(run_step, device) -> list[str]:
+    """The names of the attention kernels (CPU: SDPA's ops) one profiled call of `run_step` ran, by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        run_step()
+    names = []
+    for event in prof.key_averages():
+        on_device = getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0))
+        wanted = on_device > 0 if device.type == "cuda" else event.key.startswith("aten::")
+        if wanted and any(word in event.key.lower() for word in ATTENTION_KERNEL_WORDS):
+            names.append((on_device, event.key))
+    return [name for _, name in sorted(names, reverse=True)]
 
 
 def peer_step(model, optimizer, batches: list, grad_clip: float) -> tuple[float, float]:
@@ -634,32 +782,36 @@ def peer_step(model, optimizer, batches: list, grad_clip: float) -> tuple[float,
 
 
 def peer_summary(figures: dict) -> dict:
-    """The peer part's rows and its one check: the losses are finite (the recipe trained)."""
-    tokens, mfu = figures["tokens_per_s"], figures["mfu"]
-    setting = (f"LlamaForCausalLM, micro batch {figures['micro_batch']} x seq {figures['seq_len']} x accum "
-               f"{figures['grad_accum']} = {figures['tokens_per_step']:,} tokens a step, "
-               f"{'torch.compile of the whole model' if figures['compiled'] else 'eager'}, bf16 autocast over fp32 "
-               "weights, fused AdamW")
-    finite = all(math.isfinite(loss) for loss in figures["losses"])
-    rows = [["setting", setting, "", None],
-            ["tokens/s per GPU (median step)", f"{tokens:,.0f}", "", None],
-            [f"first step{' (compilation)' if figures['compiled'] else ''}", f"{figures['warmup_seconds'][0]:.1f} s",
-             "", None]]
-    if mfu is not None:
-        rows.append([f"MFU (the trainer's {figures['flops_per_token'] / 1e9:.2f} GFLOP/token)", f"{100 * mfu:.1f}%", "",
-                     None])
-    if figures["max_allocated"]:
-        rows.append(["memory: max allocated", f"{figures['max_allocated'] / 2**30:.1f} GiB", "", None])
-    losses = figures["losses"]
-    rows.append(["loss (random tokens), first / last step", f"{losses[0]:.3f} / {losses[-1]:.3f}", "finite", finite])
-    return {"figures": figures, "rows": rows, "checks": [check("peer_trained", finite, f"losses {losses}")]}
+    """The peer part's rows and its checks: the losses of every layout are finite (the recipe trained)."""
+    rows = [["setting", f"LlamaForCausalLM, seq {figures['seq_len']}, "
+                        f"{'torch.compile of the whole model' if figures['compiled'] else 'eager'}, attention "
+                        f"{figures['attention']}, bf16 autocast over fp32 weights, fused AdamW, use_cache off", "", None]]
+    finite = {}
+    for layout in figures["layouts"]:
+        name = f"micro {layout['micro_batch']} x accum {layout['grad_accum']}"
+        chosen = " (the peer's figure: the faster)" if layout["micro_batch"] == figures["micro_batch"] else ""
+        mfu = f", MFU {100 * layout['mfu']:.1f}%" if layout["mfu"] is not None else ""
+        memory = f", max allocated {layout['max_allocated'] / 2**30:.1f} GiB" if layout["max_allocated"] else ""
+        rows.append([f"{name}: tokens/s per GPU (median step){chosen}", f"{layout['tokens_per_s']:,.0f}{mfu}{memory}",
+                     "", None])
+        rows.append([f"{name}: first step{' (compilation)' if figures['compiled'] else ''}",
+                     f"{layout['warmup_seconds'][0]:.1f} s", "", None])
+        rows.append([f"{name}: attention kernels (one profiled step)",
+                     ", ".join(layout["attention_kernels"][:3]) or "none found", "", None])
+        losses = layout["losses"]
+        finite[name] = all(math.isfinite(loss) for loss in losses)
+        rows.append([f"{name}: loss (random tokens), first / last step", f"{losses[0]:.3f} / {losses[-1]:.3f}",
+                     "finite", finite[name]])
+    trained = check("peer_trained", all(finite.values()), ", ".join(f"{name}: losses {'finite' if ok else 'NOT finite'}"
+                                                                    for name, ok in finite.items()))
+    return {"figures": figures, "rows": rows, "checks": [trained]}
 
 
 def compare_with_peer(parts: dict, cpu_smoke: bool) -> None:
     """Once the peer and speed_1b_2048 have both run: ayumi's tokens/s over the peer's as a row of speed_1b_2048 (the
     target is ayumi's), judged on a GPU when both trained the same tokens a step at the same length."""
     ours, peer = (parts.get(key, {}).get("figures") or {} for key in ("speed_1b_2048", "peer"))
-    if "tokens_per_s" not in ours or "tokens_per_s" not in peer:
+    if not ours.get("tokens_per_s") or not peer.get("tokens_per_s"):  # a partial result may have none yet
         return
     entry = parts["speed_1b_2048"]
     ratio, same = ours["tokens_per_s"] / peer["tokens_per_s"], same_work(ours, peer)
@@ -682,7 +834,7 @@ def compare_fp8(parts: dict, fp8: str, cpu_smoke: bool) -> None:
     judged on a GPU (issue 41: >= 1.25x at the 7B layers, >= 1.15x at 1b)."""
     bf16, target = FP8_SPEEDUP[fp8]
     ours, base = (parts.get(key, {}).get("figures") or {} for key in (fp8, bf16))
-    if "tokens_per_s" not in ours or "tokens_per_s" not in base:
+    if not ours.get("tokens_per_s") or not base.get("tokens_per_s"):
         return
     entry = parts[fp8]
     ratio = ours["tokens_per_s"] / base["tokens_per_s"]
@@ -804,10 +956,19 @@ def worker_correctness(args, work: Path) -> dict:
         procs[name] = start_training(run_overrides(work, name, device_of(args), *base, *extra), work / f"{name}.log")
         if args.cpu_smoke:  # two cores: one run at a time
             procs[name].wait()
-    for name, proc in procs.items():  # a failed run fails its own comparisons, not the others
-        if proc.wait() != 0:
-            failed[name] = last_error(work / f"{name}.log")
-    got = {name: losses(work / "runs" / name) for name in variants if name not in failed}
+    got, pending = {}, dict(procs)
+    while pending:  # as each run ends, the comparisons it completes go into the partial result
+        time.sleep(0.5)
+        for name, proc in list(pending.items()):
+            if proc.poll() is None:
+                continue
+            del pending[name]
+            if proc.returncode != 0:  # a failed run fails its own comparisons, not the others
+                failed[name] = last_error(work / f"{name}.log")
+            else:
+                got[name] = losses(work / "runs" / name)
+            if "base" in got:
+                write_partial(args, correctness_report(got, steps, failed))
     return correctness_report(got, steps, failed)
 
 
@@ -835,7 +996,9 @@ def correctness_report(got: dict[str, dict[int, float]], steps: int, failed: dic
     base = got["base"]
     if len(base) != steps:
         raise RuntimeError(f"the base run logged {len(base)} steps, not {steps}")
-    if "base_again" in failed:
+    if "base_again" not in got and "base_again" not in failed:
+        pass  # not finished yet (a partial result)
+    elif "base_again" in failed:
         rows.append(["two seeded runs", f"run failed: {failed['base_again']}", "identical", False])
         checks.append(check("seeded_runs_identical", False, f"base_again failed: {failed['base_again']}"))
     else:
@@ -852,6 +1015,8 @@ def correctness_report(got: dict[str, dict[int, float]], steps: int, failed: dic
              ("plain_loss", "base", BF16_TOLERANCE, "plain loss (whole logits) vs the fused one"),
              ("accum4", "base", BF16_TOLERANCE, "4 x micro 2 (fp32 accumulation) vs 1 x micro 8")]
     for name, ref, tolerance, label in pairs:
+        if name not in got and name not in failed:
+            continue  # not finished yet (a partial result)
         if name in failed:
             rows.append([label, f"run failed: {failed[name]}", f"<={tolerance}", False])
             checks.append(check(name, False, f"run failed: {failed[name]}"))
@@ -1108,22 +1273,35 @@ def worker_long_context(args, work: Path) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 comparisons below: no TF32 rounding in the matmuls
     device = device_of(args)
     checks, rows, figures = [], [], {}
+
+    def progress() -> dict:  # after each check: a part stopped at its limit keeps the ones it finished
+        summary = {"figures": figures, "rows": rows, "checks": checks}
+        write_partial(args, summary)
+        return summary
+
     gap, kernel = documents_alone_gap(device)
     figures.update(documents_alone_max_gap=gap, documents_alone_kernel=kernel)
     rows.append([f"packed documents vs each alone (fp32, restart positions; kernel {kernel})", f"max gap {gap:.2e}",
                  "<=1e-4", gap <= 1e-4])
     checks.append(check("documents_alone", gap <= 1e-4, f"largest per-token loss gap {gap:.2e} ({kernel})"))
+    progress()
     checks.append(document_kernel_rows(device, rows, figures))
+    progress()
     rope_gap = llama3_logits_gap(device, work)
     figures["llama3_logits_max_gap"] = rope_gap
     rows.append(["llama3 RoPE logits vs transformers (fp32)", f"max gap {rope_gap:.2e}", "<=1e-5", rope_gap <= 1e-5])
     checks.append(check("llama3_rope", rope_gap <= 1e-5, f"largest logit gap {rope_gap:.2e}"))
+    progress()
     checks += document_speed_rows(device, args.cpu_smoke, rows, figures)
+    figures["kernels"] = kernel_choices()
+    rows.append(["kernels this process chose (document attention; fp32-output GEMM)",
+                 kernels_text(figures["kernels"]), "", None])
+    progress()
     switched, detail = short_to_long_run(args, work)
     rows.append(["short-to-long curriculum, document masking (compiled on the GPU)", detail, "lengths as staged",
                  switched])
     checks.append(check("short_to_long", switched, detail))
-    return {"figures": figures, "rows": rows, "checks": checks}
+    return progress()
 
 
 def document_kernel_rows(device: str, rows: list, figures: dict) -> dict:

@@ -202,6 +202,7 @@ def plan_choice(overrides: list[str], seq: int, micro: int, gpu_bytes: int | Non
 
 
 def worker(args: argparse.Namespace) -> int:
+    import psutil
     import torch
 
     from bench.step_overhead import write_corpus
@@ -243,52 +244,85 @@ def worker(args: argparse.Namespace) -> int:
         overrides.append("train.device=cpu")
     cfg = to_object(compose_config(overrides))
     resolved = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    started = time.perf_counter()
     dinfo = init_distributed(cfg.train.device)
     trainer, logger = build_trainer(cfg, dinfo, resolved)
     trainer.engine.train()
     trainer.checkpoints.refresh()
+    # From the process's start (interpreter, imports, the corpus) to here, then the trainer's build (the model, its
+    # init, DeepSpeed's engine): what a part's time limit must hold before its first step.
+    startup = {"process_to_build": round(time.time() - psutil.Process().create_time() - (time.perf_counter() - started), 2),
+               "build_trainer": round(time.perf_counter() - started, 2)}
+    peak = peak_flops(dinfo.device)
+    # The plan of steady training, as the measurement after the warm-up describes it.
+    estimate = estimate_memory(memory_shape(cfg, dinfo.world_size, gqa_kernel=cuda))
+    result = {"micro_batch": micro, "checkpointing": policy, "seq_len": seq, "grad_accum": args.grad_accum,
+              "flops_per_token": trainer.figures.flops_per_token, "peak_flops": peak,
+              "planned_peak": estimate.peak_allocated, "planned_model_states": estimate.model_states,
+              "planned_terms": {t.name: t.bytes for t in estimate.terms}, "overrides": overrides,
+              "device": torch.cuda.get_device_name(0) if cuda else "cpu", "compiled": trainer.engine.compiled,
+              "startup_seconds": startup, "kernels": {}, "warmup_seconds": [], "step_seconds": []}
+    partial = Path(spec["out"] + ".partial")
 
-    def steps(n: int) -> list[float]:
-        """Run n steps; each step's wall time (the device synchronised at both ends)."""
-        times = []
+    def steps(n: int, into: list[float]) -> list[float]:
+        """Run n steps, appending each step's wall time (the device synchronised at both ends) to `into`; after each,
+        the result so far is rewritten to `partial` (a run stopped at its limit keeps its steps)."""
         for _ in range(n):
             start = time.perf_counter()
             outcome = trainer.step_once()
             if cuda:
                 torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
+            into.append(time.perf_counter() - start)
             if outcome.rolled_back or outcome.stability_stop or outcome.signal_stop:
                 raise RuntimeError(f"the run rolled back or stopped at step {trainer.state.step}: {outcome}")
-        return times
+            write_atomically(partial, measured(result, cfg, seq, cuda))
+        return into
 
-    warmup_times = steps(args.warmup)  # each step ends synchronised
+    steps(args.warmup, result["warmup_seconds"])  # each step ends synchronised
+    startup["first_step"] = result["warmup_seconds"][0] if result["warmup_seconds"] else None
+    result["kernels"] = kernel_choices()  # chosen by the first forward and backward
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    step_times = steps(args.steps)
-    seconds = sum(step_times)
-    max_allocated = torch.cuda.max_memory_allocated() if cuda else 0
+    steps(args.steps, result["step_seconds"])
+    result = measured(result, cfg, seq, cuda)
     # Between steps only the model states (weights, fp32 master, moments, the fp32 gradient) remain allocated.
-    at_rest = torch.cuda.memory_allocated() if cuda else 0
+    result["allocated_at_rest"] = torch.cuda.memory_allocated() if cuda else 0
     if args.profile:
-        write_profile(Path(args.profile), lambda: steps(2), cuda)
-    # The median step: one slow step (a host hiccup, a late recompile) does not move it.
-    tokens_per_s = cfg.train.global_batch_size * seq / statistics.median(step_times)
-    peak = peak_flops(dinfo.device)
-    # Measured after the warm-up (max_allocated above): the peak of steady training, as the plan describes it.
-    estimate = estimate_memory(memory_shape(cfg, dinfo.world_size, gqa_kernel=cuda))
-    planned = estimate.peak_allocated
-    result = {"micro_batch": micro, "checkpointing": policy, "seq_len": seq, "grad_accum": args.grad_accum,
-              "tokens_per_s": tokens_per_s, "seconds": seconds, "step_seconds": step_times,
-              "warmup_seconds": warmup_times, "flops_per_token": trainer.figures.flops_per_token, "peak_flops": peak,
-              "mfu": tokens_per_s * trainer.figures.flops_per_token / peak if peak else None,
-              "max_allocated": max_allocated, "planned_peak": planned, "allocated_at_rest": at_rest,
-              "planned_model_states": estimate.model_states,
-              "planned_terms": {t.name: t.bytes for t in estimate.terms}, "overrides": overrides,
-              "device": torch.cuda.get_device_name(0) if cuda else "cpu", "compiled": trainer.engine.compiled}
-    Path(spec["out"]).write_text(json.dumps(result))
+        write_profile(Path(args.profile), lambda: steps(2, []), cuda)
+    write_atomically(Path(spec["out"]), result)
     logger.close()
     finalize_distributed()
     return 0
+
+
+def measured(result: dict, cfg, seq: int, cuda: bool) -> dict:
+    """`result` with the figures of the timed steps so far: tokens/s of the median step (one slow step, a host hiccup
+    or a late recompile, does not move it), MFU, the seconds, and max_memory_allocated since the warm-up ended (the
+    peak of steady training; 0 before the first timed step)."""
+    import torch
+
+    times = result["step_seconds"]
+    tokens_per_s = cfg.train.global_batch_size * seq / statistics.median(times) if times else None
+    peak = result["peak_flops"]
+    return {**result, "tokens_per_s": tokens_per_s, "seconds": sum(times),
+            "mfu": tokens_per_s * result["flops_per_token"] / peak if peak and tokens_per_s else None,
+            "max_allocated": torch.cuda.max_memory_allocated() if cuda and times else 0}
+
+
+def kernel_choices() -> dict:
+    """Which document-attention kernel and which fp32-output GEMM path this process chose (pretrain/model's own
+    record of its probes; empty where a probe never ran)."""
+    from pretrain.model.chunked_loss import gemm_path_choices
+    from pretrain.model.documents import kernel_choices as document_kernels
+
+    return {"document_attention": document_kernels(), "fp32_output_gemm": gemm_path_choices()}
+
+
+def write_atomically(path: Path, result: dict) -> None:
+    """`result` as JSON at `path`, replaced whole: a reader (the acceptance driver) never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, path)
 
 
 def write_profile(path: Path, run_steps, cuda: bool) -> None:

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from bench.gpu_acceptance import PARTS, SCHEDULE
+from bench.gpu_acceptance import DIE_AFTER_PARTIAL, PARTS, SCHEDULE
 from tests.helpers import REPO
 
 pytestmark = pytest.mark.slow
@@ -99,15 +99,56 @@ def test_the_peer_trains_the_tokens_a_step_of_speed_1b_2048_and_is_compared(smok
     figures = peer["figures"]
     assert figures["tokens_per_s"] > 0 and len(figures["step_seconds"]) == 2 and figures["compiled"] is False
     assert figures["tokens_per_step"] == ours["figures"]["micro_batch"] * ours["figures"]["grad_accum"] * 64
-    assert figures["grad_accum"] > 1  # the accumulation path runs too
+    # Both layouts of the same tokens a step ran (the accumulation path too); the faster is the peer's figure.
+    layouts = figures["layouts"]
+    assert [(l["micro_batch"], l["grad_accum"]) for l in layouts] == [(1, 2), (2, 1)]
+    assert {l["tokens_per_step"] for l in layouts} == {figures["tokens_per_step"]}
+    assert figures["tokens_per_s"] == max(l["tokens_per_s"] for l in layouts)
+    # Its attention: the registered causal SDPA, seen in a profile of one step (SDPA's CPU flash op here).
+    assert figures["attention"] == "ayumi_peer_causal"
+    assert all(any("scaled_dot_product" in name for name in l["attention_kernels"]) for l in layouts)
     row = next(row for row in ours["rows"] if row[0].startswith("tokens/s over the peer's"))
     assert row[2] == ">=1.25" and row[3] is None and "not comparable" not in row[1]
+
+
+def test_the_speed_parts_record_start_up_and_the_kernels_chosen(smoke):
+    """Each speed part records its start-up (process to build, the trainer's build, the first step) and the kernels the
+    trainer's process chose; long_context records the kernels too."""
+    _, results, _ = smoke
+    figures = results["parts"]["speed_1b_2048"]["figures"]
+    startup = figures["startup_seconds"]
+    assert startup["process_to_build"] > 0 and startup["build_trainer"] > 0 and startup["first_step"] > 0
+    assert set(figures["kernels"]) == {"document_attention", "fp32_output_gemm"}
+    assert set(results["parts"]["long_context"]["figures"]["kernels"]) == {"document_attention", "fp32_output_gemm"}
+
+
+def test_the_expected_total_is_printed_before_the_run(smoke):
+    proc, _, _ = smoke
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("[acceptance] ") and "parts (" in line)
+    assert f"{len(PARTS)} parts (" in line and "budget 1500 s" in line
 
 
 def test_the_profile_comes_back_beside_the_results(smoke):
     _, _, root = smoke
     profile = (root / "out" / "profile_1b.txt").read_text()
     assert profile.startswith("# 2 steps profiled:") and "Name" in profile
+
+
+def test_a_part_killed_midway_keeps_what_it_measured(tmp_path):
+    """The peer is killed (SIGKILL) right after its first layout: the table keeps that layout's rows, marked partial,
+    and the run goes on to the next part."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--cpu-smoke", "--out", str(tmp_path / "out"), "--work",
+                           str(tmp_path / "work"), "--parts", "peer,env"], cwd=REPO,
+                          env={**env(), DIE_AFTER_PARTIAL: "peer"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    parts = json.loads((tmp_path / "out" / "results.json").read_text())["parts"]
+    peer = parts["peer"]
+    assert peer["status"] == "error" and peer["partial"] is True and peer["exit"] == -signal.SIGKILL
+    assert [(l["micro_batch"], l["grad_accum"]) for l in peer["figures"]["layouts"]] == [(1, 2)]
+    assert peer["rows"][-1][0] == "partial result" and "failed" in peer["rows"][-1][1]
+    assert parts["env"]["status"] == "passed"
+    table = (tmp_path / "out" / "results.md").read_text()
+    assert "micro 1 x accum 2: tokens/s per GPU" in table and "partial result" in table
 
 
 def test_a_part_over_its_limit_is_recorded_and_the_next_still_runs(tmp_path):
