@@ -196,9 +196,10 @@ def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict,
     downstream = downstream_tasks(cfg, tokenizer, dist)  # a mistake in a task file stops the run here, untrained
 
     check_fp8(cfg, dist.device.type, dist.device.index)  # before the model: one line, not a rank's traceback
-    torch.manual_seed(cfg.train.seed)  # same init on every rank
+    # The same init on every rank, drawn from cfg.train.seed (build_model). A run that starts from a checkpoint draws
+    # nothing: resume_start below loads one or stops the run (a fallback only ever picks an older checkpoint).
     model = build_model(lambda init_weights: Llama(cfg.model, init_weights=init_weights), cfg, dist,
-                        initial=None if start else hf_initial_weights(cfg))
+                        initial=None if start else hf_initial_weights(cfg), from_checkpoint=start is not None)
     announce_fp8(cfg, convert_to_fp8(model, cfg.model.fp8, cfg.model.fp8_emulate), dist)  # before DeepSpeed, compile
     engine = TrainEngine(model, cfg, dist)
     checkpointer.expected_bytes = checkpoint_shape(cfg, count_parameters(cfg.model)).size  # the precision is settled

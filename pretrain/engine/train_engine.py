@@ -7,14 +7,12 @@ docs/deepspeed-on-cpu.md are handled here once.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 import deepspeed
 import torch.distributed as dist
@@ -27,6 +25,7 @@ from pretrain.config import (
 from pretrain.engine.grad_accum import Fp32GradAccumulator, fp32_accumulation_by
 from pretrain.engine.optimizer import param_groups
 from pretrain.model.config import ModelConfig
+from pretrain.model.llama import draw_each
 from pretrain.model.tensor_parallel import shard_dim
 from pretrain.engine.distributed import DistInfo, deepspeed_mpu, sequence_parallel_group, tensor_parallel_group
 from pretrain.engine.ds_config import render_ds_config
@@ -61,60 +60,6 @@ class StepResult:
     """fp16 dynamic loss scale after the step (None in bf16/fp32)."""
 
 
-class _DrawOnCpu(TorchFunctionMode):
-    """Under ZeRO-3 construction, each random fill runs on a CPU tensor of its target's shape, then is copied in.
-
-    deepspeed.zero.Init makes each tensor on the accelerator, so `nn.Linear`'s and `nn.Embedding`'s own
-    initializers would draw from the GPU's generator, where the whole model (built on the CPU) draws from the
-    CPU's: the CPU generator would then stand elsewhere when the real init begins, and every weight would
-    differ. Drawn here in `dtype` (the default dtype, which the whole model's parameters have) the fills
-    consume exactly the CPU random numbers the whole model's construction does, whatever device or dtype the
-    parameter lives in. Their values are overwritten by `init_parameter` afterwards; only the draws matter.
-    """
-
-    # What initializers call (nn.init and the in-place fills it rests on); creators such as torch.randn are
-    # not covered, and no ayumi module uses one while it is built.
-    FILLS = frozenset([
-        torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.random_, torch.Tensor.bernoulli_,
-        torch.Tensor.exponential_, torch.Tensor.geometric_, torch.Tensor.cauchy_, torch.Tensor.log_normal_,
-        torch.nn.init.uniform_, torch.nn.init.normal_, torch.nn.init.trunc_normal_, torch.nn.init.kaiming_uniform_,
-        torch.nn.init.kaiming_normal_, torch.nn.init.xavier_uniform_, torch.nn.init.xavier_normal_,
-        torch.nn.init.orthogonal_, torch.nn.init.sparse_,
-    ])
-
-    def __init__(self, dtype: torch.dtype):
-        super().__init__()
-        self.dtype = dtype
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        # A Tensor method gets its tensor first; nn.init's functions reach a mode with every argument by name.
-        target = (args[0] if args else kwargs.get("tensor")) if func in self.FILLS else None
-        if not isinstance(target, torch.Tensor):
-            return func(*args, **kwargs)
-        # new_empty, not torch.empty: zero.Init replaces torch.empty with one that casts to the training dtype.
-        scratch = target.new_empty(target.shape, dtype=self.dtype if target.is_floating_point() else target.dtype,
-                                   device="cpu")
-        if args:
-            func(scratch, *args[1:], **kwargs)
-        else:
-            func(**{**kwargs, "tensor": scratch})
-        with torch.no_grad():
-            target.copy_(scratch)
-        return target
-
-
-def initial_value(model: torch.nn.Module, name: str, shape: torch.Size) -> torch.Tensor:
-    """Parameter `name`'s initial value by the model's own rule (`init_parameter`), drawn on the CPU.
-
-    A fresh CPU tensor of the whole parameter's shape in the default dtype is what `init_weights` fills when
-    the model is built whole, so the value, and the CPU random numbers consumed, are the same bit for bit;
-    copying it into a parameter of another dtype rounds it as casting the whole model does."""
-    value = torch.empty(shape, dtype=torch.get_default_dtype(), device="cpu")
-    model.init_parameter(name, value)
-    return value
-
-
 def forget_warm_up_step(optimizer) -> bool:
     """Undo the AdamW step DeepSpeed's stage-0 low-precision wrapper takes on zero gradients to create the
     optimizer states (FP16_UnfusedOptimizer.initialize_optimizer_states, DeepSpeed 0.19); True when it did.
@@ -142,42 +87,76 @@ def forget_warm_up_step(optimizer) -> bool:
     return True
 
 
-def build_model(factory, cfg: AyumiConfig, dist_info: DistInfo, initial=None) -> torch.nn.Module:
-    """The model from `factory(init_weights: bool)`, partitioned as it is built under ZeRO-3.
+def build_model(factory, cfg: AyumiConfig, dist_info: DistInfo, initial=None,
+                from_checkpoint: bool = False) -> torch.nn.Module:
+    """The model from `factory(init_weights=False)`, partitioned as it is built under ZeRO-3, and its initial weights.
 
     With `deepspeed.zero3_init` on stage 3 every parameter is cut across ranks as soon as its
     module exists (deepspeed.zero.Init), so no rank ever holds the whole model: what makes a 7B+
     model fit nodes whose host memory cannot hold one copy per GPU. Each parameter is then
-    gathered in turn, initialized on rank 0 by the model's own rule and scattered back.
+    gathered in turn, initialized on rank 0 and scattered back. ZeRO 0-2 build the whole model on the CPU, where
+    nothing is drawn (Llama skips the modules' own initializers), and DeepSpeed moves what is left there.
 
-    Either way the initial weights are those of `factory(init_weights=True)` built on the CPU from the
-    same seed, bit for bit, on any device: every random number comes from the CPU generator, in the same
-    order. ZeRO 0-2 build the whole model on the CPU (DeepSpeed moves it later). Under ZeRO-3 the
-    parameters live on the accelerator, whose generator is another one, so rank 0 replays the
-    construction's fills on the CPU (_DrawOnCpu) and draws each parameter's values into a CPU tensor
-    (initial_value) before copying them in.
+    The initial weights are drawn on the training device (`dist_info.device`), each parameter from its own
+    generator seeded from (`cfg.train.seed`, its name) (Llama.init_parameter): the same seed gives the same
+    weights at every ZeRO stage, on every rank, on any number of ranks, on devices of one type (a GPU's differ
+    from a CPU's). Nothing is taken from the global generators. Under ZeRO-3 the gathered parameter lives on the
+    device and is drawn in place; under ZeRO 0-2 each parameter's values are drawn on the device and become the
+    parameter there (with tensor parallelism they are copied into the CPU model instead, which DeepSpeed cuts
+    before it moves it: no GPU holds the whole model).
 
     `initial(name)`, when given, returns the starting tensor of each parameter instead (a Hugging
     Face folder, model.init_from): under ZeRO-3 only rank 0 reads it, one tensor at a time.
+    `from_checkpoint`: a checkpoint load will overwrite every weight (a resume, checkpoint.load_from): nothing is
+    drawn, read or gathered; the parameters are zeros (on the training device under ZeRO 0-2 without tensor
+    parallelism), so nothing that reads them before the load meets uninitialized memory.
     """
+    seed = cfg.train.seed
+    device = torch.device(dist_info.device)
+    if from_checkpoint:
+        initial = None  # the checkpoint's weights replace model.init_from's too
     if cfg.deepspeed.zero_stage != 3 or not cfg.deepspeed.zero3_init:
-        with torch.device("cpu"):  # the CPU generator, even where a caller made another device the default
-            model = factory(init_weights=initial is None)
+        with torch.device("cpu"):  # where DeepSpeed expects it, even where a caller made another device the default
+            model = factory(init_weights=False)
         if initial is not None:
             with torch.no_grad():
                 for name, param in model.named_parameters():
                     param.copy_(initial(name))
+            return model
+        whole_on_cpu = dist_info.tensor_parallel > 1  # AutoTP cuts the CPU model; only the slices reach a GPU
+
+        @torch.no_grad()
+        def draw(name: str, param: torch.Tensor) -> None:
+            here = param.device.type == device.type  # the CPU; else the values are made on the device
+            value = param if here else torch.empty(param.shape, dtype=param.dtype, device=device)
+            if from_checkpoint:
+                value.zero_()
+            else:
+                model.init_parameter(name, value, seed)
+            if value is param:
+                return
+            if whole_on_cpu:
+                param.copy_(value)
+            else:
+                param.data = value
+
+        draw_each(list(model.named_parameters()), draw, on_cpu=device.type == "cpu")
         return model
-    draws = dist_info.is_main and initial is None  # only rank 0's values are kept (GatheredParameters below)
-    replay = _DrawOnCpu(torch.get_default_dtype()) if draws else contextlib.nullcontext()
-    with deepspeed.zero.Init(config_dict_or_path=render_ds_config(cfg, dist_info.world_size)), replay:
+    with deepspeed.zero.Init(config_dict_or_path=render_ds_config(cfg, dist_info.world_size)):
         model = factory(init_weights=False)
+    if from_checkpoint:  # each rank's own partitions, no exchange
+        with torch.no_grad():
+            for param in model.parameters():
+                getattr(param, "ds_tensor", param).zero_()
+        return model
     for name, param in model.named_parameters():
         with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
-            if dist_info.is_main:
-                value = initial_value(model, name, param.shape) if initial is None else initial(name)
+            if dist_info.is_main:  # only rank 0's values are kept: the others skip the draw
                 with torch.no_grad():
-                    param.copy_(value)
+                    if initial is None:
+                        model.init_parameter(name, param, seed)  # on the device the gathered parameter lives on
+                    else:
+                        param.copy_(initial(name))
     return model
 
 

@@ -6,13 +6,17 @@ the module as it is. Counting (parameters, FLOPs) is in `pretrain/model/flops.py
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from pretrain.model.chunked_loss import LMHead
@@ -42,6 +46,50 @@ class LlamaOutput:
     """[B, T, vocab] in the model dtype; only when return_logits or labels is None."""
 
 
+def parameter_seed(seed: int, name: str) -> int:
+    """The seed of parameter `name`'s own generator: 64 bits of BLAKE2b over the run's seed and the name (stable
+    across processes and Python versions, where Python's own hash of a string is salted per process)."""
+    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+class SkipInitializers(TorchFunctionMode):
+    """While active, the random initializers modules call as they are built (nn.Linear's kaiming_uniform_ and
+    uniform_, nn.Embedding's normal_) leave their tensor as it is: Llama.init_parameter sets every value afterwards,
+    so those draws only cost time (once the larger part of a CPU start-up). Works inside deepspeed.zero.Init."""
+
+    FILLS = frozenset([
+        torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.random_, torch.Tensor.bernoulli_,
+        torch.Tensor.exponential_, torch.Tensor.geometric_, torch.Tensor.cauchy_, torch.Tensor.log_normal_,
+        torch.nn.init.uniform_, torch.nn.init.normal_, torch.nn.init.trunc_normal_, torch.nn.init.kaiming_uniform_,
+        torch.nn.init.kaiming_normal_, torch.nn.init.xavier_uniform_, torch.nn.init.xavier_normal_,
+        torch.nn.init.orthogonal_, torch.nn.init.sparse_,
+    ])
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.FILLS:  # a Tensor method gets its tensor first; nn.init's functions pass it by name
+            return args[0] if args else kwargs.get("tensor")
+        return func(*args, **kwargs)
+
+
+def draw_each(named: list[tuple[str, Tensor]], draw: Callable[[str, Tensor], None], on_cpu: bool) -> None:
+    """`draw(name, tensor)` for each pair. Drawn on the CPU (`on_cpu`), several run at once, one per intra-op
+    thread (a CPU's normal_ runs on one thread; each parameter has its own generator, so the order changes no
+    value, and torch releases the GIL inside its kernels); on an accelerator one after another (each draw
+    fills the device).
+    `draw` must turn gradients off itself: grad mode is per thread."""
+    threads = min(torch.get_num_threads(), len(named))
+    if threads < 2 or not on_cpu:
+        for name, tensor in named:
+            draw(name, tensor)
+        return
+    largest_first = sorted(named, key=lambda item: -item[1].numel())  # the pool ends with small ones: balanced
+    with ThreadPoolExecutor(threads) as pool:
+        for future in [pool.submit(draw, name, tensor) for name, tensor in largest_first]:
+            future.result()
+
+
 class Decoder(nn.Module):
     """Embedding, blocks and final norm; named `model` inside Llama to match HF's `LlamaModel`."""
 
@@ -57,41 +105,57 @@ class Decoder(nn.Module):
 class Llama(nn.Module):
     """Decoder-only Llama (RMSNorm, RoPE, SwiGLU, GQA) with ayumi's stability options."""
 
-    def __init__(self, cfg: ModelConfig, init_weights: bool = True):
-        """`init_weights=False` leaves the init to the caller: under ZeRO-3's partitioned
-        construction the parameters are gone from this process by the time __init__ ends, and
-        pretrain.engine.train_engine.build_model gathers each one to apply `init_parameter`."""
+    def __init__(self, cfg: ModelConfig, init_weights: bool = True, seed: int | None = None):
+        """Built without the modules' own initializers (nothing is drawn while the layers are made), then
+        initialized by `init_weights(seed)`. `init_weights=False` leaves the init to the caller: the parameters
+        hold whatever memory they were given (pretrain.engine.train_engine.build_model draws them on the
+        training device, copies a Hugging Face folder in, or leaves them to a checkpoint load)."""
         super().__init__()
         validate_config(cfg)
         if cfg.attention == "document" and cfg.document_end_id < 0:
             raise ModelConfigError("model.attention=document needs model.document_end_id, the token that ends a "
                                    "document (training takes it from the data's manifest)")
         self.cfg = cfg
-        self.model = Decoder(cfg)
-        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size)
+        with SkipInitializers():  # init_parameter sets every value: nn.Linear's and nn.Embedding's draws are waste
+            self.model = Decoder(cfg)
+            self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.recompute = [""] * cfg.num_layers  # per block: "", "block", "attention" or "mlp"
         self.sequence: SequenceSlice | None = None  # this rank's slice under sequence parallelism (in training)
         if init_weights:
-            self.init_weights()
+            self.init_weights(seed)
 
     @torch.no_grad()
-    def init_weights(self) -> None:
-        """Llama init: N(0, std) for matrices, std/sqrt(2L) for residual outputs, norms = 1."""
-        for name, p in self.named_parameters():  # fixed order: deterministic under torch.manual_seed
-            self.init_parameter(name, p)
+    def init_weights(self, seed: int | None = None) -> None:
+        """Llama init: N(0, std) for matrices, std/sqrt(2L) for residual outputs, norms = 1.
+
+        Each parameter draws from a generator of its own, seeded from (`seed`, its name) (parameter_seed) on the
+        device it lives on, so the values depend on neither the order of the draws nor on what else was drawn:
+        on a CPU they are drawn by several threads at once. `seed=None`: the seed the CPU generator was last
+        given (torch.initial_seed(), so `torch.manual_seed(s); Llama(cfg)` equals build_model's model at seed s)."""
+        seed = torch.initial_seed() if seed is None else seed
+        named = list(self.named_parameters())
+        draw_each(named, lambda name, p: self.init_parameter(name, p, seed), all(p.is_cpu for _, p in named))
 
     @torch.no_grad()
-    def init_parameter(self, name: str, p: Tensor) -> None:
-        """Initialize one (whole) parameter in place, by its name."""
+    def init_parameter(self, name: str, p: Tensor, seed: int) -> None:
+        """Initialize one (whole) parameter in place by its name, from its own generator on `p`'s device.
+
+        Drawn in fp32 and rounded into `p`'s dtype, so a bf16 parameter (ZeRO-3's partitioned build) holds the
+        fp32 model's values cast, as a whole model cast to bf16 does. The same (seed, name, shape) gives the same
+        values on every device of one type; a CPU's and a GPU's generators give different ones."""
         if p.ndim == 1:
             p.fill_(1.0)  # only norm scales are 1-D
-        elif name.endswith(("o_proj.weight", "down_proj.weight")):
-            residual_std = self.cfg.init_std / math.sqrt(2 * self.cfg.num_layers)
-            p.normal_(0.0, residual_std)  # keeps the residual stream's variance flat in depth
-        else:
-            p.normal_(0.0, self.cfg.init_std)
+            return
+        std = self.cfg.init_std
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            std = std / math.sqrt(2 * self.cfg.num_layers)  # keeps the residual stream's variance flat in depth
+        generator = torch.Generator(device=p.device).manual_seed(parameter_seed(seed, name))
+        value = p if p.dtype == torch.float32 else torch.empty(p.shape, dtype=torch.float32, device=p.device)
+        value.normal_(0.0, std, generator=generator)
+        if value is not p:
+            p.copy_(value)
 
     def compile_for(self, mode: str, device_type: str) -> str:
         """Apply model.compile in place (parameter names unchanged); returns what was done: off, blocks or full.

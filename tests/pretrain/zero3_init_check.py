@@ -3,9 +3,10 @@
 Builds the cpu_tiny model through pretrain.engine.train_engine.build_model with deepspeed.zero3_init on, and
 writes OUT_DIR/rank<N>.json per rank (OUT_DIR = argv[1]): whether every parameter was partitioned at construction (no rank
 held it whole), whether each one, gathered, equals the same-seed model built whole (cast to the
-training dtype), whether the weight-decay groups came out the same, and on rank 0 (the rank that draws the
-initial values) whether the CPU random generator ends where the whole model's build leaves it. It leaves
-through exit_process, as pretrain.train does: a plain end of the script could abort in Python's shutdown.
+training dtype), whether the weight-decay groups came out the same, and whether the global CPU random generator
+is where it was before the build (each parameter draws from a generator of its own, seeded from cfg.train.seed
+and its name). It leaves through exit_process, as pretrain.train does: a plain end of the script could abort in
+Python's shutdown.
 """
 import json
 import os
@@ -26,12 +27,11 @@ import deepspeed  # noqa: E402  (test code may import it: the check is about Dee
 cfg = to_object(compose_config(["experiment=cpu_tiny", "model.vocab_size=512", "deepspeed.zero_stage=3",
                                    "deepspeed.zero3_init=true", "deepspeed.precision=bf16"]))
 dist = init_distributed("cpu")
-torch.manual_seed(cfg.train.seed)
+torch.manual_seed(cfg.train.seed + 1000 * dist.rank)  # each rank's own stream, as pretrain.train sets it later
+generator_before = torch.get_rng_state()
 model = build_model(lambda init_weights: Llama(cfg.model, init_weights=init_weights), cfg, dist)
-generator_after = torch.get_rng_state()
-torch.manual_seed(cfg.train.seed)
-whole = Llama(cfg.model).to(torch.bfloat16)
-same_generator = torch.equal(generator_after, torch.get_rng_state()) if dist.is_main else None
+same_generator = torch.equal(generator_before, torch.get_rng_state())
+whole = Llama(cfg.model, seed=cfg.train.seed).to(torch.bfloat16)
 
 expected = dict(whole.named_parameters())
 partitioned = all(p.numel() == 0 and 0 < p.ds_tensor.numel() < p.ds_numel for p in model.parameters())
