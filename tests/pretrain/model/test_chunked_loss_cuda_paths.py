@@ -116,7 +116,8 @@ def compile_failures() -> list[BaseException]:
     from torch._inductor.exc import InductorError
 
     return [BackendCompilerFailed(chunk_loss_terms, RuntimeError("Cannot find a working triton installation"), None),
-            InductorError(RuntimeError("NoValidChoicesError"), None), TritonCompilationError("at 12:4: out of resources")]
+            InductorError(RuntimeError("NoValidChoicesError"), None),
+            TritonCompilationError("at 12:4: out of resources")]
 
 
 @pytest.mark.parametrize("err", compile_failures(), ids=["backend", "inductor", "triton"])
@@ -237,7 +238,8 @@ def test_addmm_failing_leaves_mm_on(no_gemm_answers, monkeypatch, capsys):
     monkeypatch.setattr(torch, "addmm", addmm)
     kinds = chunked_loss._fp32_out_kind.__wrapped__(CudaNamedCpu("cpu"))
     assert kinds == {"mm": "out_dtype", "addmm": "cast"}
-    assert capsys.readouterr().err.strip() == "ayumi: the fused LM-head loss's fp32-output GEMMs on cpu: mm out_dtype, addmm cast"
+    said = capsys.readouterr().err.strip()
+    assert said == "ayumi: the fused LM-head loss's fp32-output GEMMs on cpu: mm out_dtype, addmm cast"
     assert chunked_loss.gemm_path_choices() == {"cpu": {"mm": "out_dtype", "addmm": "cast"}}
 
     # and the loss's products follow each answer: the logits by mm with out_dtype, the accumulation by a cast
