@@ -91,14 +91,15 @@ class Part:
 
 PARTS = {p.key: p for p in [
     Part("env", "a", "environment and a dense bf16 GEMM", 60),
-    Part("correctness", "d", "correctness on the GPU (small model, 30 steps)", 60),
+    Part("correctness", "d", "correctness on the GPU (small model, 30 steps)", 70),
     Part("checkpoint_kill", "e", "kill -9 during an asynchronous write, then resume", 180),
     Part("stability", "f", "an injected spike: detected, rolled back, batches skipped", 180),
     Part("long_context", "h", "document masking, llama3 RoPE against transformers, short to long", 60),
-    Part("peer", "b", "the peer: a plain PyTorch loop (transformers, torch.compile, autocast), 1b, seq 2048", 75),
-    Part("speed_1b_2048", "b", "1b, seq 2048, compiled blocks, no checkpointing", 45),
-    Part("speed_1b_4096", "b", "1b, seq 4096, compiled blocks, no checkpointing", 40),
-    Part("speed_7b_layers", "b", "Llama-2-7B layers (4), seq 2048, compiled blocks", 40),
+    Part("peer", "b", "the peer: a plain PyTorch loop (transformers, torch.compile, autocast), 1b, seq 2048", 110),
+    Part("peer_torchtitan", "b", "the second peer: torchtitan's Llama 3 model and trainer, 1b shape, seq 2048", 80),
+    Part("speed_1b_2048", "b", "1b, seq 2048, compiled blocks, no checkpointing", 55),
+    Part("speed_1b_4096", "b", "1b, seq 4096, compiled blocks, no checkpointing", 45),
+    Part("speed_7b_layers", "b", "Llama-2-7B layers (4), seq 2048, compiled blocks", 45),
     Part("profile_1b", "b", "1b, seq 2048: the kernels by GPU time over 2 profiled steps (for tuning)", 35),
     Part("checkpoint_save", "e", "asynchronous vs synchronous save of the 1b model", 150),
     Part("demo_train", "g", "the demo's training phase", 180),
@@ -109,7 +110,8 @@ PARTS = {p.key: p for p in [
     Part("fp8_loss", "i", "125m, 300 steps: bf16 against FP8 tensorwise and rowwise, same seed and data", 180),
 ]}
 SCHEDULE = [["env"], ["correctness", "checkpoint_kill", "stability"], ["long_context"], ["peer"], ["speed_1b_2048"],
-            ["speed_1b_4096"], ["speed_7b_layers"], ["profile_1b"], ["checkpoint_save"], ["demo_train"],
+            ["speed_1b_4096"], ["speed_7b_layers"], ["profile_1b"], ["peer_torchtitan"], ["checkpoint_save"],
+            ["demo_train"],
             ["speed_1b_plan"], ["speed_1b_plain_loss"], ["speed_1b_fp8"], ["speed_7b_layers_fp8"], ["fp8_loss"]]
 """Batches in order; the parts of one batch run at the same time (small models: the GPU is shared)."""
 DEFAULT_PARTS = ["correctness", "long_context", "peer", "speed_1b_2048", "speed_1b_4096", "speed_7b_layers",
@@ -263,6 +265,8 @@ def run_batch(keys: list[str], args, work: Path, out: Path, report: dict, deadli
             del running[key]
             if key in ("peer", "speed_1b_2048"):  # the second of the two to finish adds the comparison
                 compare_with_peer(report["parts"], args.cpu_smoke)
+            if key in ("peer_torchtitan", "speed_1b_2048"):
+                compare_with_torchtitan(report["parts"])
             for fp8, (bf16, _) in FP8_SPEEDUP.items():
                 if key in (fp8, bf16):
                     compare_fp8(report["parts"], fp8, args.cpu_smoke)
@@ -289,15 +293,23 @@ def start_part(key: str, args, work: Path, limit: float) -> dict:
         cmd += ["--demo-data", str(Path(args.demo_data).resolve())]
     handle = open(log, "w")
     # A session of its own: a part over its limit is killed with every process it started.
-    proc = subprocess.Popen(cmd, cwd=REPO, env=part_env(args.cpu_smoke), stdout=handle, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(cmd, cwd=REPO, env=part_env(args.cpu_smoke, key), stdout=handle, stderr=subprocess.STDOUT,
                             start_new_session=True)
     handle.close()
     return {"proc": proc, "log": log, "result": result, "started": time.monotonic(), "deadline": time.monotonic() + limit}
 
 
-def part_env(cpu_smoke: bool) -> dict[str, str]:
+def part_env(cpu_smoke: bool, key: str = "") -> dict[str, str]:
+    """A part's environment: the repository importable, W&B off, no rank variables of an enclosing launcher; the
+    torchtitan part also sees the folder torchtitan is installed in (bench/torchtitan_peer.py: never ayumi's own
+    environment)."""
+    from bench.torchtitan_peer import site_folder
+
+    paths = [str(REPO), os.environ.get("PYTHONPATH", "")]
+    if key == "peer_torchtitan" and site_folder():
+        paths.insert(1, site_folder())
     env = dict(os.environ, WANDB_MODE="disabled", WANDB_SILENT="true", PYTHONUNBUFFERED="1",
-               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+               PYTHONPATH=os.pathsep.join(path for path in paths if path))
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"):
         env.pop(key, None)
     if cpu_smoke:
@@ -379,6 +391,11 @@ def result_lines(parts: dict) -> list[str]:
         # Judged on the ratio; never ok when the two trained different tokens a step or lengths.
         lines.append(result_line("gpu_acceptance_vs_peer", ours["tokens_per_s"], peer["tokens_per_s"],
                                  f">={PEER_TARGET}", unit="tok/s", ok=None if same_work(ours, peer) else False))
+    titan = parts.get("peer_torchtitan", {}).get("figures") or {}
+    if ours.get("tokens_per_s") and titan.get("tokens_per_s"):
+        # Shown, not judged (a study): torchtitan is the field's reference loop, beside the plain recipe's bar.
+        lines.append(result_line("gpu_acceptance_vs_torchtitan", ours["tokens_per_s"], titan["tokens_per_s"],
+                                 f">={PEER_TARGET}", unit="tok/s", study=True))
     documents = parts.get("long_context", {}).get("figures")
     if documents and "document_step_ms" in documents:
         # ~512-token documents in 4096-token samples: the varlen kernel skips the attention between documents.
@@ -823,6 +840,89 @@ def compare_with_peer(parts: dict, cpu_smoke: bool) -> None:
         entry["checks"].append(check("vs_peer", ok, detail))
         if not ok and entry["status"] == "passed":
             entry["status"] = "failed"
+
+
+def compare_with_torchtitan(parts: dict) -> None:
+    """Once torchtitan and speed_1b_2048 have both run: ayumi's tokens/s over torchtitan's as a row of speed_1b_2048,
+    shown, not judged (the RESULT line is a study)."""
+    ours, titan = (parts.get(key, {}).get("figures") or {} for key in ("speed_1b_2048", "peer_torchtitan"))
+    if not ours.get("tokens_per_s") or not titan.get("tokens_per_s"):
+        return
+    ratio, same = ours["tokens_per_s"] / titan["tokens_per_s"], same_work(ours, titan)
+    detail = (f"{ours['tokens_per_s']:,.0f} / {titan['tokens_per_s']:,.0f} tokens/s = {ratio:.2f}"
+              + ("" if same else " (NOT the same tokens a step and length: not comparable)"))
+    parts["speed_1b_2048"]["rows"].append(["tokens/s over torchtitan's (its Llama 3 and trainer, part peer_torchtitan)",
+                                           detail, "shown", None])
+
+
+# -- b. the second peer: torchtitan -----------------------------------------------------------------------------
+TORCHTITAN = {"shape": "1b", "seq": 2048, "micro": 16, "accum": 2, "warmup": 3, "steps": 6}
+"""On the GPU: speed_1b_2048's model (torchtitan's flavor of it), length and layout (16 x 2 x 2048 tokens a step)."""
+
+
+def worker_peer_torchtitan(args, work: Path) -> dict:
+    """The second peer (bench/torchtitan_peer.py): the shape check everywhere (torchtitan's model of ayumi's 1b preset
+    against ayumi's, on the meta device); on a GPU also torchtitan's own trainer at speed_1b_2048's layout: median
+    tokens/s, MFU by ayumi's FLOP count, max allocated, the attention kernels of one profiled step. A CPU trains
+    nothing (torchtitan's trainer is CUDA-only)."""
+    import torch
+
+    from bench import torchtitan_peer
+    from pretrain.model.flops import peak_flops
+
+    cfg = peer_config(TORCHTITAN)
+    shape = torchtitan_peer.shape_check(cfg.model, TORCHTITAN["seq"])
+    summary = {"figures": {"shape": shape}, "rows": torchtitan_shape_rows(shape),
+               "checks": [check("torchtitan_shape", shape["same_params"],
+                                f"{shape['params_torchtitan']:,} parameters against ayumi's {shape['params_ayumi']:,}")]}
+    write_partial(args, summary)
+    if args.cpu_smoke or not torch.cuda.is_available():
+        summary["rows"].append(["training", "not on a CPU: torchtitan's trainer runs on CUDA only", "", None])
+        return summary
+    peak = peak_flops(torch.device("cuda"))
+
+    def progress(figures: dict) -> None:
+        write_partial(args, torchtitan_summary(summary, figures, shape, peak))
+
+    spec = TORCHTITAN
+    figures = torchtitan_peer.train(cfg, spec["seq"], spec["micro"], spec["accum"], spec["warmup"], spec["steps"],
+                                    str(work / "torchtitan"), progress)
+    return torchtitan_summary(summary, figures, shape, peak)
+
+
+def torchtitan_shape_rows(shape: dict) -> list:
+    """The shape check as table rows: parameters and FLOPs per token of both models."""
+    return [["model", f"torchtitan Llama3Model, flavor {shape['flavor']}, attention {shape['attention']}", "", None],
+            ["parameters: torchtitan / ayumi's 1b preset", f"{shape['params_torchtitan']:,} / {shape['params_ayumi']:,}",
+             "equal", shape["same_params"]],
+            ["FLOPs per token at seq 2048: torchtitan's count / ayumi's",
+             f"{shape['flops_per_token_torchtitan'] / 1e9:.2f} / {shape['flops_per_token_ayumi'] / 1e9:.2f} GFLOP "
+             "(MFU below uses ayumi's)", "", None]]
+
+
+def torchtitan_summary(summary: dict, figures: dict, shape: dict, peak: float | None) -> dict:
+    """The shape check's rows and checks with the training figures so far."""
+    tokens = figures.get("tokens_per_s")
+    figures = {**figures, "shape": shape, "flops_per_token": shape["flops_per_token_ayumi"], "peak_flops": peak,
+               "mfu": tokens * shape["flops_per_token_ayumi"] / peak if tokens and peak else None, "compiled": True}
+    rows = [*summary["rows"],
+            ["setting", f"torchtitan Trainer: micro {figures['micro_batch']} x seq {figures['seq_len']} x accum "
+                        f"{figures['grad_accum']}, FSDP2 on one rank (bf16 compute, fp32 parameters), compiled blocks "
+                        "and loss, chunked loss, AdamW", "", None],
+            ["trainer build (model, compile set-up, optimizer)", f"{figures['build_seconds']:.1f} s", "", None]]
+    if figures["warmup_seconds"]:
+        rows.append(["first step (compilation)", f"{figures['warmup_seconds'][0]:.1f} s", "", None])
+    if tokens:
+        mfu = f", MFU {100 * figures['mfu']:.1f}%" if figures["mfu"] else ""
+        rows.append(["tokens/s per GPU (median step)", f"{tokens:,.0f} ({len(figures['step_seconds'])} timed "
+                     f"steps){mfu}, max allocated {figures['max_allocated'] / 2**30:.1f} GiB", "", None])
+    if figures.get("attention_kernels") is not None:
+        rows.append(["attention kernels (one profiled step)", ", ".join(figures["attention_kernels"][:3]) or "none found",
+                     "", None])
+    checks = list(summary["checks"])
+    if "losses_finite" in figures:
+        checks.append(check("torchtitan_trained", figures["losses_finite"], f"losses {figures['losses']}"))
+    return {"figures": figures, "rows": rows, "checks": checks}
 
 
 FP8_SPEEDUP = {"speed_1b_fp8": ("speed_1b_2048", 1.15), "speed_7b_layers_fp8": ("speed_7b_layers", 1.25)}
@@ -1501,7 +1601,8 @@ def document_step_times(device: str, cpu_smoke: bool) -> dict[str, tuple[float, 
 
 WORKERS = {"env": worker_env, "correctness": worker_correctness, "checkpoint_kill": worker_checkpoint_kill,
            "stability": worker_stability, "checkpoint_save": worker_checkpoint_save, "demo_train": worker_demo_train,
-           "long_context": worker_long_context, "peer": worker_peer, "fp8_loss": worker_fp8_loss,
+           "long_context": worker_long_context, "peer": worker_peer, "peer_torchtitan": worker_peer_torchtitan,
+           "fp8_loss": worker_fp8_loss,
            **{key: worker_speed for key in SPEED}}
 
 

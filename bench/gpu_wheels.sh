@@ -11,6 +11,7 @@
 # plain PyTorch on top of them.
 # The acceptance run's peer part needs nothing more: transformers' LlamaForCausalLM and torch.compile (triton comes
 # with the machine's CUDA torch) are already there, and it reads ayumi's config through the Hydra wheels below.
+# The torchtitan part needs the wheels bench/torchtitan-requirements.txt lists (added below, about 2.5 MiB).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-.whl}
@@ -25,6 +26,11 @@ platforms=()
 for n in 17 24 27 28 34; do platforms+=(--platform "manylinux_2_${n}_x86_64"); done
 "${pip[@]}" download -q --no-deps --only-binary=:all: --python-version "$py" --implementation cp \
     "${platforms[@]}" --platform manylinux2014_x86_64 -d "$out" "${specs[@]}"
+# The second peer (bench/torchtitan_peer.py): torchtitan and what its modules import, as ./ayumi test installs them
+# (the machine's CUDA torch brings triton, and it has tensorboard).
+mapfile -t titan < <(grep -v '^#' bench/torchtitan-requirements.txt | grep .)
+"${pip[@]}" download -q --no-deps --only-binary=:all: --python-version "$py" --implementation cp \
+    "${platforms[@]}" --platform manylinux2014_x86_64 -d "$out" "${titan[@]}"
 # Source-only on PyPI: built into pure-Python wheels here (DeepSpeed compiles its ops on first use, if ever).
 "${pip[@]}" wheel -q --no-deps -w "$out" "deepspeed==$(version deepspeed)" \
     "antlr4-python3-runtime==$(version antlr4-python3-runtime)"

@@ -9,6 +9,7 @@ import pytest
 
 from bench.gpu_acceptance import (
     DEFAULT_BUDGET_S, DEFAULT_PARTS, FIRST_STEP_TOLERANCE, PARTS, PEER_TARGET, SCHEDULE, compare_with_peer,
+    compare_with_torchtitan,
     correctness_report, result_lines, speed_summary, wanted_parts,
 )
 from tests.bench.test_result_form import parse
@@ -94,6 +95,20 @@ def test_ayumi_against_the_peer_is_judged_on_the_same_tokens_a_step(ours, peer, 
     line = parse(next(line for line in result_lines(parts) if line.startswith("RESULT gpu_acceptance_vs_peer ")))
     assert line["ok"] == str(ok).lower() and line["target"] == f">={PEER_TARGET}"
     assert float(line["ratio"]) == pytest.approx(ours / peer["tokens_per_s"], rel=1e-3)
+
+
+def test_torchtitan_is_shown_beside_ayumi_not_judged():
+    """torchtitan's tokens/s goes into speed_1b_2048's rows and a RESULT line that is a study: it never fails the run."""
+    titan = {**peer_figures(micro_batch=16, grad_accum=2, tokens_per_s=80000.0)}
+    parts = {**parts_with(speed_figures(tokens_per_s=70000.0), peer_figures()),
+             "peer_torchtitan": {"status": "passed", "figures": titan, "rows": [], "checks": []}}
+    compare_with_torchtitan(parts)
+    entry = parts["speed_1b_2048"]
+    row = entry["rows"][-1]
+    assert row[0].startswith("tokens/s over torchtitan's") and "= 0.88" in row[1] and row[3] is None
+    assert entry["status"] == "passed"
+    line = parse(next(line for line in result_lines(parts) if line.startswith("RESULT gpu_acceptance_vs_torchtitan ")))
+    assert line["ok"] == "study" and float(line["ratio"]) == pytest.approx(70000 / 80000, rel=1e-3)
 
 
 def test_on_the_cpu_the_peer_comparison_is_shown_not_judged():
