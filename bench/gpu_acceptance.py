@@ -95,18 +95,18 @@ PARTS = {p.key: p for p in [
     Part("checkpoint_kill", "e", "kill -9 during an asynchronous write, then resume", 180),
     Part("stability", "f", "an injected spike: detected, rolled back, batches skipped", 180),
     Part("long_context", "h", "document masking, llama3 RoPE against transformers, short to long", 60),
-    Part("peer", "b", "the peer: a plain PyTorch loop (transformers, torch.compile, autocast), 1b, seq 2048", 110),
-    Part("peer_torchtitan", "b", "the second peer: torchtitan's Llama 3 model and trainer, 1b shape, seq 2048", 80),
+    Part("peer", "b", "the peer: a plain PyTorch loop (transformers, torch.compile, autocast), 1b, seq 2048", 120),
+    Part("peer_torchtitan", "b", "the second peer: torchtitan's Llama 3 model and trainer, 1b shape, seq 2048", 100),
     Part("speed_1b_2048", "b", "1b, seq 2048, compiled blocks, no checkpointing", 55),
-    Part("speed_1b_4096", "b", "1b, seq 4096, compiled blocks, no checkpointing", 45),
-    Part("speed_7b_layers", "b", "Llama-2-7B layers (4), seq 2048, compiled blocks", 45),
-    Part("profile_1b", "b", "1b, seq 2048: the kernels by GPU time over 2 profiled steps (for tuning)", 35),
+    Part("speed_1b_4096", "b", "1b, seq 4096, compiled blocks, no checkpointing", 55),
+    Part("speed_7b_layers", "b", "Llama-2-7B layers (4), seq 2048, compiled blocks", 55),
+    Part("profile_1b", "b", "1b, seq 2048: the kernels by GPU time over 2 profiled steps (for tuning)", 45),
     Part("checkpoint_save", "e", "asynchronous vs synchronous save of the 1b model", 150),
     Part("demo_train", "g", "the demo's training phase", 180),
     Part("speed_1b_plan", "b", "1b, seq 2048, twice the micro batch, the plan's checkpointing", 150),
     Part("speed_1b_plain_loss", "b", "1b, seq 2048, the loss in one pass (model.loss_chunk_tokens=0)", 150),
-    Part("speed_1b_fp8", "i", "1b, seq 2048, compiled blocks, FP8 tensorwise (model.fp8)", 45),
-    Part("speed_7b_layers_fp8", "i", "Llama-2-7B layers (4), seq 2048, compiled blocks, FP8 tensorwise", 40),
+    Part("speed_1b_fp8", "i", "1b, seq 2048, compiled blocks, FP8 tensorwise (model.fp8)", 55),
+    Part("speed_7b_layers_fp8", "i", "Llama-2-7B layers (4), seq 2048, compiled blocks, FP8 tensorwise", 55),
     Part("fp8_loss", "i", "125m, 300 steps: bf16 against FP8 tensorwise and rowwise, same seed and data", 180),
 ]}
 SCHEDULE = [["env"], ["correctness", "checkpoint_kill", "stability"], ["long_context"], ["peer"], ["speed_1b_2048"],
@@ -114,13 +114,16 @@ SCHEDULE = [["env"], ["correctness", "checkpoint_kill", "stability"], ["long_con
             ["demo_train"],
             ["speed_1b_plan"], ["speed_1b_plain_loss"], ["speed_1b_fp8"], ["speed_7b_layers_fp8"], ["fp8_loss"]]
 """Batches in order; the parts of one batch run at the same time (small models: the GPU is shared)."""
-DEFAULT_PARTS = ["correctness", "long_context", "peer", "speed_1b_2048", "speed_1b_4096", "speed_7b_layers",
-                 "profile_1b"]
+DEFAULT_PARTS = ["correctness", "long_context", "peer", "speed_1b_2048", "profile_1b"]
 """The prepared GPU command (docs/performance.md): what the next GPU session must measure, most valuable first.
-Their limits add up to 355 s, under DEFAULT_BUDGET_S with the driver's own start. The other parts run by --parts."""
+Their limits add up to 350 s, under DEFAULT_BUDGET_S with the driver's own start. The other parts run by --parts."""
+SESSION_PARTS = ["speed_7b_layers", "peer_torchtitan"]
+"""The second acceptance run of a lent session's script (bench/gpu_session.sh), after the prepared command: the 7B
+layers' MFU and the second peer. Their limits add up to 155 s (SESSION_BUDGET_S)."""
+SESSION_BUDGET_S = 160
 FP8_PARTS = ["speed_1b_2048", "speed_1b_fp8", "speed_7b_layers", "speed_7b_layers_fp8", "fp8_loss"]
-"""The prepared FP8 command (`--parts` these; docs/performance.md): each FP8 speed part beside its bf16 part in the
-same run, and the loss comparison. Their limits add up to 350 s."""
+"""The prepared FP8 command (`--parts` these, `--budget 410`; docs/performance.md): each FP8 speed part beside its bf16
+part in the same run, and the loss comparison. Their limits add up to 400 s."""
 DEFAULT_BUDGET_S = 360
 SMOKE_LIMIT_S = 540
 """Each part's limit in the CPU smoke run: there it only stops a hung part (a CPU's time says nothing of a GPU's)."""
@@ -627,7 +630,7 @@ def kernels_text(kernels: dict) -> str:
 
 
 # -- b. the peer: the plain PyTorch recipe at speed_1b_2048's shape ------------------------------------------
-PEER = {"shape": "1b", "seq": 2048, "layouts": [(8, 4), (16, 2)], "warmup": 3, "steps": 6}
+PEER = {"shape": "1b", "seq": 2048, "layouts": [(8, 4), (16, 2)], "warmup": 2, "steps": 5}
 """On the GPU: speed_1b_2048's model, sequence length and tokens a step (65,536), in both layouts of them that fit the
 recipe on one H100/H200: micro 8 x accum 4 and ayumi's micro 16 x accum 2. The faster one is the peer's figure. The
 recipe keeps the whole [tokens x vocab] logits (bf16, an fp32 copy for the loss, its gradient: about 15 GiB at micro

@@ -5,14 +5,18 @@ The GPU figures cannot be produced here; what decides pass or fail from them can
 GPU session (tests/bench/test_gpu_acceptance_smoke.py runs the paths themselves on the CPU)."""
 from __future__ import annotations
 
+import re
+import subprocess
+
 import pytest
 
 from bench.gpu_acceptance import (
-    DEFAULT_BUDGET_S, DEFAULT_PARTS, FIRST_STEP_TOLERANCE, PARTS, PEER_TARGET, SCHEDULE, compare_with_peer,
-    compare_with_torchtitan,
+    DEFAULT_BUDGET_S, DEFAULT_PARTS, FIRST_STEP_TOLERANCE, PARTS, PEER_TARGET, SCHEDULE, SESSION_BUDGET_S,
+    SESSION_PARTS, compare_with_peer, compare_with_torchtitan,
     correctness_report, result_lines, speed_summary, wanted_parts,
 )
 from tests.bench.test_result_form import parse
+from tests.helpers import REPO
 
 GIB = 2**30
 
@@ -43,13 +47,21 @@ def checks_of(summary: dict) -> dict[str, bool]:
 
 
 def test_the_prepared_command_runs_the_issue_parts_in_order_within_its_budget():
-    assert DEFAULT_PARTS == ["correctness", "long_context", "peer", "speed_1b_2048", "speed_1b_4096",
-                             "speed_7b_layers", "profile_1b"]
+    assert DEFAULT_PARTS == ["correctness", "long_context", "peer", "speed_1b_2048", "profile_1b"]
     scheduled = [key for batch in SCHEDULE for key in batch]
     assert [key for key in scheduled if key in DEFAULT_PARTS] == DEFAULT_PARTS
     assert sorted(scheduled) == sorted(PARTS)
     # Every part can use its whole limit and the driver still ends within the budget.
     assert sum(PARTS[key].limit_s for key in DEFAULT_PARTS) <= DEFAULT_BUDGET_S - 5
+    assert DEFAULT_BUDGET_S <= 360  # the prepared command: at most 6 minutes
+    # The lent session's second run fits its own budget; the script gives each run its budget and a little more.
+    assert sum(PARTS[key].limit_s for key in SESSION_PARTS) <= SESSION_BUDGET_S - 5
+    session = (REPO / "bench" / "gpu_session.sh").read_text()
+    assert f"--budget {SESSION_BUDGET_S}" in session and f"--parts {','.join(SESSION_PARTS)}" in session
+    limits = [int(n) for n in re.findall(r"^step \w+ (\d+) ", session, flags=re.M)]
+    assert limits[0] >= DEFAULT_BUDGET_S + 10 and limits[1] >= SESSION_BUDGET_S + 10
+    assert sum(limits) + 20 <= 600  # the device tool runs one command for 10 minutes at most (20 s: the wheels)
+    assert subprocess.run(["bash", "-n", str(REPO / "bench" / "gpu_session.sh")]).returncode == 0
     assert wanted_parts(None, cpu_smoke=False) == DEFAULT_PARTS
     assert wanted_parts(None, cpu_smoke=True) == wanted_parts("all", cpu_smoke=False) == list(PARTS)
     assert wanted_parts("peer,env", cpu_smoke=True) == ["peer", "env"]
