@@ -880,8 +880,9 @@ def worker_peer_torchtitan(args, work: Path) -> dict:
                                 f"{shape['params_torchtitan']:,} parameters against ayumi's {shape['params_ayumi']:,}")]}
     write_partial(args, summary)
     if args.cpu_smoke or not torch.cuda.is_available():
-        summary["rows"].append(["training", "not on a CPU: torchtitan's trainer runs on CUDA only", "", None])
-        return summary
+        return torchtitan_config_rows(summary, torchtitan_peer.config_check(
+            cfg, TORCHTITAN["seq"], TORCHTITAN["micro"], TORCHTITAN["accum"],
+            TORCHTITAN["warmup"] + TORCHTITAN["steps"], str(work / "torchtitan")))
     peak = peak_flops(torch.device("cuda"))
 
     def progress(figures: dict) -> None:
@@ -891,6 +892,24 @@ def worker_peer_torchtitan(args, work: Path) -> dict:
     figures = torchtitan_peer.train(cfg, spec["seq"], spec["micro"], spec["accum"], spec["warmup"], spec["steps"],
                                     str(work / "torchtitan"), progress)
     return torchtitan_summary(summary, figures, shape, peak)
+
+
+def torchtitan_config_rows(summary: dict, config: dict) -> dict:
+    """On a CPU: the trainer's config as built, and its one batch checked against the layout asked for."""
+    spec = TORCHTITAN
+    want = {"input": [spec["micro"], spec["seq"]], "positions": [spec["micro"], spec["seq"]],
+            "labels": [spec["micro"], spec["seq"]]}
+    training = config["training"]
+    layout = (training["local_batch_size"], training["global_batch_size"], training["seq_len"])
+    ok = config["batch"] == want and layout == (spec["micro"], spec["micro"] * spec["accum"], spec["seq"])
+    rows = [*summary["rows"],
+            ["trainer config (built, not trained: torchtitan's trainer runs on CUDA only)",
+             f"micro {layout[0]}, global {layout[1]}, seq {layout[2]}, compiled {'+'.join(config['compile'])}, "
+             f"bf16 compute: {training['mixed_precision_param']}", "", None],
+            ["one batch of its data loader", ", ".join(f"{k} {v}" for k, v in config["batch"].items()),
+             "micro x seq", ok]]
+    checks = [*summary["checks"], check("torchtitan_config", ok, f"batch {config['batch']}, layout {layout}")]
+    return {"figures": {**summary["figures"], "config": config}, "rows": rows, "checks": checks}
 
 
 def torchtitan_shape_rows(shape: dict) -> list:

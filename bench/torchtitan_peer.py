@@ -16,7 +16,8 @@ it (`RESULT gpu_acceptance_vs_torchtitan`). What runs, and what is ayumi's:
   causal), and no tokenizer. These two stand-ins are ayumi's; torchtitan's own load a Hugging Face dataset.
 
 torchtitan's trainer runs on CUDA only (it asks torch.cuda for its device whatever the machine has), so on a CPU
-(--cpu-smoke) the part builds the flavor and both models on the meta device and checks the shapes, and trains nothing.
+(--cpu-smoke) the part builds the flavor and both models on the meta device and checks the shapes, builds the
+trainer's config, data loader and tokenizer and checks one batch (config_check), and trains nothing.
 
 torchtitan is a benchmark dependency only, never one of ayumi's: bench/torchtitan-requirements.txt pins it and what
 its modules import, installed without their declared dependencies into a folder of its own (./ayumi makes
@@ -210,6 +211,23 @@ def trainer_config(cfg, seq: int, micro: int, accum: int, steps: int, folder: st
         activation_checkpoint=None, compile=CompileConfig(enable=True, components=["model", "loss"]),
         validator=Validator.Config(enable=False),
     )
+
+
+def config_check(cfg, seq: int, micro: int, accum: int, steps: int, folder: str) -> dict:
+    """What can be checked of the training set-up without CUDA: torchtitan's Trainer.Config for FLAVOR builds (its own
+    validation runs), and the data loader and tokenizer it names build and give one batch of the expected shapes."""
+    config = trainer_config(cfg, seq, micro, accum, steps, folder)
+    loader = config.dataloader.build(dp_world_size=1, dp_rank=0, tokenizer=None, seq_len=seq, local_batch_size=micro,
+                                     snapshot_every_n_steps=None)
+    inputs, labels = next(iter(loader))
+    tokenizer = config.tokenizer.build(tokenizer_path=folder)
+    return {"training": {field: getattr(config.training, field) for field in
+                         ("local_batch_size", "global_batch_size", "seq_len", "steps", "max_norm",
+                          "mixed_precision_param", "disable_cuda_graphs")},
+            "compile": list(config.compile.components) if config.compile.enable else [],
+            "optimizer": dict(config.optimizer.param_groups[0].optimizer_kwargs),
+            "batch": {key: list(value.shape) for key, value in {**inputs, "labels": labels}.items()},
+            "vocab_size": tokenizer.get_vocab_size()}
 
 
 def train(cfg, seq: int, micro: int, accum: int, warmup: int, steps: int, folder: str, progress=None) -> dict:

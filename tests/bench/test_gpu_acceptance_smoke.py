@@ -31,7 +31,7 @@ BEHAVIOUR = {  # part -> checks that must pass on the CPU too
     "demo_train": {"demo_exit"},
     "long_context": {"documents_alone", "document_kernels", "llama3_rope", "short_to_long"},
     "peer": {"peer_trained"},
-    "peer_torchtitan": {"torchtitan_shape"},  # the shape only: torchtitan's trainer is CUDA-only
+    "peer_torchtitan": {"torchtitan_shape", "torchtitan_config"},  # torchtitan's trainer is CUDA-only
     "fp8_loss": {"fp8_loss_tensorwise", "fp8_loss_rowwise", "fp8_no_stability_event"},  # under torchao's emulation
 }
 
@@ -114,8 +114,8 @@ def test_the_peer_trains_the_tokens_a_step_of_speed_1b_2048_and_is_compared(smok
 
 def test_torchtitan_builds_ayumis_1b_shape_from_its_own_parts(smoke):
     """The second peer, on the CPU: torchtitan (installed in its own folder by ./ayumi test) builds its Llama 3 model
-    of the flavor registered for ayumi's 1b preset, with exactly the preset's parameters and FLOPs per token; it
-    trains nothing there."""
+    of the flavor registered for ayumi's 1b preset, with exactly the preset's parameters and FLOPs per token, and its
+    trainer's config; it trains nothing there."""
     _, results, _ = smoke
     part = results["parts"]["peer_torchtitan"]
     shape = part["figures"]["shape"]
@@ -123,7 +123,11 @@ def test_torchtitan_builds_ayumis_1b_shape_from_its_own_parts(smoke):
     assert shape["flops_per_token_torchtitan"] == pytest.approx(shape["flops_per_token_ayumi"], rel=1e-3)
     ours, theirs = shape["shapes"]["ayumi"], shape["shapes"]["torchtitan"]
     assert sorted(map(tuple, ours.values())) != [] and len(theirs) == len(ours) - 2  # Q, K, V fused into one
-    assert "tokens_per_s" not in part["figures"] and part["rows"][-1][1].startswith("not on a CPU")
+    # Its trainer's config builds, at speed_1b_2048's layout, and its data loader gives micro x seq batches.
+    config = part["figures"]["config"]
+    assert config["batch"] == {"input": [16, 2048], "positions": [16, 2048], "labels": [16, 2048]}
+    assert (config["training"]["global_batch_size"], config["compile"]) == (32, ["model", "loss"])
+    assert "tokens_per_s" not in part["figures"]
 
 
 def test_the_speed_parts_record_start_up_and_the_kernels_chosen(smoke):
