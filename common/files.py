@@ -7,6 +7,7 @@ their outputs the same way: write under a temporary name beside the target, fsyn
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -48,3 +49,33 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def process_umask() -> int:
+    """The umask this process creates files under (022 is the usual one; 077 keeps everything private)."""
+    try:  # Linux says it without changing it: no window in which another thread creates under a wrong mask
+        found = re.search(r"^Umask:\s*([0-7]+)$", Path("/proc/self/status").read_text(), re.MULTILINE)
+        if found:
+            return int(found.group(1), 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)  # elsewhere the only way to read it is to set it, so set it straight back
+    os.umask(mask)
+    return mask
+
+
+def modes_as_umask(folder: Path) -> None:
+    """Give `folder` and everything in it the modes a plain mkdir and open would have: 0777 and 0666 under the umask.
+
+    tempfile.mkdtemp makes its folder 0700 and some writers (safetensors) make their files 0600, whatever the
+    umask; an output meant for others (an export) would then be readable by its owner alone. Applying the umask
+    (never a fixed mode) keeps a private umask such as 077 private.
+    """
+    mask = process_umask()
+    folder = Path(folder)
+    for root, dirs, files in os.walk(folder):
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o666 & ~mask)
+        for name in dirs:
+            os.chmod(os.path.join(root, name), 0o777 & ~mask)
+    os.chmod(folder, 0o777 & ~mask)

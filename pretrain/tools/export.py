@@ -2,7 +2,8 @@
 
 ayumi's parameter names are HF's, so the export is: check the keys and shapes, cast, write
 config.json + generation_config.json + model.safetensors (+ the tokenizer files), all into a
-temporary sibling folder that is renamed into place only when complete.
+temporary sibling folder that is renamed into place only when complete. The folder and its files get the modes
+the user's umask gives (0755 and 0644 under 022, so teammates can read them; 0700 and 0600 under 077).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from torch import Tensor
 
 from pretrain.model.config import ModelConfig
 from pretrain.model.flops import count_parameters, parameter_shapes
-from common.files import replace_dir
+from common.files import modes_as_umask, replace_dir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 """Files copied from the tokenizer's HF export folder when one is given."""
@@ -90,6 +91,7 @@ def export_hf(state_dict: dict[str, Tensor], cfg: ModelConfig, out_dir: Path, *,
     tmp = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         _write_folder(tmp, hf_config, tensors, tokenizer_files, bos_id, eos_id, pad_id)
+        modes_as_umask(tmp)  # mkdtemp's 0700 and safetensors' 0600: an export is for others to read too
         replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -5,11 +5,15 @@ saves steps 4 and 8, then step 8 is damaged.
   exports it; that command, run as printed, exports;
 - a resume sets step 8 aside and logs `checkpoint_corrupt` at step 8 (the damaged checkpoint's own), not at
   step 4 (where the run resumed: `logged_at_step`, by which a later resume cuts events.jsonl back).
+
+The intact run also serves issue 48's export papercut: `ayumi export hf` of a real checkpoint writes with the umask.
 """
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -49,9 +53,24 @@ def damage(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def ayumi(*args: str) -> subprocess.CompletedProcess:
+def ayumi(*args: str, umask: int | None = None) -> subprocess.CompletedProcess:
+    """`ayumi ARGS` through the real entry, in its own process (under `umask` when given, as a shell sets it)."""
+    start = None if umask is None else (lambda: os.umask(umask))
     return subprocess.run([sys.executable, "-m", "pretrain.tools.cli", *args], cwd=REPO, env=cpu_env(),
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, preexec_fn=start)
+
+
+def test_export_is_readable_by_others_under_umask_022_and_private_under_077(trained, tmp_path):
+    """Issue 48, papercut: the export was 0700 with a 0600 model.safetensors whatever the umask."""
+    checkpoint = trained / "cpu_tiny" / "checkpoints" / "step_0000008"
+    for mask, folder_mode, file_mode in ((0o022, 0o755, 0o644), (0o077, 0o700, 0o600)):
+        out = tmp_path / f"hf_{mask:03o}"
+        done = ayumi("export", "hf", str(checkpoint), str(out), umask=mask)
+        assert done.returncode == 0, done.stderr
+        assert stat.S_IMODE(out.stat().st_mode) == folder_mode
+        files = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+        assert "model.safetensors" in files and "config.json" in files
+        assert files == dict.fromkeys(files, file_mode), (oct(mask), files)
 
 
 def test_export_of_a_damaged_newest_checkpoint_names_the_older_intact_one_and_its_command(trained, tmp_path):
