@@ -27,6 +27,22 @@ rises >= 20%; no alarm on the clean runs.
 --max-steps stops every run early (the LR schedule stays the 1,000-step demo's); the final val loss is the
 evaluation after the last step. A case's runs are cached in --work by name: a rerun with more cases only runs
 the new ones (--fresh reruns all). Writes <work>/spike_detection.json and prints a table and RESULT lines.
+
+--low-loss runs the false-alarm table across loss levels instead (issue 46): clean runs whose loss goes low or
+quiet, each of --precisions and --seeds, recovery on, nothing injected; any spike, skipped update, rollback or stop
+is a false alarm. The debug Llama (`experiment=cpu_tiny`, 2 ranks, 8 x 64 tokens a step unless said) on:
+
+  repeated     the tiny corpus of the tests repeated (two short documents, 40 copies each, ~20 epochs), 1,024
+               steps: the loss is below 0.1 from step ~250 on, single steps 4x apart (issue 46's case, twice as long)
+  narrow       one domain: one document of 376 tokens, 40 copies, memorised over ~35 epochs (1,400 readings of the
+               text) in 1,024 steps
+  late_cosine  seeded Markov text, 32 samples a step (quiet: half the noise), 1,536 steps, cosine to a hundredth of
+               the LR: the last ~300 steps run below a tenth of the peak LR on a flat loss
+
+Each row also replays the run's curve through the detector with the rules before issue 46 (the relative climb
+alone, +50% alone without a z), which shows the false alarms this table would have had.
+
+    python bench/spike_detection.py --low-loss --work /tmp/sd_low      # 18 runs, ~40 min on 2 CPU cores
 """
 from __future__ import annotations
 
@@ -201,6 +217,152 @@ def meets(row: dict) -> bool | None:
 # ----------------------------------------------------------------------------------------------
 
 
+# ----------------------------------------------------------------------------------------------
+# Low-loss clean runs (--low-loss)
+# ----------------------------------------------------------------------------------------------
+
+LOW_CASES = ("repeated", "narrow", "late_cosine")
+LOW_LEVEL = 0.1  # a step counts as low-loss below this loss
+OLD_RULES = {"divergence_z": 0.0, "loss_alone_z": 0.0}
+"""The detector before issue 46: a relative climb alone is a divergence; +50% alone needs no z beyond loss_z."""
+
+
+def low_corpus(work: Path, case: str) -> Path:
+    """The case's DATA_ROOT under work/corpora (written on first use)."""
+    from data.manifest import MANIFEST_NAME
+
+    root = work / "corpora" / case
+    if (root / MANIFEST_NAME).is_file():
+        return root
+    if case == "repeated":
+        from tests.helpers import write_tiny_corpus
+
+        write_tiny_corpus(root)
+    elif case == "narrow":
+        from data.token_root import TokenRoot
+        from tests.helpers import EN_TEXT, EOS, VOCAB, byte_tokens
+
+        with TokenRoot(root, vocab_size=VOCAB, eos_id=EOS, name="narrow") as out:
+            for split, count in (("train", 40), ("val", 4)):
+                with out.shard("en", split) as writer:
+                    for _ in range(count):
+                        writer.add_document(byte_tokens(EN_TEXT))
+    else:
+        from bench.markov_corpus import write_markov_corpus
+
+        write_markov_corpus(root, 512, tokens_per_domain=1_000_000)
+    return root
+
+
+def low_overrides(case: str, precision: str, seed: int, work: Path) -> list[str]:
+    """`ayumi train` overrides of one low-loss clean run."""
+    name = f"low_{case}_{precision}_s{seed}"
+    out = ["experiment=cpu_tiny", f"name={name}", f"run_root={work / 'runs'}", f"data.root={low_corpus(work, case)}",
+           "logging=none", f"deepspeed.precision={precision}", f"train.seed={seed}", "checkpoint.resume=false",
+           "checkpoint.interval=40", "checkpoint.save_final=false", "stability/inject=none"]
+    if case in ("repeated", "narrow"):
+        out += ["train.tokens=524288"]  # 1,024 steps of 8 x 64 tokens
+    else:
+        out += ["train.tokens=3145728", "train.global_batch_size=32", "optim.min_lr=3e-5", "data.validation=false",
+                "curriculum.default_max_repetition=inf", "train.eval_interval=0"]  # 1,536 steps of 32 x 64 tokens
+    return out
+
+
+def train_low(case: str, precision: str, seed: int, args: argparse.Namespace) -> Path:
+    """The run's dir, after running it unless a finished run of that name is there already."""
+    from pretrain.tools.launch import launcher_command
+
+    name = f"low_{case}_{precision}_s{seed}"
+    run_dir, log = args.work / "runs" / name, args.work / f"{name}.log"
+    done = run_dir / "done.json"
+    if done.exists() and not args.fresh:
+        return run_dir
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = launcher_command("torchrun", 2, low_overrides(case, precision, seed, args.work), master_port=free_port())
+    print(f"[spike_detection] {name:32s} ...", end=" ", flush=True)
+    start = time.perf_counter()
+    with open(log, "w") as handle:
+        rc = subprocess.run(cmd, cwd=REPO, env=env(), stdout=handle, stderr=subprocess.STDOUT).returncode
+    wall = time.perf_counter() - start
+    print(f"rc {rc}, {wall:.0f}s", flush=True)
+    done.parent.mkdir(parents=True, exist_ok=True)
+    done.write_text(json.dumps({"wall_s": wall, "rc": rc}))  # rc 3: the stability machinery stopped it (an alarm)
+    return run_dir
+
+
+def replayed(run_dir: Path, **rules: float) -> tuple[list[str], float]:
+    """(the alarms, the largest climb z) of the run's first timeline replayed through a fresh detector of the run's
+    detector config with `rules` changed. Outlier steps fed back in are not withheld from the replay's training, so
+    this is what the detector would say of this curve, not of the run it would have made."""
+    import yaml
+
+    from pretrain.stability.config import DetectorConfig
+    from pretrain.stability.detector import SpikeDetector
+
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    fields = set(DetectorConfig.__dataclass_fields__)
+    detector = SpikeDetector(DetectorConfig(**{**{k: v for k, v in config["stability"]["detector"].items()
+                                                   if k in fields}, **rules}))
+    found, climb = [], 0.0
+    for step, record in enumerate(first_timeline(run_dir)):
+        domains = {k.split("/", 2)[2]: (v, 1.0) for k, v in record.items() if k.startswith("train/loss/")}
+        verdict = detector.observe(step, record["train/loss"], record.get("opt/grad_norm"), domains,
+                                   clip_threshold=record.get("opt/clip_threshold", 0.0))
+        climb = max(climb, verdict.climb_z or 0.0)
+        if verdict.kind != "ok":
+            found.append(f"{'divergence' if verdict.divergence else verdict.kind}@{step + 1}")
+    return found, climb
+
+
+def first_timeline(run_dir: Path) -> list[dict]:
+    """The train records of a run up to its first rollback (metrics count steps from 1)."""
+    out: list[dict] = []
+    for r in read_jsonl(run_dir / "metrics.jsonl"):
+        if "train/loss" in r:
+            if out and r["step"] <= out[-1]["step"]:
+                break
+            out.append(r)
+    return out
+
+
+def low_row(case: str, precision: str, seed: int, run_dir: Path) -> dict:
+    """One clean low-loss run's line of the table."""
+    records = first_timeline(run_dir)
+    losses = [r["train/loss"] for r in records]
+    tail = sorted(losses[-100:])
+    old, _ = replayed(run_dir, **OLD_RULES)
+    _, climb = replayed(run_dir)
+    return {"case": case, "precision": precision, "seed": seed, "steps": len(records),
+            "low_steps": sum(1 for x in losses if x < LOW_LEVEL), "median_last_100": tail[len(tail) // 2],
+            "spread_last_100": tail[-1] / tail[0],
+            "max_loss_z": max((r.get("stability/loss_z", 0.0) for r in records), default=0.0),
+            "max_grad_z": max((r.get("stability/grad_z", 0.0) for r in records), default=0.0),
+            "max_climb_z": climb, "alarms": alarms(run_dir), "old_rules": old,
+            "rc": json.loads((run_dir / "done.json").read_text())["rc"]}
+
+
+def low_loss_main(args: argparse.Namespace) -> int:
+    """--low-loss: the clean runs of LOW_CASES, the table and a RESULT line."""
+    rows = []
+    for case in args.low_cases:
+        for precision in args.precisions:
+            for seed in args.seeds:
+                rows.append(low_row(case, precision, seed, train_low(case, precision, seed, args)))
+    (args.work / "low_loss.json").write_text(json.dumps(rows, indent=1))
+    print("\n| case | precision | seed | steps (< 0.1) | loss, last 100 steps: median (max/min) | largest z: loss / "
+          "grad norm / climb | alarms | rules before issue 46, replayed |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['case']} | {r['precision']} | {r['seed']} | {r['steps']} ({r['low_steps']}) | "
+              f"{r['median_last_100']:.3g} ({r['spread_last_100']:.1f}x) | {r['max_loss_z']:.1f} / "
+              f"{r['max_grad_z']:.1f} / {r['max_climb_z']:.1f} | {', '.join(r['alarms']) or 'none'} | "
+              f"{', '.join(r['old_rules']) or 'none'} |")
+    false_alarms = sum(len(r["alarms"]) for r in rows) + sum(r["rc"] != 0 for r in rows)
+    print(result_line("spike_detection_low_loss_false_alarms", false_alarms, 0, "<=0", ratio=float(false_alarms),
+                      ok=false_alarms == 0))
+    return 0
+
+
 def cases(args: argparse.Namespace) -> list[Case]:
     out = []
     for precision in args.precisions:
@@ -226,6 +388,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--modes", type=lambda s: s.split(","), default=["off", "on"])
     p.add_argument("--max-steps", type=int, default=1000)
     p.add_argument("--fresh", action="store_true", help="rerun cases already in --work")
+    p.add_argument("--low-loss", action="store_true", help="the clean low-loss runs instead (see above)")
+    p.add_argument("--low-cases", type=lambda s: s.split(","), default=list(LOW_CASES))
     return p.parse_args(argv)
 
 
@@ -233,6 +397,8 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     print(machine_line(), flush=True)
     args.work.mkdir(parents=True, exist_ok=True)
+    if args.low_loss:
+        return low_loss_main(args)
     from demo.run import data_root
 
     data = demo_data(args.data_root or data_root())

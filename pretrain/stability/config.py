@@ -66,13 +66,21 @@ class DetectorConfig:
     (their batch noise is independent: one hard small batch moves one of them), it is extreme on its own
     (loss_alone_rise, grad_alone_ratio) or it repeats within sustained_window steps; 0 = off (each signal alone)."""
     loss_alone_rise: float = 0.5
-    """A loss this fraction above its baseline (with z >= loss_z) is an outlier without the grad norm confirming it."""
+    """A loss this fraction above its baseline, with z >= loss_alone_z, is an outlier without the grad norm confirming
+    it."""
+    loss_alone_z: float = 12.0
+    """...the robust z that rise needs too: at a low loss single steps vary 4x, so +50% alone is ordinary there, and
+    its skewed noise reaches z 6 about once in 1,000 clean steps (docs/stability.md); a bad batch is far above both."""
     grad_alone_ratio: float = 8.0
     """A grad norm this many times its baseline (with z >= grad_z) is an outlier without the loss confirming it, unless
     the step is clipped (its update is then bounded whatever the norm, and it needs confirming like any other)."""
     divergence_rise: float = 0.10
     """A spike too: the loss baseline this fraction above the lowest it reached since the last stage switch or
-    rollback, a slow climb no single step shows (an LR past the stable edge); 0 = off."""
+    rollback, a slow climb no single step shows (an LR past the stable edge), if divergence_z agrees; 0 = off."""
+    divergence_z: float = 4.0
+    """...and the baseline this many standard errors (robust, of a median) above the level of the center_window steps
+    after that low point, its own window wholly after them: the climb must stand out of the loss's noise, which at a
+    low loss can be 4x from one step to the next (docs/stability.md); 0 = the relative rise alone."""
 
     RANGES: ClassVar[dict[str, Range]] = {
         "window": at_least(3), "center_window": at_least(1), "warmup_steps": at_least(0), "min_history": at_least(0),
@@ -81,7 +89,9 @@ class DetectorConfig:
         "sustained_count": at_least(1), "sustained_window": at_least(1), "stage_switch_grace_steps": at_least(0),
         "domain_min_steps": at_least(1),
         "confirm_z": at_least(0, "0 = off: each signal judged alone"), "loss_alone_rise": at_least(0),
+        "loss_alone_z": at_least(0),
         "grad_alone_ratio": at_least(1), "divergence_rise": at_least(0, "0 = off"),
+        "divergence_z": at_least(0, "0 = the relative rise alone"),
     }
     """Allowed values, checked before training starts (pretrain/ranges.py)."""
 
@@ -272,6 +282,9 @@ def check_stability_config(cfg: StabilityConfig, min_loss_scale: float = 1.0) ->
     _check(det.loss_alone_rise >= det.loss_min_rise,
            f"stability.detector.loss_alone_rise={det.loss_alone_rise:g} is below detector.loss_min_rise="
            f"{det.loss_min_rise:g}: the rise that needs no confirmation must be at least the one that makes an outlier")
+    _check(det.loss_alone_z >= det.loss_z,
+           f"stability.detector.loss_alone_z={det.loss_alone_z:g} is below detector.loss_z={det.loss_z:g}: the z that "
+           "needs no confirmation must be at least the one that makes an outlier")
     _check(det.grad_alone_ratio >= det.grad_min_ratio,
            f"stability.detector.grad_alone_ratio={det.grad_alone_ratio:g} is below detector.grad_min_ratio="
            f"{det.grad_min_ratio:g}: the ratio that needs no confirmation must be at least the one that makes an outlier")

@@ -29,6 +29,13 @@ data/record_demo_domains.py): a clean 1,000-step run of the demo's config in bf1
 0-based steps 0, 325, 575, 825) and the steps 600-624 of the same run with the demo's LR x50 at
 600-602 (`demo_domains(injected=True)`), which that machine's old detector caught only through a grad
 norm of 23x.
+
+Real, low loss (data/low_loss_curve.json, made by data/record_low_loss_curve.py): issue 46's clean run, the tiny
+corpus repeated on 2 ranks in fp32 for 512 steps, its loss down to 0.02-0.05 with single steps 4x apart. The
+detector before issue 46 called five divergences on it.
+
+Synthetic, low loss (`noisy_plateau`): a memorised corpus, the loss falling to a floor of 0.04 and staying there,
+each step log-normal around its level with sigma 0.35 (as the recording: 0.025-0.10 around 0.04).
 """
 from __future__ import annotations
 
@@ -42,6 +49,7 @@ import numpy as np
 DATA = Path(__file__).with_name("data") / "tiny_llama_curves.json"
 DEMO_DATA = Path(__file__).with_name("data") / "demo_curve.json"
 DEMO_DOMAINS_DATA = Path(__file__).with_name("data") / "demo_domains_curve.json"
+LOW_LOSS_DATA = Path(__file__).with_name("data") / "low_loss_curve.json"
 
 
 @dataclass(frozen=True)
@@ -175,4 +183,26 @@ def small_batch_curve(steps: int = 1000, seed: int = 0) -> Curve:
     t = np.arange(steps, dtype=np.float64)
     loss = (4.0 + 5.0 * (1 + t / 40) ** -0.5) * (1 + 0.02 * rng.standard_t(6, steps))
     grad = (0.8 + 1.0 * np.exp(-t / 80)) * np.exp(0.10 * rng.standard_t(4, steps))
+    return Curve(loss, grad)
+
+
+@lru_cache(maxsize=None)
+def _low_loss() -> dict:
+    return json.loads(LOW_LOSS_DATA.read_text())
+
+
+def low_loss() -> tuple[Curve, np.ndarray]:
+    """Issue 46's clean low-loss run: (its curve, each step's clip threshold)."""
+    data = _low_loss()
+    return Curve(np.array(data["loss"]), np.array(data["grad_norm"])), np.array(data["clip_threshold"])
+
+
+def noisy_plateau(steps: int = 3000, seed: int = 0, floor: float = 0.04, sigma: float = 0.35) -> Curve:
+    """A loss that falls from 6 to `floor` over the first ~300 steps and stays there, log-normal step noise of
+    `sigma`; the grad norm log-normal too (sigma 0.3) around 0.3."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(steps, dtype=np.float64)
+    level = floor + (6.0 - floor) * np.exp(-t / 50)
+    loss = level * np.exp(sigma * rng.standard_normal(steps))
+    grad = 0.3 * np.exp(0.3 * rng.standard_normal(steps))
     return Curve(loss, grad)
