@@ -36,26 +36,57 @@ def compose(config_name: str, overrides: Iterable[str], register: Callable[[], N
 
     `register` puts the command's structured schemas into Hydra's ConfigStore first. Raises
     ConfigCompositionError: given `schema` (the dataclass the composed config's top level is; `root`, how a
-    message names that top level), one line for a usual mistake (composition_problem), else every message in
-    Hydra's exception chain (the outer one often lacks the key, the value or the reason).
+    message names that top level), one line for each usual mistake of the command line (every_problem: three
+    typos are three lines, not one per rerun), else every message in Hydra's exception chain (the outer one often
+    lacks the key, the value or the reason).
     """
+    register()
+    overrides, conf_dir = list(overrides), Path(conf_dir or CONF_DIR)
+    try:
+        return compose_once(config_name, overrides, conf_dir)
+    except Exception as err:  # Hydra and OmegaConf raise many types; all are configuration errors here
+        located = located_problem(err, overrides, schema, root, conf_dir) if schema is not None else None
+        if located is None:
+            raise ConfigCompositionError(describe_error(err)) from err
+        problems = every_problem(config_name, overrides, located, schema, root, conf_dir)
+        raise ConfigCompositionError("\n".join(problems)) from err
+
+
+def compose_once(config_name: str, overrides: list[str], conf_dir: Path):
+    """One Hydra composition, refused as a '+' that adds a key to a fixed section would be (see below)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    register()
-    GlobalHydra.instance().clear()  # an earlier in-process command may have left it initialized
-    overrides, conf_dir = list(overrides), Path(conf_dir or CONF_DIR)
-    try:
-        with initialize_config_dir(config_dir=str(conf_dir), version_base=None):
-            composed = hydra_compose(config_name=config_name, overrides=overrides)
-        added = key_added_to_fixed_section(composed, overrides, conf_dir)
-        if added is not None:
-            raise added
-    except Exception as err:  # Hydra and OmegaConf raise many types; all are configuration errors here
-        problem = composition_problem(err, overrides, schema, root, conf_dir) if schema is not None else None
-        raise ConfigCompositionError(problem or describe_error(err)) from err
+    GlobalHydra.instance().clear()  # an earlier in-process command (or attempt) may have left it initialized
+    with initialize_config_dir(config_dir=str(conf_dir), version_base=None):
+        composed = hydra_compose(config_name=config_name, overrides=overrides)
+    added = key_added_to_fixed_section(composed, overrides, conf_dir)
+    if added is not None:
+        raise added
     return composed
+
+
+def every_problem(config_name: str, overrides: list[str], first: tuple[str, str | None], schema: type, root: str,
+                  conf_dir: Path) -> list[str]:
+    """The line of each override of the command line that Hydra refuses, in the order they were typed.
+
+    Hydra stops at the first mistake. To name them all at once, the override a line is about is left out and the
+    rest composed again, until the rest composes or a mistake cannot be tied to an override as typed (one set in a
+    config file, or one with no one-line form): the lines found so far are then the answer.
+    """
+    found, (line, override) = {}, first
+    rest = list(overrides)
+    while override is not None and override in rest:
+        found[override] = line
+        rest.remove(override)
+        try:
+            compose_once(config_name, rest, conf_dir)
+            break
+        except Exception as err:  # as in compose: every exception here is about the configuration
+            line, override = located_problem(err, rest, schema, root, conf_dir) or (None, None)
+    lines = [found[text] for text in overrides if text in found]
+    return lines if lines else [first[0]]
 
 
 def key_added_to_fixed_section(composed, overrides: list[str], conf_dir: Path):
@@ -90,6 +121,13 @@ def key_added_to_fixed_section(composed, overrides: list[str], conf_dir: Path):
     return None
 
 
+def error_lines(prefix: str, err: BaseException) -> str:
+    """`err`'s message with `prefix` before each line: every mistake of a command line (compose names them all)
+    reads as a line of its own that says which command refused it. An indented line continues the one above it
+    (describe_error) and stays as it is."""
+    return "\n".join(line if line[:1].isspace() else f"{prefix}{line}" for line in str(err).splitlines())
+
+
 def describe_error(err: BaseException) -> str:
     """One message from an exception and its chained causes, each distinct text once."""
     parts: list[str] = []
@@ -111,12 +149,21 @@ def composition_problem(err: BaseException | None, overrides: list[str] | tuple[
 
     err: the exception Hydra raised (ConfigCompositionError's cause). schema and root: the dataclass the composed
     config's top level is and how a message names that top level. conf_dir: the config root composed from."""
+    located = located_problem(err, overrides, schema, root, conf_dir)
+    return located[0] if located else None
+
+
+def located_problem(err: BaseException | None, overrides: list[str] | tuple[str, ...], schema: type,
+                    root: str = "the config", conf_dir: Path | None = None) -> tuple[str, str | None] | None:
+    """composition_problem's line and the override as typed that it is about (None when a config file set the
+    value, or no override matches); None when the mistake has no one-line form."""
     top = str(err)
     missing = re.search(r"Could not find '([^'/]+)/([^']+)'", top)
     if missing:
         group, option = missing.groups()
+        typed = next((text for text in overrides if override_key(text) == group), None)
         return (f"{group}={option}: no such option in {conf_label(conf_dir)}{group}/; choose one of "
-                f"{', '.join(group_options(group, conf_dir))}")
+                f"{', '.join(group_options(group, conf_dir))}"), typed
     cause = next((e for e in _chain(err) if getattr(e, "full_key", None)), None)
     if cause is None:
         return None
@@ -127,11 +174,11 @@ def composition_problem(err: BaseException | None, overrides: list[str] | tuple[
     in_file = re.match(r"In '([^']+)'", top)
     given = typed or (f"{key} (set in {conf_label(conf_dir)}{in_file.group(1)}.yaml)" if in_file else key)
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
-        return unknown_key_problem(cause, given, typed, schema, root)
+        return unknown_key_problem(cause, given, typed, schema, root), typed
     if getattr(cause, "object_type", None) is list and str(getattr(cause, "key", "")).isdigit():
-        return missing_entry_problem(key, len(cause.parent_node or ()), given)
+        return missing_entry_problem(key, len(cause.parent_node or ()), given), typed
     first_line = str(getattr(cause, "msg", cause)).splitlines()[0]
-    return f"{given}: {first_line}"
+    return f"{given}: {first_line}", typed
 
 
 def dotted(key: str) -> str:

@@ -99,7 +99,7 @@ def prepare_main(argv: list[str]) -> int:
     from data.prepare import PrepareError, prepare
     from data.shards import ShardFormatError
     from tokenizer import TokenizerNotFoundError
-    from common.conf import ConfigCompositionError
+    from common.conf import ConfigCompositionError, error_lines
     from common.corpus import CorpusError
 
     try:
@@ -114,7 +114,8 @@ def prepare_main(argv: list[str]) -> int:
             manifest = prepare(job)
     except (ConfigCompositionError, HydraException, OmegaConfBaseException, ConfigError, CorpusError, PrepareError,
             ManifestError, ShardFormatError, TokenizerNotFoundError) as err:
-        print(f"ayumi data prepare: error: {err}", file=sys.stderr)
+        # One line per mistake: compose names every typo of the command line.
+        print(error_lines("ayumi data prepare: error: ", err), file=sys.stderr)
         return BAD_INPUT
     except KeyboardInterrupt:
         print("ayumi data prepare: interrupted; finished domains are kept, re-run to continue", file=sys.stderr)

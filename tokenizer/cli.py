@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tokenizer.build import BuildError
     from tokenizer.expand import ExpandError
-    from common.conf import ConfigCompositionError
+    from common.conf import ConfigCompositionError, error_lines
     from tokenizer.config import TokenizerConfigError
     from tokenizer.export_hf import ExportParityError
     from tokenizer.merge import MergeError
@@ -322,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ayumi tokenizer {argv[0]}: {err}", file=sys.stderr)
         return BAD_INPUT
     except (ConfigCompositionError, HydraException, OmegaConfBaseException) as err:
-        print(f"ayumi tokenizer {argv[0]}: config error: {err}", file=sys.stderr)
+        # One line per mistake: compose names every typo of the command line.
+        print(error_lines(f"ayumi tokenizer {argv[0]}: config error: ", err), file=sys.stderr)
         return BAD_INPUT
 
 

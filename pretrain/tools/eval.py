@@ -333,6 +333,7 @@ def main(argv: list[str]) -> int:
     options anywhere."""
     args = parse_args(argv)
 
+    from common.conf import error_lines
     from downstream.tasks import TaskError
     from pretrain.checkpoint.checkpointer import CheckpointError
     from pretrain.model.hf_import import HFImportError
@@ -354,7 +355,7 @@ def main(argv: list[str]) -> int:
             results = score_checkpoints(checkpoint_targets(args.target, args.all), args.all, settings, dtype, device,
                                         args.tokenizer_dir)
     except (TaskError, CheckpointError, HFImportError, TokenizerNotFoundError, ValueError, FileNotFoundError) as err:
-        print(f"ayumi eval: {err}", file=sys.stderr)
+        print(error_lines("ayumi eval: ", err), file=sys.stderr)  # one line per typo of the command line
         return BAD_INPUT
     scored = [r for r in results if r.tasks]
     if not scored:  # nothing to show, and nothing written over an earlier curve

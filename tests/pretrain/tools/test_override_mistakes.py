@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.helpers import REPO, tiny_overrides, write_tiny_corpus
@@ -42,6 +43,30 @@ def test_a_misspelt_added_key_is_named_as_typed_in_the_tokenizer_builder(tmp_pat
     assert proc.stderr.strip().splitlines()[-1] == (
         "ayumi tokenizer build: config error: +tokenizer.total_vocabb=3000: tokenizer has no key 'total_vocabb'; "
         "did you mean tokenizer.total_vocab?")
+
+
+@pytest.mark.parametrize("command, typos, lines", [
+    (["plan", "experiment=cpu_tiny"], ["optim=adamww", "model.hiden_size=64"],
+     ["ayumi plan: optim=adamww: no such option in conf/optim/; choose one of adamw, wsd",
+      "ayumi plan: model.hiden_size=64: model has no key 'hiden_size'; did you mean model.hidden_size?"]),
+    (["eval", "no_run"], ["max_example=5", "batch_sise=2"],
+     ["ayumi eval: max_example=5: eval.downstream has no key 'max_example'; did you mean max_examples?",
+      "ayumi eval: batch_sise=2: eval.downstream has no key 'batch_sise'; did you mean batch_size?"]),
+    (["data", "prepare"], ["data.rot=x", "data.nmae=y"],
+     ["ayumi data prepare: error: data.rot=x: data has no key 'rot'; did you mean data.root?",
+      "ayumi data prepare: error: data.nmae=y: data has no key 'nmae'; did you mean data.name?"]),
+    (["tokenizer", "build", "tokenizer=tiny"], ["+tokenizer.total_vocabb=3000", "tokenizer.domanis=1"],
+     ["ayumi tokenizer build: config error: +tokenizer.total_vocabb=3000: tokenizer has no key 'total_vocabb'; "
+      "did you mean tokenizer.total_vocab?",
+      "ayumi tokenizer build: config error: tokenizer.domanis=1: tokenizer has no key 'domanis'; "
+      "did you mean tokenizer.domains?"]),
+], ids=["plan", "eval", "data-prepare", "tokenizer-build"])
+def test_every_command_names_every_typo_at_once(tmp_path, command, typos, lines):
+    """Issue 48, papercut: a line per mistake of the command line, not the first only; exit 2, nothing written."""
+    proc = ayumi(tmp_path, *command, *typos)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == lines
+    assert proc.stdout == "" and sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 def test_plus_still_adds_keys_to_mappings(tmp_path):

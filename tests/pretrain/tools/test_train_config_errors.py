@@ -59,6 +59,20 @@ def test_a_typo_is_one_line_with_a_suggestion(tmp_path):
     assert proc.stdout == "" and not (tmp_path / "runs").exists()
 
 
+def test_every_typo_of_a_command_line_is_named_at_once(tmp_path):
+    """Issue 48, papercut: Hydra stops at the first unknown key, so three typos took three reruns. Now one line per
+    typo, in the order typed, each with its "did you mean"; exit 2 and nothing started or written."""
+    proc = ayumi_train(tmp_path, "experiment=cpu_tiny", "optim.lrr=1e-3", "train.seq_len=32", "+train.seq_lenn=32",
+                       "trian.tokens=100")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert messages(proc.stderr) == [
+        "ayumi train: optim.lrr=1e-3: optim has no key 'lrr'; did you mean optim.lr?",
+        "ayumi train: +train.seq_lenn=32: train has no key 'seq_lenn'; did you mean train.seq_len?",
+        "ayumi train: trian.tokens=100: the config has no key 'trian'; did you mean train?",
+    ]
+    assert proc.stdout == "" and not (tmp_path / "runs").exists()
+
+
 def test_a_new_key_in_a_stage_says_it_needs_hydras_plus(tmp_path):
     """Papercut 3 of issue 39: it said `rope_scaling has no key 'type'; known keys: ` (an empty list, no '+')."""
     rope = "curriculum.stages.1.rope_scaling={type:yarn,factor:4}"
