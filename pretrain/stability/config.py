@@ -72,8 +72,12 @@ class DetectorConfig:
     """...the robust z that rise needs too: at a low loss single steps vary 4x, so +50% alone is ordinary there, and
     its skewed noise reaches z 6 about once in 1,000 clean steps (docs/stability.md); a bad batch is far above both."""
     grad_alone_ratio: float = 8.0
-    """A grad norm this many times its baseline (with z >= grad_z) is an outlier without the loss confirming it, unless
-    the step is clipped (its update is then bounded whatever the norm, and it needs confirming like any other)."""
+    """A grad norm this many times its baseline, with z >= grad_alone_z, is an outlier without the loss confirming
+    it, unless the step is clipped (its update is then bounded whatever the norm, and it needs confirming like any
+    other)."""
+    grad_alone_z: float = 12.0
+    """...the robust z (of log grad norm) that ratio needs too: at a low loss clean steps reach 6-9x their baseline at
+    z 6-7.5 (docs/stability.md); a blow-up in ordinary noise (10% in log space) is z 20 or more at 8x."""
     divergence_rise: float = 0.10
     """A spike too: the loss baseline this fraction above the lowest it reached since the last stage switch or
     rollback, a slow climb no single step shows (an LR past the stable edge), if divergence_z agrees; 0 = off."""
@@ -89,7 +93,7 @@ class DetectorConfig:
         "sustained_count": at_least(1), "sustained_window": at_least(1), "stage_switch_grace_steps": at_least(0),
         "domain_min_steps": at_least(1),
         "confirm_z": at_least(0, "0 = off: each signal judged alone"), "loss_alone_rise": at_least(0),
-        "loss_alone_z": at_least(0),
+        "loss_alone_z": at_least(0), "grad_alone_z": at_least(0),
         "grad_alone_ratio": at_least(1), "divergence_rise": at_least(0, "0 = off"),
         "divergence_z": at_least(0, "0 = the relative rise alone"),
     }
@@ -284,6 +288,9 @@ def check_stability_config(cfg: StabilityConfig, min_loss_scale: float = 1.0) ->
            f"{det.loss_min_rise:g}: the rise that needs no confirmation must be at least the one that makes an outlier")
     _check(det.loss_alone_z >= det.loss_z,
            f"stability.detector.loss_alone_z={det.loss_alone_z:g} is below detector.loss_z={det.loss_z:g}: the z that "
+           "needs no confirmation must be at least the one that makes an outlier")
+    _check(det.grad_alone_z >= det.grad_z,
+           f"stability.detector.grad_alone_z={det.grad_alone_z:g} is below detector.grad_z={det.grad_z:g}: the z that "
            "needs no confirmation must be at least the one that makes an outlier")
     _check(det.grad_alone_ratio >= det.grad_min_ratio,
            f"stability.detector.grad_alone_ratio={det.grad_alone_ratio:g} is below detector.grad_min_ratio="

@@ -144,3 +144,18 @@ def test_a_bad_batch_at_a_low_loss_is_still_an_outlier_on_its_own():
     verdicts = replay(DetectorConfig(), curve)
     assert verdicts[1200].kind == "outlier" and "on its own" in verdicts[1200].reason
     assert alarms(verdicts) == [(1200, "outlier")]
+
+
+def test_a_lone_9x_grad_norm_in_low_loss_noise_needs_confirming():
+    """Clean memorising runs had single grad norms 6.5x (z 7.5) and 8.8x (z 5.9) their baseline, unclipped. In 30%
+    log-normal grad-norm noise a lone 9x step is z ~7: ratio alone made it an outlier; with grad_alone_z it needs the
+    loss or a repeat. A blow-up that lasts is still a spike."""
+    curve = noisy_plateau(seed=3)
+    curve.grad_norm[1500] = 9.0 * np.median(curve.grad_norm[1480:1500])
+    verdict = replay(DetectorConfig(), curve)[1500]
+    assert verdict.kind == "ok" and "below 8x with z 12" in verdict.note, verdict
+    assert verdict.grad_ratio > 8 and 6 <= verdict.grad_z < DetectorConfig().grad_alone_z
+    before = replay(DetectorConfig(grad_alone_z=0), curve)[1500]
+    assert before.kind == "outlier" and "8x or more on its own" in before.reason
+    curve.grad_norm[2000:2010] *= 9.0
+    assert (2002, "spike") in alarms(replay(DetectorConfig(), curve))
