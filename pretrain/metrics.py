@@ -21,6 +21,9 @@ from pretrain.config import AyumiConfig
 METRICS_FILE = "metrics.jsonl"
 EVENTS_FILE = "events.jsonl"
 WANDB_ID_FILE = "wandb_run_id"
+EVAL_CURVE_FILE = "eval/downstream.json"
+"""Where `ayumi eval RUN_DIR --all` writes the run's downstream curve (every checkpoint scored after training),
+relative to the run dir; `ayumi report` reads it back."""
 # Events worth a W&B alert (an e-mail/Slack ping when the run is online).
 ALERT_EVENTS = {"spike": "WARN", "rollback": "WARN", "recovered": "INFO", "loss_scale_reset": "WARN",
                 "loss_scale_alarm": "WARN", "stop": "ERROR", "stability_stop": "ERROR", "checkpoint_corrupt": "WARN"}

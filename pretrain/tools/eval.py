@@ -294,10 +294,13 @@ def as_json(target: Path, settings, results: list[Scored]) -> dict[str, Any]:
 def default_out(target: Path, every: bool, results: list[Scored]) -> Path | None:
     """Where the scores go without --out: for a run, `--all`'s curve is RUN_DIR/eval/downstream.json and one
     checkpoint's scores go beside it, named after the checkpoint (never over the curve); nothing for an HF folder."""
+    from pretrain.metrics import EVAL_CURVE_FILE  # the report reads the curve back from there
+
     run_dir = run_dir_of(target)
     if run_dir is None:
         return None
-    return run_dir / "eval" / ("downstream.json" if every else f"downstream.{results[0].label}.json")
+    curve = run_dir / EVAL_CURVE_FILE
+    return curve if every else curve.with_name(f"downstream.{results[0].label}.json")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

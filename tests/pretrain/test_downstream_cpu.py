@@ -244,6 +244,25 @@ def test_one_checkpoints_scores_never_replace_the_runs_curve(curve):
     assert single[0]["tasks"] == curve["json"]["scores"][0]["tasks"]
 
 
+def test_ayumi_report_shows_the_curve_ayumi_eval_all_wrote(curve):
+    """Issue 48, papercut: the report showed the in-loop scores only. Through the real CLI, on the curve of a real
+    run: a row per checkpoint with each metric's value ± stderr as the curve holds it, a plot per task."""
+    run = curve["run"]
+    proc = subprocess.run([sys.executable, "-m", "pretrain.tools.cli", "report", str(run)], cwd=REPO, env=cpu_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = (run / "report" / "summary.md").read_text(encoding="utf-8")
+    assert "## Downstream evaluation of the checkpoints" in summary and "## Downstream evaluation\n" in summary
+    for result in curve["json"]["scores"]:
+        [row] = [line for line in summary.splitlines() if line.startswith(f"| {result['label']} | {result['step']} |")]
+        for task, body in result["tasks"].items():
+            for metric, value in body["metrics"].items():
+                stderr = body["stderr"][metric]
+                assert f"| {value:.4f} ± {'N/A' if stderr is None else f'{stderr:.4f}'} |" in row, (task, metric)
+    for task in ("mc", "cloze", "qa"):
+        assert (run / "report" / f"eval_curve_{task}.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_each_row_has_n_and_lm_evals_standard_error(curve):
     """Item 4: n (examples scored) and the standard error of the mean, as lm-eval's mean_stderr: the sample standard
     deviation (n - 1) over sqrt(n); for accuracies sqrt(p (1 - p) / (n - 1)). In the JSON and in the table."""

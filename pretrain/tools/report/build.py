@@ -3,14 +3,16 @@
     ayumi report runs/cpu_tiny                # writes runs/cpu_tiny/report/
     ayumi report runs/cpu_tiny --smooth 50    # EMA over ~50 logged steps (0 = raw lines only)
 
-Reads `metrics.jsonl`, `events.jsonl` and (if present) `config.yaml`; never the checkpoints, W&B
-or DeepSpeed, so it runs anywhere, on a finished run or one still writing (a cut last line is
-skipped). Output, replaced as a whole so a reader never sees half a report:
+Reads `metrics.jsonl`, `events.jsonl` and (if present) `config.yaml` and `eval/downstream.json`; never
+the checkpoints, W&B or DeepSpeed, so it runs anywhere, on a finished run or one still writing (a cut
+last line is skipped). Output, replaced as a whole so a reader never sees half a report:
 
     report/loss.png        train loss (total, per domain), val loss per domain, event lane; x = tokens
     report/optim.png       LR; grad norm (log) with the clip threshold; fp16 loss scale when logged
     report/throughput.png  tokens/s, step time, MFU when logged
     report/downstream_<task>.png  each downstream task's metrics (`eval/<task>/<metric>`), when the run scored any
+    report/eval_curve_<task>.png  each task's scores per checkpoint, when `ayumi eval RUN_DIR --all` wrote
+                           RUN_DIR/eval/downstream.json (the in-loop scores drawn behind)
     report/summary.md      run, progress, final/best losses, stages, events, files, W&B sync
     report/summary.html    the same, with the PNGs embedded
 
@@ -33,6 +35,7 @@ from typing import Callable
 
 
 from common.files import replace_dir
+from pretrain.tools.report.eval_curve import eval_curve_plot_name, plot_eval_curve, read_eval_curve
 from pretrain.tools.report.plots import (PlotContext, auto_window, downstream_plot_name, plot_downstream, plot_loss,
                                          plot_optim, plot_throughput)
 from pretrain.tools.report.render import render_html, render_markdown, summary_blocks
@@ -75,10 +78,12 @@ def make_report(run_dir: Path, out_dir: Path | None = None, smooth: int | None =
     num_train = len(timeline.series("train/loss").x)
     window = auto_window(num_train) if smooth is None else max(1, smooth)
     ctx = PlotContext(stages, events, window, x_max=max((r.tokens for r in timeline.records), default=1.0))
-    blocks = summary_blocks(run_dir, config, timeline, events, stages, metrics_file, max_events)
+    curve = read_eval_curve(run_dir, timeline)
+    blocks = summary_blocks(run_dir, config, timeline, events, stages, metrics_file, max_events, curve)
     downstream = downstream_metrics(timeline.keys)
-    files = ["loss.png", "optim.png", "throughput.png", *map(downstream_plot_name, downstream), "summary.md",
-             "summary.html"]
+    curve_tasks = curve.metrics() if curve is not None else {}
+    files = ["loss.png", "optim.png", "throughput.png", *map(downstream_plot_name, downstream),
+             *map(eval_curve_plot_name, curve_tasks), "summary.md", "summary.html"]
 
     def write(tmp: Path) -> None:
         plot_loss(timeline, ctx, tmp / "loss.png")
@@ -86,6 +91,8 @@ def make_report(run_dir: Path, out_dir: Path | None = None, smooth: int | None =
         plot_throughput(timeline, ctx, tmp / "throughput.png")
         for task, metrics in downstream.items():
             plot_downstream(timeline, ctx, task, metrics, tmp / downstream_plot_name(task))
+        for task, metrics in curve_tasks.items():
+            plot_eval_curve(curve, timeline, ctx, task, metrics, tmp / eval_curve_plot_name(task))
         (tmp / "summary.md").write_text(render_markdown(blocks))
         (tmp / "summary.html").write_text(render_html(blocks))
 

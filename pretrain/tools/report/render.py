@@ -1,8 +1,8 @@
 """The report's summary as blocks (headings, tables, text), rendered to markdown and to HTML.
 
 The summary holds the run and its progress, final and best losses per domain, the curriculum's stages,
-the downstream scores (when the run scored tasks: eval.downstream), the events, the files of the run dir and
-the W&B sync command.
+the downstream scores (when the run scored tasks: eval.downstream; and each checkpoint's, when `ayumi eval
+RUN_DIR --all` wrote its curve), the events, the files of the run dir and the W&B sync command.
 """
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from pretrain.metrics import EVENTS_FILE, METRICS_FILE, format_count, format_duration
+from pretrain.metrics import EVAL_CURVE_FILE, EVENTS_FILE, METRICS_FILE, format_count, format_duration
+from pretrain.tools.report.eval_curve import CurvePoint, EvalCurve, eval_curve_plot_name, newer_checkpoints
 from pretrain.tools.report.plots import downstream_plot_name
 from pretrain.tools.report.timeline import (CONFIG_FILE, JsonlFile, Stage, Timeline, downstream_metrics,
                                             is_train_record, lengths_differ)
@@ -152,6 +153,53 @@ def downstream_blocks(timeline: Timeline) -> list[Block]:
     return blocks
 
 
+def curve_cell(point: CurvePoint, task: str, metric: str) -> str:
+    """A checkpoint's `value ± stderr` as `ayumi eval` prints it; why there is none for one left out."""
+    if point.error is not None:
+        return "damaged" if point.damaged else "left out"
+    score = point.scores.get(task, {}).get(metric)
+    if score is None:
+        return "–"
+    return f"{score.value:.4f} ± {'N/A' if score.stderr is None else f'{score.stderr:.4f}'}"
+
+
+def curve_rows(curve: EvalCurve, tasks: dict[str, list[str]]) -> tuple[list[str], list[list[str]]]:
+    """(header, rows): a row per checkpoint, a column per task's metric, each headed with its n."""
+    header = ["checkpoint", "step", "tokens"]
+    for task, metrics in tasks.items():
+        for metric in metrics:
+            counts = sorted({score.n for _, score in curve.scored(task, metric)})
+            header.append(f"{task} {metric} (n={'/'.join(map(str, counts)) or '–'})")
+    rows = [[point.label, f"{point.step:,}", format_count(point.tokens)]
+            + [curve_cell(point, task, metric) for task, metrics in tasks.items() for metric in metrics]
+            for point in curve.points]
+    return header, rows
+
+
+def eval_curve_blocks(run_dir: Path, curve: EvalCurve | None) -> list[Block]:
+    """The curve `ayumi eval RUN_DIR --all` wrote, with a plot per task; nothing when it wrote none."""
+    if curve is None:
+        return []
+    blocks: list[Block] = [("h2", "Downstream evaluation of the checkpoints")]
+    if curve.problem is not None:
+        return blocks + [("p", f"`{EVAL_CURVE_FILE}` could not be read ({curve.problem}). Write it again with "
+                               f"`ayumi eval {run_dir} --all`.")]
+    tasks = curve.metrics()
+    blocks += [("p", f"Scored after training by `ayumi eval RUN_DIR --all` (`{EVAL_CURVE_FILE}`): each "
+                     "checkpoint's value ± its standard error, as `ayumi eval` prints it; n is the examples scored."),
+               ("table", curve_rows(curve, tasks))]
+    left_out = [point for point in curve.points if point.error is not None]
+    if left_out:
+        blocks.append(("p", "Left out of the curve: " + "; ".join(f"{p.label} ({p.error})" for p in left_out) + "."))
+    newer = newer_checkpoints(run_dir, curve)
+    if newer:
+        blocks.append(("p", f"Saved after the curve was written, so not on it: {', '.join(newer)}. Run "
+                            f"`ayumi eval {run_dir} --all` again to score them."))
+    blocks += [("img", (eval_curve_plot_name(task), f"{task} per checkpoint: {', '.join(metrics)}"))
+               for task, metrics in tasks.items()]
+    return blocks
+
+
 def file_rows(run_dir: Path) -> list[list[str]]:
     rows = []
     for name, what in ((METRICS_FILE, "one JSON object per log step / eval"), (EVENTS_FILE, "events, one per line"),
@@ -159,6 +207,9 @@ def file_rows(run_dir: Path) -> list[list[str]]:
         path = run_dir / name
         if path.exists():
             rows.append([f"`{name}`", f"{path.stat().st_size / 1024:,.1f} KiB", what])
+    if (run_dir / EVAL_CURVE_FILE).is_file():
+        rows.append([f"`{EVAL_CURVE_FILE}`", f"{(run_dir / EVAL_CURVE_FILE).stat().st_size / 1024:,.1f} KiB",
+                     "each checkpoint's downstream scores (`ayumi eval RUN_DIR --all`)"])
     scored = run_dir / "eval" / "downstream"
     if scored.is_dir():
         rows.append(["`eval/downstream/`", f"{sum(1 for _ in scored.iterdir())} files",
@@ -178,7 +229,8 @@ def wandb_blocks(run_dir: Path) -> list[Block]:
 
 
 def summary_blocks(run_dir: Path, config: dict[str, Any], timeline: Timeline, events: list[dict[str, Any]],
-                   stages: list[Stage], metrics_file: JsonlFile, max_events: int) -> list[Block]:
+                   stages: list[Stage], metrics_file: JsonlFile, max_events: int,
+                   curve: EvalCurve | None = None) -> list[Block]:
     name = str(config.get("name") or run_dir.name)
     blocks: list[Block] = [("h1", f"Run report: {name}"),
                            ("p", f"Run dir `{run_dir}`, made {time.strftime('%Y-%m-%d %H:%M:%S')} "
@@ -197,6 +249,7 @@ def summary_blocks(run_dir: Path, config: dict[str, Any], timeline: Timeline, ev
                               [[str(s.index), s.name, format_count(s.tokens), f"{s.step:,}"]
                                + ([str(s.seq_len or "")] if lengths else []) for s in stages]))]
     blocks += downstream_blocks(timeline)
+    blocks += eval_curve_blocks(run_dir, curve)
     blocks += [("h2", "Optimizer"), ("img", ("optim.png", "learning rate, grad norm, loss scale")),
                ("h2", "Throughput"), ("img", ("throughput.png", "tokens per second and step time")),
                ("h2", "Events"), *event_blocks(events, max_events),

@@ -288,3 +288,60 @@ def test_a_short_downstream_time_is_not_rounded_to_nothing(tmp_path):
     # Nine scorings (the rolled-back one at step 50 included: its time was spent): 0.54 s.
     assert ("Downstream time share: 41.6% of the run's wall time (`eval/time_share` at the last scoring); "
             "0.5s in all (`eval/downstream_seconds`).") in summary
+
+
+def write_eval_curve(run_dir: Path) -> Path:
+    """RUN_DIR/eval/downstream.json as `ayumi eval RUN_DIR --all` writes it: steps 20 and 80 scored, 40 damaged."""
+    def scored(step: int, exact: float, loglik: float) -> dict:
+        body = {"kind": "cloze", "metrics": {"exact_match": exact, "loglik": loglik}, "n": 4,
+                "stderr": {"exact_match": 0.25, "loglik": None}, "examples": []}
+        return {"label": f"step_{step:07d}", "step": step, "tasks": {"cloze_ja": body}}
+
+    damaged = {"label": "step_0000040", "step": 40, "damaged": True,
+               "error": "mp_rank_00_model_states.pt does not match the xxh3_128 checksum recorded at save"}
+    curve = {"target": str(run_dir), "settings": {}, "scores": [scored(20, 0.25, -9.1), damaged,
+                                                                 scored(80, 0.75, -8.3)]}
+    (run_dir / "eval").mkdir()
+    path = run_dir / "eval" / "downstream.json"
+    path.write_text(json.dumps(curve))
+    return path
+
+
+def test_the_curve_ayumi_eval_all_wrote_is_in_the_report(tmp_path):
+    """Issue 48, papercut: `ayumi report` showed the in-loop scores only, not the curve `ayumi eval RUN_DIR --all`
+    wrote. Now a section with a row per checkpoint (value ± stderr, a damaged one marked and why) and a plot per
+    task; a checkpoint saved after the curve is named with the command that scores it."""
+    run_dir = write_run(tmp_path / "run", downstream_every=10, val_tokens=True)
+    write_eval_curve(run_dir)
+    (run_dir / "checkpoints" / "step_0000080").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step_0000090").mkdir()
+    proc = subprocess.run([sys.executable, "-m", "pretrain.tools.cli", "report", str(run_dir)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = run_dir / "report"
+    assert "eval_curve_cloze_ja.png" in proc.stdout
+    assert_png(out / "eval_curve_cloze_ja.png")
+    summary = (out / "summary.md").read_text()
+    assert "## Downstream evaluation of the checkpoints" in summary
+    assert "| checkpoint | step | tokens | cloze_ja exact_match (n=4) | cloze_ja loglik (n=4) |" in summary
+    # Tokens from the continued timeline at the checkpoint's step (step 80: 80 x 512, after the rollback).
+    assert "| step_0000020 | 20 | 10.24k | 0.2500 ± 0.2500 | -9.1000 ± N/A |" in summary
+    assert "| step_0000040 | 40 | 20.48k | damaged | damaged |" in summary
+    assert "| step_0000080 | 80 | 40.96k | 0.7500 ± 0.2500 | -8.3000 ± N/A |" in summary
+    assert ("Left out of the curve: step_0000040 (mp_rank_00_model_states.pt does not match the xxh3_128 checksum "
+            "recorded at save).") in summary
+    assert (f"Saved after the curve was written, so not on it: step_0000090. Run `ayumi eval {run_dir.resolve()} "
+            f"--all` again to score them.") in summary
+    assert "| `eval/downstream.json` |" in summary
+    assert "<img src='eval_curve_cloze_ja.png'" in (out / "summary.html").read_text()
+    assert "## Downstream evaluation\n" in summary  # the in-loop section stays
+
+
+def test_an_unreadable_curve_is_said_and_the_report_still_made(tmp_path):
+    run_dir = write_run(tmp_path / "run")
+    write_eval_curve(run_dir).write_text('{"scores": [{"step": 20, "tasks": ')
+    assert report.main([str(run_dir)]) == 0
+    summary = (run_dir / "report" / "summary.md").read_text()
+    assert "`eval/downstream.json` could not be read (JSONDecodeError: " in summary
+    assert f"Write it again with `ayumi eval {run_dir.resolve()} --all`." in summary
+    assert not list((run_dir / "report").glob("eval_curve_*"))
