@@ -145,6 +145,8 @@ class Llama(nn.Module):
         Drawn in fp32 and rounded into `p`'s dtype, so a bf16 parameter (ZeRO-3's partitioned build) holds the
         fp32 model's values cast, as a whole model cast to bf16 does. The same (seed, name, shape) gives the same
         values on every device of one type; a CPU's and a GPU's generators give different ones."""
+        if p.is_meta:
+            return  # a shape without storage (a model built on the meta device): no values to draw
         if p.ndim == 1:
             p.fill_(1.0)  # only norm scales are 1-D
             return
