@@ -40,7 +40,7 @@ is a false alarm. The debug Llama (`experiment=cpu_tiny`, 2 ranks, 8 x 64 tokens
                the LR: the last ~300 steps run below a tenth of the peak LR on a flat loss
 
 Each row also replays the run's curve through the detector with the rules before issue 46 (the relative climb
-alone, +50% alone without a z), which shows the false alarms this table would have had.
+alone, +50% or 8x alone without a z), which shows the false alarms this table would have had.
 
     python bench/spike_detection.py --low-loss --work /tmp/sd_low      # 18 runs, ~40 min on 2 CPU cores
 """
@@ -223,8 +223,9 @@ def meets(row: dict) -> bool | None:
 
 LOW_CASES = ("repeated", "narrow", "late_cosine")
 LOW_LEVEL = 0.1  # a step counts as low-loss below this loss
-OLD_RULES = {"divergence_z": 0.0, "loss_alone_z": 0.0}
-"""The detector before issue 46: a relative climb alone is a divergence; +50% alone needs no z beyond loss_z."""
+OLD_RULES = {"divergence_z": 0.0, "loss_alone_z": 0.0, "grad_alone_z": 0.0}
+"""The detector before issue 46: a relative climb alone is a divergence; +50% or 8x alone needs no z beyond
+loss_z or grad_z."""
 
 
 def low_corpus(work: Path, case: str) -> Path:

@@ -147,7 +147,7 @@ def test_a_bad_batch_at_a_low_loss_is_still_an_outlier_on_its_own():
 
 
 def test_a_lone_9x_grad_norm_in_low_loss_noise_needs_confirming():
-    """Clean memorising runs had single grad norms 6.5x (z 7.5) and 8.8x (z 5.9) their baseline, unclipped. In 30%
+    """Clean memorising runs had single grad norms 6.5x (z 7.5) and 8.8x (z 5.9) their baseline. In 30%
     log-normal grad-norm noise a lone 9x step is z ~7: ratio alone made it an outlier; with grad_alone_z it needs the
     loss or a repeat. A blow-up that lasts is still a spike."""
     curve = noisy_plateau(seed=3)
