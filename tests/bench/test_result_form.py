@@ -23,7 +23,8 @@ RESULT = re.compile(
     rf"ok=(?P<ok>true|false|study) spread=(?P<min>{NUM})/(?P<median>{NUM})/(?P<max>{NUM}){UNIT} n=(?P<n>\d+) "
     rf"load=(?P<load_start>\d+\.\d\d)/(?P<load_end>\d+\.\d\d) cpus=(?P<cpus>\d+)$"
 )
-HELPERS = {"result_form.py", "markov_corpus.py"}  # shared by the benches, measure nothing themselves (bench/README.md)
+HELPERS = {"result_form.py", "markov_corpus.py", "torchtitan_peer.py"}  # used by benches, measure nothing themselves
+# (bench/README.md)
 BENCHES = sorted(path for path in (REPO / "bench").glob("*.py") if path.name not in HELPERS)
 
 
