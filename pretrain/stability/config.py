@@ -70,7 +70,7 @@ class DetectorConfig:
     it."""
     loss_alone_z: float = 12.0
     """...the robust z that rise needs too: at a low loss single steps vary 4x, so +50% alone is ordinary there, and
-    its skewed noise reaches z 6 about once in 1,000 clean steps (docs/stability.md); a bad batch is far above both."""
+    its skewed noise reaches z 6 about once in 2,000 clean steps (docs/stability.md); a bad batch is far above both."""
     grad_alone_ratio: float = 8.0
     """A grad norm this many times its baseline, with z >= grad_alone_z, is an outlier without the loss confirming
     it, unless the step is clipped (its update is then bounded whatever the norm, and it needs confirming like any

@@ -127,7 +127,7 @@ def test_median_standard_error_takes_the_larger_of_spread_and_noise():
 
 # -- a lone loss step at a low loss ------------------------------------------------------------------------------
 def test_a_common_low_loss_step_needs_confirming_like_any_other():
-    """At a loss of 0.04 with 35% log-normal noise, a step 3x its baseline comes about once in 1,000 steps and reaches
+    """At a loss of 0.04 with 35% log-normal noise, a step 3x its baseline comes about once in 2,000 steps and reaches
     z 6-7: +50% and z 6 made it an outlier on its own. With loss_alone_z it needs the grad norm, which is calm."""
     curve = noisy_plateau(seed=1)
     verdict = replay(DetectorConfig(), curve)[860]
