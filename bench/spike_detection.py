@@ -126,12 +126,7 @@ def train(case: Case, mode: str, args: argparse.Namespace, data: tuple[Path, Pat
         return run_dir
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = launcher_command("torchrun", 2, overrides(case, mode, *data, runs, args.max_steps), master_port=free_port())
-    print(f"[spike_detection] {case.name(mode):32s} ...", end=" ", flush=True)
-    start = time.perf_counter()
-    with open(log, "w") as handle:
-        rc = subprocess.run(cmd, cwd=REPO, env=env(), stdout=handle, stderr=subprocess.STDOUT).returncode
-    wall = time.perf_counter() - start
-    print(f"rc {rc}, {wall:.0f}s", flush=True)
+    rc, wall = train_logged(case.name(mode), cmd, log)
     if rc != 0:
         raise SystemExit(f"{case.name(mode)} failed (rc {rc}); log {log}:\n{log.read_text(errors='replace')[-3000:]}")
     done.write_text(json.dumps({"wall_s": wall}))
@@ -280,16 +275,22 @@ def train_low(case: str, precision: str, seed: int, args: argparse.Namespace) ->
         return run_dir
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = launcher_command("torchrun", 2, low_overrides(case, precision, seed, args.work), master_port=free_port())
+    rc, wall = train_logged(name, cmd, log)
+    done.parent.mkdir(parents=True, exist_ok=True)
+    done.write_text(json.dumps({"wall_s": wall, "rc": rc}))  # rc 3: the stability machinery stopped it (an alarm)
+    return run_dir
+
+
+
+def train_logged(name: str, cmd: list[str], log: Path) -> tuple[int, float]:
+    """Run one training launch, its output into `log`; (exit status, wall seconds), both printed on one line."""
     print(f"[spike_detection] {name:32s} ...", end=" ", flush=True)
     start = time.perf_counter()
     with open(log, "w") as handle:
         rc = subprocess.run(cmd, cwd=REPO, env=env(), stdout=handle, stderr=subprocess.STDOUT).returncode
     wall = time.perf_counter() - start
     print(f"rc {rc}, {wall:.0f}s", flush=True)
-    done.parent.mkdir(parents=True, exist_ok=True)
-    done.write_text(json.dumps({"wall_s": wall, "rc": rc}))  # rc 3: the stability machinery stopped it (an alarm)
-    return run_dir
-
+    return rc, wall
 
 def replayed(run_dir: Path, **rules: float) -> tuple[list[str], float]:
     """(the alarms, the largest climb z) of the run's first timeline replayed through a fresh detector of the run's
