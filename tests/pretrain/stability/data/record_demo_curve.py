@@ -14,17 +14,25 @@ import json
 import sys
 from pathlib import Path
 
+from pretrain.tools.report.timeline import read_jsonl
+
 OUT = Path(__file__).with_name("demo_curve.json")
 
 
-def main(run_dir: Path) -> None:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in records if "train/loss" in r]
-    first = [train[0]]
-    for record in train[1:]:
-        if record["step"] <= first[-1]["step"]:
+def first_timeline(run_dir: Path) -> list[dict]:
+    """The train records of RUN_DIR/metrics.jsonl up to its first rollback (record_low_loss_curve.py uses it too)."""
+    first: list[dict] = []
+    for record in read_jsonl(run_dir / "metrics.jsonl").rows:
+        if "train/loss" not in record:
+            continue
+        if first and record["step"] <= first[-1]["step"]:
             break  # a rollback: the replay is another timeline
         first.append(record)
+    return first
+
+
+def main(run_dir: Path) -> None:
+    first = first_timeline(run_dir)
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     switches = []
     for event in events:

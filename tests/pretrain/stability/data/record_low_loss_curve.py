@@ -15,18 +15,14 @@ import json
 import sys
 from pathlib import Path
 
+from record_demo_curve import first_timeline  # beside this script (run as one, its folder is on sys.path)
+
 OUT = Path(__file__).with_name("low_loss_curve.json")
 
 
 def main(run_dir: Path) -> None:
     """Write OUT from RUN_DIR/metrics.jsonl (its first timeline)."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    train = [r for r in records if "train/loss" in r]
-    first = [train[0]]
-    for record in train[1:]:
-        if record["step"] <= first[-1]["step"]:
-            break  # a rollback: the replay is another timeline
-        first.append(record)
+    first = first_timeline(run_dir)
     OUT.write_text(json.dumps({
         "source": "issue 46's case (cpu_tiny, tiny corpus repeated, 2 ranks, fp32, 512 steps), stability.action="
                   f"log_only: metrics.jsonl records 1-{len(first)}",
