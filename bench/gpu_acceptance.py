@@ -77,7 +77,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.result_form import machine_line, result_line  # noqa: E402  (first: it reads the load at the start)
-from bench.gpu_speed import MEMORY_BAND, kernel_choices  # noqa: E402
+from bench.gpu_speed import MEMORY_BAND, attention_kernels, kernel_choices, partial_of  # noqa: E402
+from common.files import write_text_atomic  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -266,13 +267,7 @@ def run_batch(keys: list[str], args, work: Path, out: Path, report: dict, deadli
                 entry["proc"].wait()
             report["parts"][key] = finish_part(key, entry, timed_out)
             del running[key]
-            if key in ("peer", "speed_1b_2048"):  # the second of the two to finish adds the comparison
-                compare_with_peer(report["parts"], args.cpu_smoke)
-            if key in ("peer_torchtitan", "speed_1b_2048"):
-                compare_with_torchtitan(report["parts"])
-            for fp8, (bf16, _) in FP8_SPEEDUP.items():
-                if key in (fp8, bf16):
-                    compare_fp8(report["parts"], fp8, args.cpu_smoke)
+            compare(report["parts"], key, args.cpu_smoke)
             print(f"[acceptance] {key}: {report['parts'][key]['status']} in {report['parts'][key]['seconds']:.0f} s",
                   flush=True)
             append_log(out / "parts.log", key, entry["log"])
@@ -349,10 +344,8 @@ def append_log(path: Path, key: str, log: Path) -> None:
 
 def write_report(out: Path, report: dict) -> None:
     """results.json and results.md, each replaced whole (a reader never sees half a file)."""
-    for name, text in (("results.json", json.dumps(report, indent=1, default=str)), ("results.md", markdown(report))):
-        tmp = out / (name + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, out / name)
+    write_json(out / "results.json", report)
+    write_text_atomic(out / "results.md", markdown(report))
 
 
 def markdown(report: dict) -> str:
@@ -408,7 +401,7 @@ def result_lines(parts: dict) -> list[str]:
         # One or two documents a sample: the varlen kernel is causal attention's own, so no slower.
         lines.append(result_line("gpu_acceptance_document_masking_long", documents["long_document_step_ms"],
                                  documents["long_causal_step_ms"], "<=1.03", unit="ms"))
-    for fp8, (bf16, target) in FP8_SPEEDUP.items():
+    for fp8, bf16, _, _, target in COMPARISONS[2:]:  # the FP8 speed parts against their bf16 parts
         ours, base = (parts.get(key, {}).get("figures") or {} for key in (fp8, bf16))
         if ours.get("tokens_per_s") and base.get("tokens_per_s"):
             lines.append(result_line(f"gpu_acceptance_{fp8}", ours["tokens_per_s"], base["tokens_per_s"],
@@ -454,9 +447,7 @@ def write_partial(args, summary: dict) -> None:
 
 def write_json(path: Path, value: dict) -> None:
     """`value` as JSON at `path`, replaced whole (the driver may read it at any moment)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value, indent=1, default=str))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(value, indent=1, default=str))
 
 
 def check(name: str, ok: bool, detail: str) -> dict:
@@ -563,7 +554,7 @@ def worker_speed(args, work: Path) -> dict:
                 "--micro-batch", str(spec.get("micro", "auto"))]
     shape = "tiny" if args.cpu_smoke else spec["shape"]
     out = work / f"{shape}_blocks_{spec['checkpointing']}.json"
-    partial = out.with_name(out.name + ".partial")
+    partial = partial_of(out)
     proc = subprocess.Popen(cmd, cwd=REPO)
     seen = None
     while proc.poll() is None:  # gpu_speed rewrites its partial result after every step: pass it on
@@ -643,8 +634,6 @@ PEER_TARGET = 1.25
 """ayumi's speed_1b_2048 tokens/s over the peer's (issue 37): what ayumi's trainer must give over the plain recipe."""
 PEER_ATTENTION = "ayumi_peer_causal"
 """The attention the peer registers with transformers (peer_attention): causal SDPA with GQA and no mask."""
-ATTENTION_KERNEL_WORDS = ("flash", "fmha", "attention", "attn", "cudnn", "efficient", "sdpa")
-"""Words that name an attention kernel (or, on the CPU, SDPA's op) in a profile."""
 
 
 def worker_peer(args, work: Path) -> dict:
@@ -765,22 +754,6 @@ def peer_model(cfg, device, compiled: bool, attention: str = "sdpa"):
     return (torch.compile(model, dynamic=False) if compiled else model), optimizer
 
 
-def attention_kernels(run_step, device) -> list[str]:
-    """The names of the attention kernels (CPU: SDPA's ops) one profiled call of `run_step` ran, by device time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        run_step()
-    names = []
-    for event in prof.key_averages():
-        on_device = getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0))
-        wanted = on_device > 0 if device.type == "cuda" else event.key.startswith("aten::")
-        if wanted and any(word in event.key.lower() for word in ATTENTION_KERNEL_WORDS):
-            names.append((on_device, event.key))
-    return [name for _, name in sorted(names, reverse=True)]
-
-
 def peer_step(model, optimizer, batches: list, grad_clip: float) -> tuple[float, float]:
     """One optimizer step over the micro batches (bf16 autocast, gradients summed in the fp32 weights' .grad):
     (wall seconds, the device synchronised at the end; the step's mean loss)."""
@@ -827,35 +800,43 @@ def peer_summary(figures: dict) -> dict:
     return {"figures": figures, "rows": rows, "checks": [trained]}
 
 
-def compare_with_peer(parts: dict, cpu_smoke: bool) -> None:
-    """Once the peer and speed_1b_2048 have both run: ayumi's tokens/s over the peer's as a row of speed_1b_2048 (the
-    target is ayumi's), judged on a GPU when both trained the same tokens a step at the same length."""
-    ours, peer = (parts.get(key, {}).get("figures") or {} for key in ("speed_1b_2048", "peer"))
-    if not ours.get("tokens_per_s") or not peer.get("tokens_per_s"):  # a partial result may have none yet
+COMPARISONS = [
+    ("speed_1b_2048", "peer", "tokens/s over the peer's (a plain PyTorch loop, part peer)", "vs_peer", PEER_TARGET),
+    ("speed_1b_2048", "peer_torchtitan", "tokens/s over torchtitan's (its Llama 3 and trainer, part peer_torchtitan)",
+     None, None),
+    ("speed_1b_fp8", "speed_1b_2048", "tokens/s over bf16's (part speed_1b_2048)", "fp8_speedup", 1.15),
+    ("speed_7b_layers_fp8", "speed_7b_layers", "tokens/s over bf16's (part speed_7b_layers)", "fp8_speedup", 1.25),
+]
+"""(part, the part it is compared with, the row's label, the check's name, the tokens/s ratio it must reach): ayumi
+against the peer (issue 37: >= 1.25x), against torchtitan (shown, not judged: no check, no target), each FP8 speed
+part against its bf16 part (issue 41: >= 1.15x at 1b, >= 1.25x at the 7B layers)."""
+
+
+def compare(parts: dict, finished: str, cpu_smoke: bool) -> None:
+    """The comparisons `finished` completes (the second of its two parts to finish adds each one)."""
+    for key, other, label, check_name, target in COMPARISONS:
+        if finished in (key, other):
+            compare_speed(parts, key, other, label, check_name, target, cpu_smoke)
+
+
+def compare_speed(parts: dict, key: str, other: str, label: str, check_name: str | None, target: float | None,
+                  cpu_smoke: bool) -> None:
+    """Once `key` and `other` have both run: key's tokens/s over other's as a row of `key`, judged on a GPU when there
+    is a target and both trained the same tokens a step at the same length (a peer's figures say how many)."""
+    ours, base = (parts.get(part, {}).get("figures") or {} for part in (key, other))
+    if not ours.get("tokens_per_s") or not base.get("tokens_per_s"):  # a partial result may have none yet
         return
-    entry = parts["speed_1b_2048"]
-    ratio, same = ours["tokens_per_s"] / peer["tokens_per_s"], same_work(ours, peer)
-    ok = None if cpu_smoke else same and ratio >= PEER_TARGET
-    detail = (f"{ours['tokens_per_s']:,.0f} / {peer['tokens_per_s']:,.0f} tokens/s = {ratio:.2f}"
+    entry = parts[key]
+    ratio = ours["tokens_per_s"] / base["tokens_per_s"]
+    same = "tokens_per_step" not in base or same_work(ours, base)
+    ok = None if cpu_smoke or target is None else same and ratio >= target
+    detail = (f"{ours['tokens_per_s']:,.0f} / {base['tokens_per_s']:,.0f} tokens/s = {ratio:.2f}"
               + ("" if same else " (NOT the same tokens a step and length: not comparable)"))
-    entry["rows"].append(["tokens/s over the peer's (a plain PyTorch loop, part peer)", detail, f">={PEER_TARGET}", ok])
+    entry["rows"].append([label, detail, f">={target}" if target else "shown", ok])
     if ok is not None:
-        entry["checks"].append(check("vs_peer", ok, detail))
+        entry["checks"].append(check(check_name, ok, detail))
         if not ok and entry["status"] == "passed":
             entry["status"] = "failed"
-
-
-def compare_with_torchtitan(parts: dict) -> None:
-    """Once torchtitan and speed_1b_2048 have both run: ayumi's tokens/s over torchtitan's as a row of speed_1b_2048,
-    shown, not judged (the RESULT line is a study)."""
-    ours, titan = (parts.get(key, {}).get("figures") or {} for key in ("speed_1b_2048", "peer_torchtitan"))
-    if not ours.get("tokens_per_s") or not titan.get("tokens_per_s"):
-        return
-    ratio, same = ours["tokens_per_s"] / titan["tokens_per_s"], same_work(ours, titan)
-    detail = (f"{ours['tokens_per_s']:,.0f} / {titan['tokens_per_s']:,.0f} tokens/s = {ratio:.2f}"
-              + ("" if same else " (NOT the same tokens a step and length: not comparable)"))
-    parts["speed_1b_2048"]["rows"].append(["tokens/s over torchtitan's (its Llama 3 and trainer, part peer_torchtitan)",
-                                           detail, "shown", None])
 
 
 # -- b. the second peer: torchtitan -----------------------------------------------------------------------------
@@ -945,28 +926,6 @@ def torchtitan_summary(summary: dict, figures: dict, shape: dict, peak: float | 
     if "losses_finite" in figures:
         checks.append(check("torchtitan_trained", figures["losses_finite"], f"losses {figures['losses']}"))
     return {"figures": figures, "rows": rows, "checks": checks}
-
-
-FP8_SPEEDUP = {"speed_1b_fp8": ("speed_1b_2048", 1.15), "speed_7b_layers_fp8": ("speed_7b_layers", 1.25)}
-"""FP8 speed part -> (its bf16 part: the same shape, micro batch and run; the tokens/s ratio it must reach)."""
-
-
-def compare_fp8(parts: dict, fp8: str, cpu_smoke: bool) -> None:
-    """Once an FP8 speed part and its bf16 part have both run: FP8 tokens/s over bf16's as a row of the FP8 part,
-    judged on a GPU (issue 41: >= 1.25x at the 7B layers, >= 1.15x at 1b)."""
-    bf16, target = FP8_SPEEDUP[fp8]
-    ours, base = (parts.get(key, {}).get("figures") or {} for key in (fp8, bf16))
-    if not ours.get("tokens_per_s") or not base.get("tokens_per_s"):
-        return
-    entry = parts[fp8]
-    ratio = ours["tokens_per_s"] / base["tokens_per_s"]
-    ok = None if cpu_smoke else ratio >= target
-    detail = f"{ours['tokens_per_s']:,.0f} / {base['tokens_per_s']:,.0f} tokens/s = {ratio:.2f}"
-    entry["rows"].append([f"tokens/s over bf16's (part {bf16})", detail, f">={target}", ok])
-    if ok is not None:
-        entry["checks"].append(check("fp8_speedup", ok, detail))
-        if not ok and entry["status"] == "passed":
-            entry["status"] = "failed"
 
 
 def same_work(ours: dict, peer: dict) -> bool:
@@ -1118,12 +1077,10 @@ def correctness_report(got: dict[str, dict[int, float]], steps: int, failed: dic
     base = got["base"]
     if len(base) != steps:
         raise RuntimeError(f"the base run logged {len(base)} steps, not {steps}")
-    if "base_again" not in got and "base_again" not in failed:
-        pass  # not finished yet (a partial result)
-    elif "base_again" in failed:
+    if "base_again" in failed:
         rows.append(["two seeded runs", f"run failed: {failed['base_again']}", "identical", False])
         checks.append(check("seeded_runs_identical", False, f"base_again failed: {failed['base_again']}"))
-    else:
+    elif "base_again" in got:  # (neither: not finished yet, a partial result)
         identical = got["base_again"] == base
         diff = max(abs(got["base_again"][s] - base[s]) for s in base)
         rows.append(["two seeded runs", "identical" if identical else f"differ by up to {diff:.3g}", "identical",

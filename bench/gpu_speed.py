@@ -42,6 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.result_form import machine_line, result_line  # noqa: E402  (first: it reads the load at the start)
+from common.files import write_text_atomic  # noqa: E402
 
 ANCHOR_MFU = {"125m": 0.40, "1b": 0.40, "7b_short": 0.47}
 """OLMo-core on H100, bf16: 1B 39-41%, 7B 47-48% (the issue's anchors)."""
@@ -262,7 +263,7 @@ def worker(args: argparse.Namespace) -> int:
               "planned_terms": {t.name: t.bytes for t in estimate.terms}, "overrides": overrides,
               "device": torch.cuda.get_device_name(0) if cuda else "cpu", "compiled": trainer.engine.compiled,
               "startup_seconds": startup, "kernels": {}, "warmup_seconds": [], "step_seconds": []}
-    partial = Path(spec["out"] + ".partial")
+    partial = partial_of(Path(spec["out"]))
 
     def steps(n: int, into: list[float]) -> list[float]:
         """Run n steps, appending each step's wall time (the device synchronised at both ends) to `into`; after each,
@@ -318,11 +319,35 @@ def kernel_choices() -> dict:
     return {"document_attention": document_kernels(), "fp32_output_gemm": gemm_path_choices()}
 
 
+def partial_of(out: Path) -> Path:
+    """Where a combination keeps its result so far, rewritten after every step (bench/gpu_acceptance.py reads it)."""
+    return out.with_name(out.name + ".partial")
+
+
 def write_atomically(path: Path, result: dict) -> None:
     """`result` as JSON at `path`, replaced whole: a reader (the acceptance driver) never sees half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(result))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(result))
+
+
+ATTENTION_KERNEL_WORDS = ("flash", "fmha", "attention", "attn", "cudnn", "efficient", "sdpa", "flex")
+"""Words that name an attention kernel (or, on the CPU, SDPA's op) in a profile."""
+
+
+def attention_kernels(run_step, device) -> list[str]:
+    """The names of the attention kernels (CPU: SDPA's ops) one profiled call of `run_step` ran, by device time (the
+    acceptance run's peers: which kernel each really ran)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        run_step()
+    names = []
+    for event in prof.key_averages():
+        on_device = getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0))
+        wanted = on_device > 0 if device.type == "cuda" else event.key.startswith("aten::")
+        if wanted and any(word in event.key.lower() for word in ATTENTION_KERNEL_WORDS):
+            names.append((on_device, event.key))
+    return [name for _, name in sorted(names, reverse=True)]
 
 
 def write_profile(path: Path, run_steps, cuda: bool) -> None:

@@ -286,16 +286,13 @@ def train(cfg, seq: int, micro: int, accum: int, warmup: int, steps: int, folder
 
 def profiled_attention(trainer, train_step) -> list[str]:
     """The attention kernels (by GPU time) of one more step of `trainer`, profiled."""
-    from torch.profiler import ProfilerActivity, profile
+    import torch
+
+    from bench.gpu_speed import attention_kernels
 
     data_iterator = trainer.batch_generator(trainer.dataloader)
     trainer.step += 1
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        train_step(data_iterator)
-    words = ("flash", "fmha", "attention", "attn", "flex", "cudnn")
-    kernels = [(getattr(e, "self_device_time_total", 0), e.key) for e in prof.key_averages()
-               if getattr(e, "self_device_time_total", 0) > 0 and any(w in e.key.lower() for w in words)]
-    return [name for _, name in sorted(kernels, reverse=True)]
+    return attention_kernels(lambda: train_step(data_iterator), torch.device("cuda"))
 
 
 def free_port() -> int:

@@ -12,7 +12,7 @@ import pytest
 
 from bench.gpu_acceptance import (
     DEFAULT_BUDGET_S, DEFAULT_PARTS, FIRST_STEP_TOLERANCE, PARTS, PEER_TARGET, SCHEDULE, SESSION_BUDGET_S,
-    SESSION_PARTS, compare_with_peer, compare_with_torchtitan,
+    SESSION_PARTS, compare,
     correctness_report, result_lines, speed_summary, wanted_parts,
 )
 from tests.bench.test_result_form import parse
@@ -100,7 +100,7 @@ def test_memory_at_micro_16_has_a_ceiling_and_the_plan_a_band():
 ])
 def test_ayumi_against_the_peer_is_judged_on_the_same_tokens_a_step(ours, peer, ok):
     parts = parts_with(speed_figures(tokens_per_s=ours), peer)
-    compare_with_peer(parts, cpu_smoke=False)
+    compare(parts, "peer", cpu_smoke=False)
     entry = parts["speed_1b_2048"]
     assert checks_of(entry)["vs_peer"] is ok and entry["status"] == ("passed" if ok else "failed")
     assert entry["rows"][-1][2:] == [f">={PEER_TARGET}", ok]
@@ -114,7 +114,7 @@ def test_torchtitan_is_shown_beside_ayumi_not_judged():
     titan = {**peer_figures(micro_batch=16, grad_accum=2, tokens_per_s=80000.0)}
     parts = {**parts_with(speed_figures(tokens_per_s=70000.0), peer_figures()),
              "peer_torchtitan": {"status": "passed", "figures": titan, "rows": [], "checks": []}}
-    compare_with_torchtitan(parts)
+    compare(parts, "peer_torchtitan", cpu_smoke=False)
     entry = parts["speed_1b_2048"]
     row = entry["rows"][-1]
     assert row[0].startswith("tokens/s over torchtitan's") and "= 0.88" in row[1] and row[3] is None
@@ -125,7 +125,7 @@ def test_torchtitan_is_shown_beside_ayumi_not_judged():
 
 def test_on_the_cpu_the_peer_comparison_is_shown_not_judged():
     parts = parts_with(speed_figures(tokens_per_s=100.0), peer_figures(tokens_per_s=1000.0))
-    compare_with_peer(parts, cpu_smoke=True)
+    compare(parts, "peer", cpu_smoke=True)
     entry = parts["speed_1b_2048"]
     assert "vs_peer" not in checks_of(entry) and entry["status"] == "passed" and entry["rows"][-1][3] is None
 
