@@ -303,9 +303,8 @@ def part_env(cpu_smoke: bool, key: str = "") -> dict[str, str]:
     environment)."""
     from bench.torchtitan_peer import site_folder
 
-    paths = [str(REPO), os.environ.get("PYTHONPATH", "")]
-    if key == "peer_torchtitan" and site_folder():
-        paths.insert(1, site_folder())
+    titan = site_folder() if key == "peer_torchtitan" else None
+    paths = [str(REPO), titan, os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, WANDB_MODE="disabled", WANDB_SILENT="true", PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(path for path in paths if path))
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"):

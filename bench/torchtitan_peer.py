@@ -59,11 +59,10 @@ def flavor_config(model, attn_backend: str = ATTENTION, tp_gemm_backend: str = "
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
 
     dim, vocab = model.hidden_size, model.vocab_size
-    norm = {"weight": llama3._NORM_INIT["weight"]}
     return llama3.Llama3Model.Config(
         dim=dim, vocab_size=vocab, enable_weight_tying=model.tie_embeddings,
         tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=llama3._EMBEDDING_INIT),
-        norm=RMSNorm.Config(normalized_shape=dim, eps=model.norm_eps, param_init=norm),
+        norm=RMSNorm.Config(normalized_shape=dim, eps=model.norm_eps, param_init=llama3._NORM_INIT),
         lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=llama3._output_linear_init(dim)),
         layers=[_with_norm_eps(layer, model.norm_eps) for layer in llama3._build_llama3_layers(
             n_layers=model.num_layers, dim=dim, n_heads=model.num_heads, n_kv_heads=model.num_kv_heads,

@@ -122,7 +122,7 @@ def test_torchtitan_builds_ayumis_1b_shape_from_its_own_parts(smoke):
     assert shape["params_torchtitan"] == shape["params_ayumi"] == 1_174_497_280
     assert shape["flops_per_token_torchtitan"] == pytest.approx(shape["flops_per_token_ayumi"], rel=1e-3)
     ours, theirs = shape["shapes"]["ayumi"], shape["shapes"]["torchtitan"]
-    assert sorted(map(tuple, ours.values())) != [] and len(theirs) == len(ours) - 2  # Q, K, V fused into one
+    assert ours and len(theirs) == len(ours) - 2  # Q, K, V fused into one
     # Its trainer's config builds, at speed_1b_2048's layout, and its data loader gives micro x seq batches.
     config = part["figures"]["config"]
     assert config["batch"] == {"input": [16, 2048], "positions": [16, 2048], "labels": [16, 2048]}
