@@ -90,6 +90,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import asdict, dataclass, replace
+from itertools import islice
 from typing import Any, Mapping
 
 import numpy as np
@@ -291,10 +292,10 @@ class SpikeDetector:
                 return ""
             return "the loss is diverging: " + rise_text
         window = cfg.center_window
-        # The baseline's own window: the accepted losses before this step (this one joined the history after).
-        earlier = [(s, value) for s, value, _ in self._history if s < step][-window:]
+        # The baseline's own window: the newest accepted losses before this step (this one joined the history after).
+        earlier = list(islice(((s, value) for s, value, _ in reversed(self._history) if s < step), window))[::-1]
         if self._after_low is None:
-            after = [(s, value) for s, value, _ in self._history if s > at][:window]
+            after = list(islice(((s, value) for s, value, _ in self._history if s > at), window))
             if len(after) < window:
                 return ""  # the window after the low point is not complete yet
             values = np.array([value for _, value in after])
