@@ -45,7 +45,7 @@ def compose(config_name: str, overrides: Iterable[str], register: Callable[[], N
     try:
         return compose_once(config_name, overrides, conf_dir)
     except Exception as err:  # Hydra and OmegaConf raise many types; all are configuration errors here
-        located = located_problem(err, overrides, schema, root, conf_dir) if schema is not None else None
+        located = composition_problem(err, overrides, schema, root, conf_dir) if schema is not None else None
         if located is None:
             raise ConfigCompositionError(describe_error(err)) from err
         problems = every_problem(config_name, overrides, located, schema, root, conf_dir)
@@ -84,7 +84,7 @@ def every_problem(config_name: str, overrides: list[str], first: tuple[str, str 
             compose_once(config_name, rest, conf_dir)
             break
         except Exception as err:  # as in compose: every exception here is about the configuration
-            line, override = located_problem(err, rest, schema, root, conf_dir) or (None, None)
+            line, override = composition_problem(err, rest, schema, root, conf_dir) or (None, None)
     lines = [found[text] for text in overrides if text in found]
     return lines if lines else [first[0]]
 
@@ -142,21 +142,14 @@ def describe_error(err: BaseException) -> str:
 # -- a composition mistake in one line, the same in every command ---------------------------------
 
 def composition_problem(err: BaseException | None, overrides: list[str] | tuple[str, ...], schema: type,
-                        root: str = "the config", conf_dir: Path | None = None) -> str | None:
+                        root: str = "the config", conf_dir: Path | None = None) -> tuple[str, str | None] | None:
     """One line for the usual composition mistakes: an unknown key ("did you mean", or that a key new to a mapping
     needs Hydra's '+'), a wrongly typed value, an unknown group option, each named as typed (or with the config file
-    that set it); None for others.
+    that set it), and the override as typed that the line is about (None when a config file set the value, or no
+    override matches); None for other mistakes.
 
     err: the exception Hydra raised (ConfigCompositionError's cause). schema and root: the dataclass the composed
     config's top level is and how a message names that top level. conf_dir: the config root composed from."""
-    located = located_problem(err, overrides, schema, root, conf_dir)
-    return located[0] if located else None
-
-
-def located_problem(err: BaseException | None, overrides: list[str] | tuple[str, ...], schema: type,
-                    root: str = "the config", conf_dir: Path | None = None) -> tuple[str, str | None] | None:
-    """composition_problem's line and the override as typed that it is about (None when a config file set the
-    value, or no override matches); None when the mistake has no one-line form."""
     top = str(err)
     missing = re.search(r"Could not find '([^'/]+)/([^']+)'", top)
     if missing:
