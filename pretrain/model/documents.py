@@ -146,10 +146,6 @@ def mask_kernel(device: torch.device, dtype: torch.dtype | None = None, head_dim
     return "varlen" if varlen_device(device) and varlen_fits(dtype, head_dim) else "sdpa"
 
 
-class ProbeInterrupted(Exception):
-    """varlen_works could not tell (the device ran out of memory): nothing is kept, the next call asks again."""
-
-
 _KERNELS: dict[str, dict[str, str]] = {}
 """The kernel decided for each device so far, {"cuda:0": {"kernel": "varlen" | "sdpa", "why": ...}}: varlen_device's
 cache (a plain dict, which torch.compile reads in a graph, where it would trace through an lru_cache and probe
@@ -159,14 +155,14 @@ again) and kernel_choices' answer."""
 def varlen_device(device: torch.device | str) -> bool:
     """Whether `device` runs torch's flash varlen attention, decided once per device and process (_decide):
     `cuda` is the current CUDA device, the same as `cuda:0` there, not a second probe. A probe that could not tell
-    (ProbeInterrupted) answers False for this call only."""
+    (the device ran out of memory) answers False for this call only and keeps nothing: the next call asks again."""
     device = same_device(device)
     if str(device) not in _KERNELS:
         try:
             (_decide_outside_graphs() if torch.compiler.is_compiling() else _decide)(device)
-        except ProbeInterrupted as err:
-            print(f"ayumi: document masking's varlen check on {device} was cut short ({err}); the dense mask this "
-                  "time, checked again next time", file=sys.stderr, flush=True)
+        except torch.OutOfMemoryError as err:
+            print(f"ayumi: document masking's varlen check on {device} was cut short (out of memory: {err}); the "
+                  "dense mask this time, checked again next time", file=sys.stderr, flush=True)
             return False
     return _KERNELS[str(device)]["kernel"] == "varlen"
 
@@ -232,32 +228,25 @@ def varlen_works(device: torch.device) -> bool:
     """Whether varlen_attn really computes document masking here: one small grouped-head call, forward and
     backward, against SDPA with the dense mask. Checked once per device, so that a torch whose varlen_attn
     takes other arguments, or lacks a backward, leaves document masking on the dense kernel instead of
-    failing the run's first step. Runs with gradients on whatever the caller's mode (its first call may come
-    under torch.no_grad: an evaluation before the first step); raises ProbeInterrupted on running out of memory,
-    which says nothing about the kernel."""
-    try:
-        with torch.inference_mode(False), torch.enable_grad():
-            return _varlen_matches_sdpa(device)
-    except torch.OutOfMemoryError as err:
-        raise ProbeInterrupted(f"out of memory: {err}") from err
-
-
-def _varlen_matches_sdpa(device: torch.device) -> bool:
-    """varlen_works' check itself (gradients on): False where varlen_attn raises an UNSUPPORTED error or differs."""
-    generator = torch.Generator().manual_seed(0)
-    documents = torch.tensor([[0] * 5 + [1] * 11 + [2] * 16]).to(device)
-    q, k, v = (torch.randn(1, heads, 32, 32, generator=generator).to(device, torch.bfloat16).requires_grad_()
-               for heads in (4, 2, 2))
-    try:
-        out = varlen_attention(q, k, v, document_spans(documents))
-        out.float().sum().backward()
-    except torch.OutOfMemoryError:
-        raise  # a RuntimeError too, but no answer (varlen_works)
-    except UNSUPPORTED:
-        return False
-    expected = masked_sdpa(q.detach(), k.detach(), v.detach(), dense_mask(documents))
-    return bool(q.grad is not None and torch.isfinite(q.grad).all() and torch.allclose(out.detach().float(),
-                                                                                      expected.float(), atol=3e-2))
+    failing the run's first step: False where it raises an UNSUPPORTED error or differs. Runs with gradients on
+    whatever the caller's mode (its first call may come under torch.no_grad: an evaluation before the first
+    step). Running out of memory says nothing about the kernel: that error goes through (varlen_device keeps
+    no answer then)."""
+    with torch.inference_mode(False), torch.enable_grad():
+        generator = torch.Generator().manual_seed(0)
+        documents = torch.tensor([[0] * 5 + [1] * 11 + [2] * 16]).to(device)
+        q, k, v = (torch.randn(1, heads, 32, 32, generator=generator).to(device, torch.bfloat16).requires_grad_()
+                   for heads in (4, 2, 2))
+        try:
+            out = varlen_attention(q, k, v, document_spans(documents))
+            out.float().sum().backward()
+        except torch.OutOfMemoryError:
+            raise  # a RuntimeError too, but no answer
+        except UNSUPPORTED:
+            return False
+        expected = masked_sdpa(q.detach(), k.detach(), v.detach(), dense_mask(documents))
+        return bool(q.grad is not None and torch.isfinite(q.grad).all()
+                    and torch.allclose(out.detach().float(), expected.float(), atol=3e-2))
 
 
 def varlen_fits(dtype: torch.dtype | None, head_dim: int | None) -> bool:
