@@ -285,15 +285,13 @@ class SpikeDetector:
             self._after_low = None
             return ""
         lowest, at = self._lowest
-        rise_text = (f"its baseline {baseline:.4g} is {100 * (baseline / lowest - 1):.0f}% above its lowest "
-                     f"{lowest:.4g} at step {at} (divergence_rise {100 * cfg.divergence_rise:g}%)")
+        risen = lowest > 0 and baseline >= lowest * (1 + cfg.divergence_rise)
+        diverging = (f"the loss is diverging: its baseline {baseline:.4g} is {100 * (baseline / lowest - 1):.0f}% "
+                     f"above its lowest {lowest:.4g} at step {at} (divergence_rise {100 * cfg.divergence_rise:g}%)"
+                     if risen else "")
         if cfg.divergence_z <= 0:  # the relative rise alone
-            if lowest <= 0 or baseline < lowest * (1 + cfg.divergence_rise):
-                return ""
-            return "the loss is diverging: " + rise_text
+            return diverging
         window = cfg.center_window
-        # The baseline's own window: the newest accepted losses before this step (this one joined the history after).
-        earlier = list(islice(((s, value) for s, value, _ in reversed(self._history) if s < step), window))[::-1]
         if self._after_low is None:
             after = list(islice(((s, value) for s, value, _ in self._history if s > at), window))
             if len(after) < window:
@@ -301,14 +299,16 @@ class SpikeDetector:
             values = np.array([value for _, value in after])
             self._after_low = (float(np.median(values)), median_standard_error(values, loss_sig.noise), after[-1][0])
         level, level_se, last = self._after_low
+        # The baseline's own window: the newest accepted losses before this step (this one joined the history after).
+        earlier = list(islice(((s, value) for s, value, _ in reversed(self._history) if s < step), window))[::-1]
         if len(earlier) < window or earlier[0][0] <= last:
             return ""  # sustained: the baseline's window must lie wholly after the window after the low point
         se = median_standard_error(np.array([value for _, value in earlier]), loss_sig.noise)
         self._climb_z = (baseline - level) / math.hypot(se, level_se)
-        if lowest <= 0 or baseline < lowest * (1 + cfg.divergence_rise) or self._climb_z < cfg.divergence_z:
+        if not diverging or self._climb_z < cfg.divergence_z:
             return ""
-        return (f"the loss is diverging: {rise_text}, and {self._climb_z:.1f} standard errors above the level "
-                f"{level:.4g} of the {window} steps after it (divergence_z {cfg.divergence_z:g})")
+        return (f"{diverging}, and {self._climb_z:.1f} standard errors above the level {level:.4g} of the {window} "
+                f"steps after it (divergence_z {cfg.divergence_z:g})")
 
     def _diverged(self, step: int, loss: float, grad_norm: float | None, reason: str, loss_sig: _Signal | None,
                   grad_sig: _Signal | None, mix: _Signal | None) -> Verdict:
