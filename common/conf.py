@@ -75,9 +75,9 @@ def every_problem(config_name: str, overrides: list[str], first: tuple[str, str 
     rest composed again, until the rest composes or a mistake cannot be tied to an override as typed (one set in a
     config file, or one with no one-line form): the lines found so far are then the answer.
     """
-    found, (line, override) = {}, first
-    rest = list(overrides)
-    while override is not None and override in rest:
+    found, rest = {}, list(overrides)
+    line, override = first
+    while override in rest:  # None (a mistake no override is tied to) never is
         found[override] = line
         rest.remove(override)
         try:
