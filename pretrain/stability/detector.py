@@ -223,7 +223,6 @@ class SpikeDetector:
         self._lowest: tuple[float, int] | None = None  # (lowest loss baseline, its step) since a switch or rollback
         # (median, standard error, last step) of the center_window accepted losses after the low point, once complete:
         self._after_low: tuple[float, float, int] | None = None
-        self._climb_z: float | None = None  # the latest climb z (Verdict.climb_z)
 
     # -- judging ---------------------------------------------------------------------------------
     def observe(self, step: int, loss: float, grad_norm: float | None = None,
@@ -249,26 +248,28 @@ class SpikeDetector:
         mix_rise = self._domains.mix_rise(domains or {})
         mix_sig = self._compare_mix(step, mix_rise)
         judged = self._judge(step, loss, grad_norm, loss_sig, grad_sig, mix_sig, clip_threshold)
-        self._climb_z = None
+        climb_z = None
         if not judged.reasons:
             if judged.hold_out:
                 self._suspects.append(step)
             else:
                 self._history.append((step, float(loss), log_grad))
                 self._domains.accept(step, domains or {}, mix_rise)
-                diverging = self._divergence(step, loss_sig)
+                diverging, climb_z = self._divergence(step, loss_sig)
                 if diverging:
-                    return self._diverged(step, loss, grad_norm, diverging, loss_sig, grad_sig, mix_sig)
-            return self._verdict(step, "ok", "", loss, grad_norm, loss_sig, grad_sig, note=judged.note, mix=mix_sig)
+                    return self._diverged(step, loss, grad_norm, diverging, loss_sig, grad_sig, mix_sig, climb_z)
+            return self._verdict(step, "ok", "", loss, grad_norm, loss_sig, grad_sig, note=judged.note, mix=mix_sig,
+                                 climb_z=climb_z)
         for earlier in judged.repeats:  # the excursions this one confirms open its episode
             self._register_outlier(earlier)
         return self._flag(step, loss, grad_norm, "; ".join(judged.reasons), loss_sig, grad_sig, large=judged.large,
                           kind="outlier", mix=mix_sig)
 
-    def _divergence(self, step: int, loss_sig: _Signal | None) -> str:
-        """Why the loss is diverging ("" when it is not): its baseline stands divergence_rise above the lowest one
-        since the last stage switch or rollback, divergence_z standard errors above the level of the window after
-        that low point, and its own window lies after that one (module docstring).
+    def _divergence(self, step: int, loss_sig: _Signal | None) -> tuple[str, float | None]:
+        """(Why the loss is diverging, "" when it is not; the climb z of Verdict.climb_z): its baseline stands
+        divergence_rise above the lowest one since the last stage switch or rollback, divergence_z standard errors
+        above the level of the window after that low point, and its own window lies after that one (module
+        docstring).
 
         A learning rate past the stable edge can raise the loss over a hundred steps, each step within the noise
         of the one before: the spike tests, which compare a step with the newest steps, never fire. The baseline
@@ -278,40 +279,40 @@ class SpikeDetector:
         (no loss_sig). Called after this step joined the history."""
         cfg = self.cfg
         if cfg.divergence_rise <= 0 or loss_sig is None or step < self._loss_grace_until:
-            return ""
+            return "", None
         baseline = loss_sig.baseline
         if self._lowest is None or baseline < self._lowest[0]:
             self._lowest = (baseline, step)
             self._after_low = None
-            return ""
+            return "", None
         lowest, at = self._lowest
         risen = lowest > 0 and baseline >= lowest * (1 + cfg.divergence_rise)
         diverging = (f"the loss is diverging: its baseline {baseline:.4g} is {100 * (baseline / lowest - 1):.0f}% "
                      f"above its lowest {lowest:.4g} at step {at} (divergence_rise {100 * cfg.divergence_rise:g}%)"
                      if risen else "")
         if cfg.divergence_z <= 0:  # the relative rise alone
-            return diverging
+            return diverging, None
         window = cfg.center_window
         if self._after_low is None:
             after = list(islice(((s, value) for s, value, _ in self._history if s > at), window))
             if len(after) < window:
-                return ""  # the window after the low point is not complete yet
+                return "", None  # the window after the low point is not complete yet
             values = np.array([value for _, value in after])
             self._after_low = (float(np.median(values)), median_standard_error(values, loss_sig.noise), after[-1][0])
         level, level_se, last = self._after_low
         # The baseline's own window: the newest accepted losses before this step (this one joined the history after).
         earlier = list(islice(((s, value) for s, value, _ in reversed(self._history) if s < step), window))[::-1]
         if len(earlier) < window or earlier[0][0] <= last:
-            return ""  # sustained: the baseline's window must lie wholly after the window after the low point
+            return "", None  # sustained: the baseline's window must lie wholly after the window after the low point
         se = median_standard_error(np.array([value for _, value in earlier]), loss_sig.noise)
-        self._climb_z = (baseline - level) / math.hypot(se, level_se)
-        if not diverging or self._climb_z < cfg.divergence_z:
-            return ""
-        return (f"{diverging}, and {self._climb_z:.1f} standard errors above the level {level:.4g} of the {window} "
-                f"steps after it (divergence_z {cfg.divergence_z:g})")
+        climb_z = (baseline - level) / math.hypot(se, level_se)
+        if not diverging or climb_z < cfg.divergence_z:
+            return "", climb_z
+        return (f"{diverging}, and {climb_z:.1f} standard errors above the level {level:.4g} of the {window} "
+                f"steps after it (divergence_z {cfg.divergence_z:g})"), climb_z
 
     def _diverged(self, step: int, loss: float, grad_norm: float | None, reason: str, loss_sig: _Signal | None,
-                  grad_sig: _Signal | None, mix: _Signal | None) -> Verdict:
+                  grad_sig: _Signal | None, mix: _Signal | None, climb_z: float | None) -> Verdict:
         """A spike whose episode begins where the loss baseline was lowest: the rollback goes back before the
         climb. The low point starts again from here, so a lasting climb is reported again only divergence_rise higher."""
         begins = self._lowest[1]
@@ -319,7 +320,7 @@ class SpikeDetector:
         self._episode_start = min(self._episode_start if self._episode_start is not None else step, begins)
         self._lowest = None
         self._after_low = None
-        verdict = self._verdict(step, "spike", reason, loss, grad_norm, loss_sig, grad_sig, mix=mix)
+        verdict = self._verdict(step, "spike", reason, loss, grad_norm, loss_sig, grad_sig, mix=mix, climb_z=climb_z)
         return replace(verdict, divergence=True)
 
     def _compare(self, step: int, loss: float, log_grad: float | None) -> tuple[_Signal | None, _Signal | None]:
@@ -490,7 +491,7 @@ class SpikeDetector:
 
     def _verdict(self, step: int, kind: str, reason: str, loss: float, grad_norm: float | None,
                  loss_sig: _Signal | None, grad_sig: _Signal | None, note: str = "",
-                 mix: _Signal | None = None) -> Verdict:
+                 mix: _Signal | None = None, climb_z: float | None = None) -> Verdict:
         recent = sum(1 for s in self._outliers if s > step - self.cfg.sustained_window)
         return Verdict(
             step=step, kind=kind, reason=reason, loss=float(loss),
@@ -507,7 +508,7 @@ class SpikeDetector:
             note=note,
             mix_z=None if mix is None else mix.z,
             mix_rise=None if mix is None else mix.excess,
-            climb_z=self._climb_z,
+            climb_z=climb_z,
         )
 
     # -- control from the trainer ---------------------------------------------------------------
