@@ -658,7 +658,7 @@ def median_standard_error(values: np.ndarray, noise: float = 0.0) -> float:
     the noise keeps a window that happens to be calm from claiming a tiny error."""
     if len(values) == 0:
         return math.inf
-    spread = MAD_TO_SIGMA * float(np.median(np.abs(values - np.median(values))))
+    spread = MAD_TO_SIGMA * mad(values)
     return MEDIAN_SE * max(spread, noise) / math.sqrt(len(values))
 
 
@@ -673,6 +673,9 @@ def robust_baseline(values: np.ndarray, center_window: int) -> tuple[float, floa
     center = float(np.median(values[-center_window:]))
     if len(values) < 3:
         return center, 0.0
-    diffs = np.diff(values)
-    mad = float(np.median(np.abs(diffs - np.median(diffs))))
-    return center, MAD_TO_SIGMA * mad / math.sqrt(2.0)
+    return center, MAD_TO_SIGMA * mad(np.diff(values)) / math.sqrt(2.0)
+
+
+def mad(values: np.ndarray) -> float:
+    """The median absolute deviation of `values` from their median (x MAD_TO_SIGMA: a normal sigma)."""
+    return float(np.median(np.abs(values - np.median(values))))
