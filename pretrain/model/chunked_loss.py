@@ -27,7 +27,6 @@ the same parameter name), so ZeRO-3 gathers its weight around forward exactly as
 """
 from __future__ import annotations
 
-import functools
 import sys
 import warnings
 
@@ -42,10 +41,9 @@ IGNORE_INDEX = -100
 UNSUPPORTED = (RuntimeError, TypeError, NotImplementedError)
 """What a GEMM with out_dtype raises where torch lacks it (no kernel for the device, an unknown keyword)."""
 _GEMM_PATHS: dict[str, dict[str, str]] = {}
-"""The answers of _fp32_out_kind so far, by device: what gemm_path_choices returns."""
+"""The answers of _fp32_out_kind so far, by device: its cache, and what gemm_path_choices returns."""
 
 
-@functools.cache
 def _fp32_out_kind(device: str) -> dict[str, str]:
     """How this device multiplies bf16/fp16 matrices into fp32, for each of the two products the loss runs ("mm",
     the logits; "addmm", the weight gradient's accumulation): "out_dtype" (torch's GEMM with `out_dtype`: cuBLAS
@@ -56,6 +54,8 @@ def _fp32_out_kind(device: str) -> dict[str, str]:
     computes them wrongly, falls back instead of failing. Said once per process (stderr) and kept for
     gemm_path_choices. Never asked while torch.compile traces (model.compile=full): the callers leave the product
     to inductor then."""
+    if device in _GEMM_PATHS:
+        return _GEMM_PATHS[device]
     if device.startswith("cuda"):
         a, b = _probe_operands(device)
         kinds = {op: "out_dtype" if works(a, b) else "cast" for op, works in _OUT_DTYPE_PROBES.items()}

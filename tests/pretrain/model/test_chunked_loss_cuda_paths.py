@@ -214,7 +214,7 @@ def test_the_gemm_probe_leaves_the_global_generator_alone(no_gemm_answers):
     stream than in the run resumed: a draw from the global generator there would shift every later draw."""
     torch.manual_seed(1234)
     before = torch.get_rng_state()
-    chunked_loss._fp32_out_kind.__wrapped__(CudaNamedCpu("cpu"))  # the probe itself, past the cache
+    chunked_loss._fp32_out_kind(CudaNamedCpu("cpu"))  # probes: no answer kept yet (no_gemm_answers)
     assert torch.equal(torch.get_rng_state(), before)
 
 
@@ -236,11 +236,14 @@ def test_addmm_failing_leaves_mm_on(no_gemm_answers, monkeypatch, capsys):
 
     monkeypatch.setattr(torch, "mm", mm)
     monkeypatch.setattr(torch, "addmm", addmm)
-    kinds = chunked_loss._fp32_out_kind.__wrapped__(CudaNamedCpu("cpu"))
+    kinds = chunked_loss._fp32_out_kind(CudaNamedCpu("cpu"))
     assert kinds == {"mm": "out_dtype", "addmm": "cast"}
     said = capsys.readouterr().err.strip()
     assert said == "ayumi: the fused LM-head loss's fp32-output GEMMs on cpu: mm out_dtype, addmm cast"
     assert chunked_loss.gemm_path_choices() == {"cpu": {"mm": "out_dtype", "addmm": "cast"}}
+    # kept: a second question is answered without probing or saying it again
+    assert chunked_loss._fp32_out_kind(CudaNamedCpu("cpu")) == kinds
+    assert used == ["mm", "addmm"] and capsys.readouterr().err == ""
 
     # and the loss's products follow each answer: the logits by mm with out_dtype, the accumulation by a cast
     monkeypatch.setattr(chunked_loss, "_fp32_out_kind", lambda device: kinds)
@@ -255,5 +258,5 @@ def test_addmm_failing_leaves_mm_on(no_gemm_answers, monkeypatch, capsys):
 
 def test_a_cpu_asks_no_probe_and_says_cast(no_gemm_answers, monkeypatch):
     monkeypatch.setattr(torch, "mm", lambda *args, **kwargs: pytest.fail("the CPU was probed"))
-    assert chunked_loss._fp32_out_kind.__wrapped__("cpu") == {"mm": "cast", "addmm": "cast"}
+    assert chunked_loss._fp32_out_kind("cpu") == {"mm": "cast", "addmm": "cast"}
     assert chunked_loss.gemm_path_choices() == {"cpu": {"mm": "cast", "addmm": "cast"}}

@@ -32,7 +32,6 @@ def test_varlen_is_found_under_no_grad(monkeypatch):
 
 def test_the_gemm_probe_keeps_the_generators_and_finds_out_dtype(monkeypatch):
     monkeypatch.setattr(chunked_loss, "_GEMM_PATHS", {})
-    chunked_loss._fp32_out_kind.cache_clear()
     torch.manual_seed(7)
     cpu, cuda = torch.get_rng_state(), torch.cuda.get_rng_state()
     kinds = chunked_loss._fp32_out_kind(f"cuda:{torch.cuda.current_device()}")
