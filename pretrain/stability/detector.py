@@ -33,8 +33,8 @@ Confirmation (`confirm_z` > 0, the default): a crossing makes the step an outlie
   both z-scores were >= 9.6 in every recorded case, docs/stability.md), or
 - it is extreme on its own: loss >= `loss_alone_rise` above baseline with a z >= `loss_alone_z`, grad norm >=
   `grad_alone_ratio` x baseline with a z >= `grad_alone_z` on a step whose update is not clipped (a random-token
-  batch, BLOOM's grad-norm
-  blow-up; clipping bounds the update whatever the norm, so a clipped step needs confirming like any other), or
+  batch, BLOOM's grad-norm blow-up; clipping bounds the update whatever the norm, so a clipped step needs
+  confirming like any other), or
 - it repeats: another crossing or outlier within sustained_window steps (a lasting rise in one
   signal is caught one step later than alone, and escalates to a spike at the same step), or
 - the other signal is not there to ask (no grad norm, `use_grad_norm=false`).
