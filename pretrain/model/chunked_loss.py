@@ -31,7 +31,6 @@ import sys
 import warnings
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 IGNORE_INDEX = -100
