@@ -203,13 +203,11 @@ def eval_curve_blocks(run_dir: Path, curve: EvalCurve | None) -> list[Block]:
 def file_rows(run_dir: Path) -> list[list[str]]:
     rows = []
     for name, what in ((METRICS_FILE, "one JSON object per log step / eval"), (EVENTS_FILE, "events, one per line"),
-                       (CONFIG_FILE, "the resolved config"), ("deepspeed_config.json", "the DeepSpeed JSON used")):
+                       (CONFIG_FILE, "the resolved config"), ("deepspeed_config.json", "the DeepSpeed JSON used"),
+                       (EVAL_CURVE_FILE, "each checkpoint's downstream scores (`ayumi eval RUN_DIR --all`)")):
         path = run_dir / name
         if path.exists():
             rows.append([f"`{name}`", f"{path.stat().st_size / 1024:,.1f} KiB", what])
-    if (run_dir / EVAL_CURVE_FILE).is_file():
-        rows.append([f"`{EVAL_CURVE_FILE}`", f"{(run_dir / EVAL_CURVE_FILE).stat().st_size / 1024:,.1f} KiB",
-                     "each checkpoint's downstream scores (`ayumi eval RUN_DIR --all`)"])
     scored = run_dir / "eval" / "downstream"
     if scored.is_dir():
         rows.append(["`eval/downstream/`", f"{sum(1 for _ in scored.iterdir())} files",
