@@ -91,6 +91,12 @@ def write_run(run_dir: Path, *, fp16: bool = True, with_val: bool = True, with_e
     return run_dir
 
 
+def summary_of(run_dir: Path, *options: str) -> str:
+    """`ayumi report RUN_DIR OPTIONS` in this process, which must succeed; the summary.md it wrote in RUN_DIR/report."""
+    assert report.main([str(run_dir), *options]) == 0
+    return (run_dir / "report" / "summary.md").read_text()
+
+
 def assert_png(path: Path) -> None:
     data = path.read_bytes()
     assert data[:8] == PNG_MAGIC, f"{path} is not a PNG"
@@ -99,11 +105,10 @@ def assert_png(path: Path) -> None:
 
 def test_full_report_from_a_run_with_a_rollback(tmp_path):
     run_dir = write_run(tmp_path / "run")
-    assert report.main([str(run_dir)]) == 0
+    summary = summary_of(run_dir)
     out = run_dir / "report"
     for name in PLOTS:
         assert_png(out / name)
-    summary = (out / "summary.md").read_text()
     # Events: every kind, with its step.
     for step, kind in [(35, "skip_update"), (55, "spike"), (55, "rollback"), (40, "recovered"),
                        (30, "stage_switch"), (40, "batches_skipped")]:
@@ -134,13 +139,10 @@ def test_stages_of_different_lengths_show_each_length(tmp_path):
         if record["event"] == "stage_switch":
             record["seq_len"] = 64 if record["stage"] == 1 else 256
     (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
-    assert report.main([str(run_dir)]) == 0
-    summary = (run_dir / "report" / "summary.md").read_text()
+    summary = summary_of(run_dir)
     assert "| stage | name | begins at tokens | step | seq_len |" in summary
     assert "| 2 | en_heavy | " in summary and summary.split("| 2 | en_heavy | ")[1].split("\n")[0].endswith("| 256 |")
-    plain = write_run(tmp_path / "plain")
-    assert report.main([str(plain)]) == 0
-    assert "| stage | name | begins at tokens | step |\n" in (plain / "report" / "summary.md").read_text()
+    assert "| stage | name | begins at tokens | step |\n" in summary_of(write_run(tmp_path / "plain"))
 
 
 def test_rollback_marks_the_replaced_stretch_abandoned(tmp_path):
@@ -171,7 +173,7 @@ def test_downstream_scores_are_plotted_per_task_and_summarized(tmp_path, monkeyp
 
     monkeypatch.setattr(plots, "draw_stages", draw_stages)
     run_dir = write_run(tmp_path / "run", downstream_every=10, val_tokens=True)
-    assert report.main([str(run_dir)]) == 0
+    summary = summary_of(run_dir)
     out = run_dir / "report"
     for name in ("downstream_cloze_ja.png", "downstream_cloze_en.png", *PLOTS):
         assert_png(out / name)
@@ -179,7 +181,6 @@ def test_downstream_scores_are_plotted_per_task_and_summarized(tmp_path, monkeyp
     assert marked and all(stages == [(1, 0.0), (2, 30 * TOKENS_PER_STEP)] for stages in marked)
     assert len(marked) >= 3 + 2 + 2 + 2 * 2
 
-    summary = (out / "summary.md").read_text()
     assert "## Downstream evaluation" in summary
     # Columns: last, its step, first, best, scorings; from the continued timeline (10..40, then 50..80 replayed):
     # the rolled-back step-50 score (1.4) is neither last nor best.
@@ -283,8 +284,7 @@ def test_a_short_downstream_time_is_not_rounded_to_nothing(tmp_path):
         if "eval/downstream_seconds" in row:
             row["eval/downstream_seconds"], row["eval/time_share"] = 0.06, 0.416
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    assert report.main([str(run_dir), "--smooth", "0"]) == 0
-    summary = (run_dir / "report" / "summary.md").read_text()
+    summary = summary_of(run_dir, "--smooth", "0")
     # Nine scorings (the rolled-back one at step 50 included: its time was spent): 0.54 s.
     assert ("Downstream time share: 41.6% of the run's wall time (`eval/time_share` at the last scoring); "
             "0.5s in all (`eval/downstream_seconds`).") in summary
@@ -307,7 +307,7 @@ def write_eval_curve(run_dir: Path) -> Path:
     return path
 
 
-def test_the_curve_ayumi_eval_all_wrote_is_in_the_report(tmp_path):
+def test_the_curve_ayumi_eval_all_wrote_is_in_the_report(tmp_path, capsys):
     """Issue 48, papercut: `ayumi report` showed the in-loop scores only, not the curve `ayumi eval RUN_DIR --all`
     wrote. Now a section with a row per checkpoint (value ± stderr, a damaged one marked and why) and a plot per
     task; a checkpoint saved after the curve is named with the command that scores it."""
@@ -315,13 +315,10 @@ def test_the_curve_ayumi_eval_all_wrote_is_in_the_report(tmp_path):
     write_eval_curve(run_dir)
     (run_dir / "checkpoints" / "step_0000080").mkdir(parents=True)
     (run_dir / "checkpoints" / "step_0000090").mkdir()
-    proc = subprocess.run([sys.executable, "-m", "pretrain.tools.cli", "report", str(run_dir)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    summary = summary_of(run_dir)  # the real CLI on a real run's curve: tests/pretrain/test_downstream_cpu.py
     out = run_dir / "report"
-    assert "eval_curve_cloze_ja.png" in proc.stdout
+    assert "eval_curve_cloze_ja.png" in capsys.readouterr().out
     assert_png(out / "eval_curve_cloze_ja.png")
-    summary = (out / "summary.md").read_text()
     assert "## Downstream evaluation of the checkpoints" in summary
     assert "| checkpoint | step | tokens | cloze_ja exact_match (n=4) | cloze_ja loglik (n=4) |" in summary
     # Tokens from the continued timeline at the checkpoint's step (step 80: 80 x 512, after the rollback).
@@ -340,8 +337,7 @@ def test_the_curve_ayumi_eval_all_wrote_is_in_the_report(tmp_path):
 def test_an_unreadable_curve_is_said_and_the_report_still_made(tmp_path):
     run_dir = write_run(tmp_path / "run")
     write_eval_curve(run_dir).write_text('{"scores": [{"step": 20, "tasks": ')
-    assert report.main([str(run_dir)]) == 0
-    summary = (run_dir / "report" / "summary.md").read_text()
+    summary = summary_of(run_dir)
     assert "`eval/downstream.json` could not be read (JSONDecodeError: " in summary
     assert f"Write it again with `ayumi eval {run_dir.resolve()} --all`." in summary
     assert not list((run_dir / "report").glob("eval_curve_*"))
