@@ -113,6 +113,15 @@ def overrides(case: Case, mode: str, shards: Path, tokenizer: Path, runs: Path, 
     return out
 
 
+def train_logged(name: str, cmd: list[str], log: Path) -> tuple[int, float]:
+    """Run one training launch, its output into `log`; (exit status, wall seconds), both printed on one line."""
+    print(f"[spike_detection] {name:32s} ...", end=" ", flush=True)
+    start = time.perf_counter()
+    with open(log, "w") as handle:
+        rc = subprocess.run(cmd, cwd=REPO, env=env(), stdout=handle, stderr=subprocess.STDOUT).returncode
+    wall = time.perf_counter() - start
+    print(f"rc {rc}, {wall:.0f}s", flush=True)
+    return rc, wall
 
 
 def train(case: Case, mode: str, args: argparse.Namespace, data: tuple[Path, Path]) -> Path:
@@ -208,11 +217,6 @@ def meets(row: dict) -> bool | None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Main
-# ----------------------------------------------------------------------------------------------
-
-
-# ----------------------------------------------------------------------------------------------
 # Low-loss clean runs (--low-loss)
 # ----------------------------------------------------------------------------------------------
 
@@ -280,17 +284,6 @@ def train_low(case: str, precision: str, seed: int, args: argparse.Namespace) ->
     done.write_text(json.dumps({"wall_s": wall, "rc": rc}))  # rc 3: the stability machinery stopped it (an alarm)
     return run_dir
 
-
-
-def train_logged(name: str, cmd: list[str], log: Path) -> tuple[int, float]:
-    """Run one training launch, its output into `log`; (exit status, wall seconds), both printed on one line."""
-    print(f"[spike_detection] {name:32s} ...", end=" ", flush=True)
-    start = time.perf_counter()
-    with open(log, "w") as handle:
-        rc = subprocess.run(cmd, cwd=REPO, env=env(), stdout=handle, stderr=subprocess.STDOUT).returncode
-    wall = time.perf_counter() - start
-    print(f"rc {rc}, {wall:.0f}s", flush=True)
-    return rc, wall
 
 def replayed(run_dir: Path, **rules: float) -> tuple[list[str], float]:
     """(the alarms, the largest climb z) of the run's first timeline replayed through a fresh detector of the run's
@@ -363,6 +356,11 @@ def low_loss_main(args: argparse.Namespace) -> int:
     print(result_line("spike_detection_low_loss_false_alarms", false_alarms, 0, "<=0", ratio=float(false_alarms),
                       ok=false_alarms == 0))
     return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Main
+# ----------------------------------------------------------------------------------------------
 
 
 def cases(args: argparse.Namespace) -> list[Case]:
