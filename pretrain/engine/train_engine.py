@@ -127,7 +127,8 @@ def build_model(factory, cfg: AyumiConfig, dist_info: DistInfo, initial=None,
 
         @torch.no_grad()
         def draw(name: str, param: torch.Tensor) -> None:
-            here = param.device.type == device.type  # the CPU; else the values are made on the device
+            # Drawn on the device (the values depend on its type); zeros for a load wherever the parameter stays.
+            here = param.device.type == device.type or (from_checkpoint and whole_on_cpu)
             value = param if here else torch.empty(param.shape, dtype=param.dtype, device=device)
             if from_checkpoint:
                 value.zero_()

@@ -228,3 +228,15 @@ def test_a_model_a_checkpoint_will_fill_draws_nothing(stage, parameters_on_a_dev
     # The same build without a checkpoint draws each parameter once.
     model = build_model(factory(cfg), cfg, MAIN)
     assert sorted(init_calls) == sorted(name for name, _ in model.named_parameters())
+
+
+def test_a_tensor_parallel_resume_zeroes_the_cpu_model_where_it_is():
+    """With tensor parallelism the whole model stays on the CPU for AutoTP to cut: a resume's zeros are written there
+    and nothing is made on the training device (no whole parameter on a GPU, no copy back). The meta device stands
+    in for the GPU: a tensor made there could not be copied into the CPU model."""
+    cfg = config("deepspeed.zero_stage=1", "deepspeed.precision=fp32")
+    on_a_gpu = dataclasses.replace(MAIN, device=torch.device("meta"), tensor_parallel=2)
+    model = build_model(factory(cfg), cfg, on_a_gpu, from_checkpoint=True)
+    for name, param in model.named_parameters():
+        assert param.device.type == "cpu", name
+        assert torch.count_nonzero(param) == 0, name
