@@ -162,12 +162,17 @@ def final_val(run_dir: Path) -> float:
 
 def train_losses(run_dir: Path) -> dict[int, float]:
     """step (from 1) -> train loss of the run's first timeline (a rollback's replay is left out)."""
-    out: dict[int, float] = {}
+    return {r["step"]: r["train/loss"] for r in first_timeline(run_dir)}
+
+
+def first_timeline(run_dir: Path) -> list[dict]:
+    """The train records of a run up to its first rollback (metrics count steps from 1)."""
+    out: list[dict] = []
     for r in read_jsonl(run_dir / "metrics.jsonl"):
         if "train/loss" in r:
-            if r["step"] in out:
+            if out and r["step"] <= out[-1]["step"]:
                 break
-            out[r["step"]] = r["train/loss"]
+            out.append(r)
     return out
 
 
@@ -307,17 +312,6 @@ def replayed(run_dir: Path, **rules: float) -> tuple[list[str], float]:
         if verdict.kind != "ok":
             found.append(f"{'divergence' if verdict.divergence else verdict.kind}@{step + 1}")
     return found, climb
-
-
-def first_timeline(run_dir: Path) -> list[dict]:
-    """The train records of a run up to its first rollback (metrics count steps from 1)."""
-    out: list[dict] = []
-    for r in read_jsonl(run_dir / "metrics.jsonl"):
-        if "train/loss" in r:
-            if out and r["step"] <= out[-1]["step"]:
-                break
-            out.append(r)
-    return out
 
 
 def low_row(case: str, precision: str, seed: int, run_dir: Path) -> dict:
