@@ -290,10 +290,10 @@ def train_low(case: str, precision: str, seed: int, args: argparse.Namespace) ->
     return run_dir
 
 
-def replayed(run_dir: Path, **rules: float) -> tuple[list[str], float]:
-    """(the alarms, the largest climb z) of the run's first timeline replayed through a fresh detector of the run's
-    detector config with `rules` changed. Outlier steps fed back in are not withheld from the replay's training, so
-    this is what the detector would say of this curve, not of the run it would have made."""
+def replayed(run_dir: Path, records: list[dict], **rules: float) -> tuple[list[str], float]:
+    """(the alarms, the largest climb z) of the run's first timeline (`records`) replayed through a fresh detector of
+    the run's detector config with `rules` changed. Outlier steps fed back in are not withheld from the replay's
+    training, so this is what the detector would say of this curve, not of the run it would have made."""
     import yaml
 
     from pretrain.stability.config import DetectorConfig
@@ -304,7 +304,7 @@ def replayed(run_dir: Path, **rules: float) -> tuple[list[str], float]:
     detector = SpikeDetector(DetectorConfig(**{**{k: v for k, v in config["stability"]["detector"].items()
                                                    if k in fields}, **rules}))
     found, climb = [], 0.0
-    for step, record in enumerate(first_timeline(run_dir)):
+    for step, record in enumerate(records):
         domains = {k.split("/", 2)[2]: (v, 1.0) for k, v in record.items() if k.startswith("train/loss/")}
         verdict = detector.observe(step, record["train/loss"], record.get("opt/grad_norm"), domains,
                                    clip_threshold=record.get("opt/clip_threshold", 0.0))
@@ -319,8 +319,8 @@ def low_row(case: str, precision: str, seed: int, run_dir: Path) -> dict:
     records = first_timeline(run_dir)
     losses = [r["train/loss"] for r in records]
     tail = sorted(losses[-100:])
-    old, _ = replayed(run_dir, **OLD_RULES)
-    _, climb = replayed(run_dir)
+    old, _ = replayed(run_dir, records, **OLD_RULES)
+    _, climb = replayed(run_dir, records)
     return {"case": case, "precision": precision, "seed": seed, "steps": len(records),
             "low_steps": sum(1 for x in losses if x < LOW_LEVEL), "median_last_100": tail[len(tail) // 2],
             "spread_last_100": tail[-1] / tail[0],
