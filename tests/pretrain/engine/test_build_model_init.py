@@ -193,7 +193,8 @@ def test_each_parameter_depends_on_the_seed_and_its_name_only(monkeypatch):
     assert parameter_seed(1234, "lm_head.weight") == 10660710373494992068
 
 
-def test_draw_each_runs_every_draw_and_raises_what_one_raises():
+def test_draw_each_runs_every_draw_and_raises_what_one_raises(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)  # the pool, even with one intra-op thread (xdist)
     seen = []
 
     def draw(name, tensor):
