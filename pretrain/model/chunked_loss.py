@@ -239,6 +239,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 torch.mm(dlogits, weight, out=grad_hidden[rows])  # a row slice is contiguous: written in place
             if grad_weight is not None:
                 accumulate_matmul(grad_weight, dlogits.t(), hidden[rows])
+            del dlogits  # before the next chunk's logits: one chunk's gradient alive at a time, not two
         loss = scale * (ce.sum() + z_loss * lse.square().sum()) if z_loss else scale * ce.sum()
         ctx.save_for_backward(grad_hidden, grad_weight, scale)
         ctx.weight_dtype = weight.dtype
