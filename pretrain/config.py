@@ -591,7 +591,7 @@ def config_from_args(args: list[str]) -> AyumiConfig | None:
     `--cfg job` has printed the resolved config.
 
     The commands (`ayumi train`, `ayumi plan`, every rank of pretrain.train) call
-    pretrain.preflight.config_before_launch, which adds the checks of the files the config names and makes
+    pretrain.startup.checks.config_before_launch, which adds the checks of the files the config names and makes
     `--cfg job` refuse what they would. Raises ConfigError. Imports no torch or DeepSpeed.
     """
     composed, print_cfg = composed_from_args(args)
@@ -615,12 +615,12 @@ def _init_from(composed: DictConfig) -> str | None:
 
 def vocab_from_tokenizer(composed: DictConfig) -> None:
     """model.vocab_size=0 (follow the tokenizer) made the tokenizer's vocabulary padded to model.vocab_multiple, in
-    place (pretrain/vocabulary.py): here, the one function every command and every rank composes through, so all
+    place (pretrain/model/vocabulary.py): here, the one function every command and every rank composes through, so all
     of them train, plan and record the same number. ConfigError when there is no tokenizer to follow."""
     from omegaconf.errors import OmegaConfBaseException
 
     from common.conf import describe_error
-    from pretrain.vocabulary import follow_tokenizer
+    from pretrain.model.vocabulary import follow_tokenizer
 
     try:
         follow_tokenizer(composed)

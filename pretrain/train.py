@@ -74,7 +74,7 @@ from pretrain.loader import BatchLoader
 from pretrain.plan.memory import format_memory
 from pretrain.plan.hardware import Hardware, gpu_properties
 from pretrain.plan.run_plan import run_plan
-from pretrain.preflight import (
+from pretrain.startup.checks import (
     check_fp8, check_vocabulary, config_before_launch, load_tokenizer_identity, read_downstream_tasks,
 )
 from pretrain.metrics import MetricsLogger, NullLogger
@@ -252,7 +252,7 @@ def downstream_tasks(cfg: AyumiConfig, tokenizer: dict, dist: DistInfo) -> Downs
     def left_out(message: str) -> None:
         if dist.is_main:
             print(f"eval.downstream: task left out (strict=false): {message}", file=sys.stderr, flush=True)
-    # The same reading as the check before launch (pretrain/preflight.py), which has refused a bad file already
+    # The same reading as the check before launch (pretrain/startup/checks.py), which has refused a bad file already
     # when `ayumi train` started this rank.
     prepared, text_tokenizer = read_downstream_tasks(settings, tokenizer["tokenizer_dir"], cfg.model.max_seq_len,
                                                      left_out)

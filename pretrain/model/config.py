@@ -79,7 +79,7 @@ class ModelConfig:
     vocab_size: int = 512
     """Vocabulary size: embedding and LM-head rows, at least the tokenizer's ids. 0 = follow the tokenizer: the
     vocabulary data.root's manifest records (else data.tokenizer_dir's), padded up to a multiple of vocab_multiple;
-    the resolved number is what `--cfg job` prints and the run's config.yaml records (pretrain/vocabulary.py)."""
+    the resolved number is what `--cfg job` prints and the run's config.yaml records (pretrain/model/vocabulary.py)."""
     vocab_multiple: int = 128
     """vocab_size=0 pads the tokenizer's vocabulary up to a multiple of this (Megatron-LM's
     --make-vocab-size-divisible-by: GPU-friendly GEMM shapes); 1 = no padding. Unused when vocab_size is set."""

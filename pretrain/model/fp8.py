@@ -16,7 +16,7 @@ on or off. The conversion happens before `deepspeed.initialize` and before torch
 as torchao asks: its speed comes from compiling the casts into the neighbouring kernels.
 
 torchao is imported only here and only when model.fp8 is on. The checks that refuse FP8 where it cannot run
-(no GPU of compute capability 8.9+, ZeRO-3, tensor parallelism) are pretrain/preflight.py's, made before launch.
+(no GPU of compute capability 8.9+, ZeRO-3, tensor parallelism) are pretrain/startup/checks.py's, made before launch.
 """
 from __future__ import annotations
 

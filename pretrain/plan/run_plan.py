@@ -18,7 +18,7 @@ from pretrain.plan.hardware import Hardware
 from pretrain.plan.memory import (MemoryEstimate, MemoryShape, estimate_memory, format_memory, memory_problem,
                                   memory_shape)
 from pretrain.stages import stage_rope
-from pretrain.vocabulary import tokenizer_vocabulary, vocabulary_line
+from pretrain.model.vocabulary import tokenizer_vocabulary, vocabulary_line
 
 
 @dataclass
@@ -51,7 +51,7 @@ class RunPlan:
     max_seq_len: int = 0
     """model.max_seq_len: the positions the RoPE tables are built for."""
     vocabulary: str = ""
-    """The model's vocabulary beside its tokenizer's (pretrain/vocabulary.py's vocabulary_line); "" = not shown."""
+    """The model's vocabulary beside its tokenizer's (pretrain/model/vocabulary.py's vocabulary_line); "" = not shown."""
 
     @property
     def problems(self) -> list[PlanProblem]:

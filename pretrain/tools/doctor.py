@@ -289,10 +289,10 @@ def check_plan(overrides: list[str]) -> tuple[list[Check], object | None]:
 
 
 def check_run_files(cfg) -> Check:
-    """The files `ayumi train` checks before any rank starts (pretrain/preflight.py): the data's vocabulary against
+    """The files `ayumi train` checks before any rank starts (pretrain/startup/checks.py): the data's vocabulary against
     model.vocab_size and eval.downstream's task files. model.fp8 is check_fp8's row."""
-    from pretrain.preflight import task_file_problems, vocabulary_problems
-    from pretrain.vocabulary import tokenizer_vocabulary, vocabulary_line
+    from pretrain.startup.checks import task_file_problems, vocabulary_problems
+    from pretrain.model.vocabulary import tokenizer_vocabulary, vocabulary_line
 
     problems = vocabulary_problems(cfg) + task_file_problems(cfg)
     if problems:
@@ -305,8 +305,8 @@ def check_run_files(cfg) -> Check:
 
 
 def check_fp8(cfg) -> Check:
-    """model.fp8 against the GPUs here and the layout: the refusals `ayumi train` would make (pretrain/preflight.py)."""
-    from pretrain.preflight import fp8_problems
+    """model.fp8 against the GPUs here and the layout: the refusals `ayumi train` would make (pretrain/startup/checks.py)."""
+    from pretrain.startup.checks import fp8_problems
 
     model = cfg.model
     if model.fp8 == "off":

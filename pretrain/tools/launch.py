@@ -7,7 +7,7 @@
 
 The whole config is composed and checked here first (types, ranges, names, each stage's length and
 RoPE, the data's vocabulary against model.vocab_size, eval.downstream's task files: the checks `ayumi
-plan` and `--cfg job` make too, pretrain/preflight.py; then the batch over the ranks about to start,
+plan` and `--cfg job` make too, pretrain/startup/checks.py; then the batch over the ranks about to start,
 the data as the ranks will open it, the plan: stage budgets, repetition, checkpoint disk, GPU memory,
 and `model.init_from`'s tensors from their safetensors headers), without importing torch or
 DeepSpeed: a mistake exits with status 2 and one line per problem before any process starts, and
@@ -203,12 +203,12 @@ def main(argv: list[str]) -> int:
         CHECKED_BY_LAUNCHER_ENV, EXIT_CONFIG_ERROR, ConfigError, data_parallel_grad_accum, data_parallel_size,
         default_run_notice, print_config_error,
     )
-    from pretrain.preflight import config_before_launch
+    from pretrain.startup.checks import config_before_launch
 
     args, overrides = parse_args(argv)
     try:
         # Types, ranges, names, stages, and (unless a dry run: they may live on the cluster) the data's vocabulary
-        # and the task files (pretrain/preflight.py); no torch or DeepSpeed import
+        # and the task files (pretrain/startup/checks.py); no torch or DeepSpeed import
         cfg = config_before_launch(overrides, check_files=not args.dry_run)
         if cfg is None:  # --cfg job: printed, nothing started
             return 0

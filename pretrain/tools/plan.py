@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{USAGE}\n\n{training_config_help()}")
         return 0
     from pretrain.config import print_config_error
-    from pretrain.preflight import config_before_launch
+    from pretrain.startup.checks import config_before_launch
     from pretrain.model.flops import count_parameters
 
     try:

@@ -305,7 +305,7 @@ def test_training_entry_refuses_before_distributed_init(monkeypatch, capsys):
     assert capsys.readouterr().err == ""
 
 
-# -- model.vocab_size=0 follows the tokenizer, padded to model.vocab_multiple (pretrain/vocabulary.py) ----------
+# -- model.vocab_size=0 follows the tokenizer, padded to model.vocab_multiple (pretrain/model/vocabulary.py) ----------
 
 def vocab_of(tmp_path, *overrides: str) -> int:
     """model.vocab_size of cpu_tiny as every command composes it (composed_from_args, then check_config)."""
@@ -318,7 +318,7 @@ def test_the_vocabulary_follows_the_data_roots_tokenizer_padded_to_128(tmp_path,
     """A manifest recording 2,000 ids gives 2,048 rows, in the config and in what `--cfg job` prints; 512 stays 512."""
     from omegaconf import OmegaConf
 
-    from pretrain.preflight import config_before_launch
+    from pretrain.startup.checks import config_before_launch
 
     root = write_tiny_corpus(tmp_path / "c2000", vocab_size=2000)
     assert vocab_of(tmp_path, f"data.root={root}") == 2048

@@ -1,4 +1,4 @@
-"""model.fp8 (pretrain/model/fp8.py, pretrain/preflight.py) on the CPU through torchao's emulation.
+"""model.fp8 (pretrain/model/fp8.py, pretrain/startup/checks.py) on the CPU through torchao's emulation.
 
 The conversion touches exactly the blocks' Linear layers whose sizes divide by 16; a short real training run follows
 model.fp8=off's losses; a checkpoint moves between FP8 and non-FP8 engines with its weights, master weights and Adam
@@ -18,7 +18,7 @@ from pretrain.config import ConfigError, compose_config, to_object
 from pretrain.model.config import ModelConfig, model_problems
 from pretrain.model.fp8 import convert_to_fp8, fp8_layer_names
 from pretrain.model.llama import Llama
-from pretrain.preflight import check_fp8, fp8_device_problem, fp8_setup_problems
+from pretrain.startup.checks import check_fp8, fp8_device_problem, fp8_setup_problems
 from tests.helpers import REPO, run_one_rank_script, run_training, tiny_overrides, train_losses, write_tiny_corpus
 
 BLOCK_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",

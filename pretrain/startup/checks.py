@@ -8,7 +8,7 @@ line and exit status 2 (common/status.py):
   length and RoPE (pretrain/stages.py);
 - the vocabulary: the data root was made by the run's tokenizer, and model.vocab_size has a row for every id in it
   (`check_vocabulary`, which every rank runs again before it opens a shard; model.vocab_size=0 has already become
-  the tokenizer's, padded: pretrain/vocabulary.py);
+  the tokenizer's, padded: pretrain/model/vocabulary.py);
 - the task files of eval.downstream, read and tokenized as the ranks read them (`read_downstream_tasks`), one line
   per bad file.
 - model.fp8 against the hardware and the layout (`fp8_problems`): a GPU of compute capability 8.9+ on every visible

@@ -39,7 +39,7 @@ def recorded_vocabulary(root: str | Path) -> tuple[int | None, str | None]:
 
 
 def tokenizer_dir_vocabulary(tokenizer_dir: str | None) -> int | None:
-    """The ids data.tokenizer_dir's tokenizer needs (pretrain.preflight.load_tokenizer_identity's reading), or None."""
+    """The ids data.tokenizer_dir's tokenizer needs (pretrain.startup.checks.load_tokenizer_identity's reading), or None."""
     if not tokenizer_dir:
         return None
     from tokenizer.declared import load_declared_tokenizer
