@@ -41,15 +41,88 @@ def compose(config_name: str, overrides: Iterable[str], register: Callable[[], N
     lacks the key, the value or the reason).
     """
     register()
-    overrides, conf_dir = list(overrides), Path(conf_dir or CONF_DIR)
+    conf_dir = Path(conf_dir or CONF_DIR)
+    overrides, own = own_config_files(list(overrides), conf_dir)
     try:
         return compose_once(config_name, overrides, conf_dir)
     except Exception as err:  # Hydra and OmegaConf raise many types; all are configuration errors here
         located = composition_problem(err, overrides, schema, root, conf_dir) if schema is not None else None
         if located is None:
-            raise ConfigCompositionError(describe_error(err)) from err
+            raise ConfigCompositionError(as_typed(describe_error(err), own, conf_dir)) from err
         problems = every_problem(config_name, overrides, located, schema, root, conf_dir)
-        raise ConfigCompositionError("\n".join(problems)) from err
+        raise ConfigCompositionError(as_typed("\n".join(problems), own, conf_dir)) from err
+
+
+# -- a group option given as the path of a YAML file of one's own (`curriculum=./my_cur.yaml`) --------------------
+
+YAML_SUFFIXES = (".yaml", ".yml")
+"""What marks a group override's value as a file path rather than an option name of conf/GROUP/."""
+
+
+def own_config_files(overrides: list[str], conf_dir: Path) -> tuple[list[str], dict[str, tuple[str, str]]]:
+    """(the overrides with each `GROUP=PATH.yaml` made `GROUP=NAME`, {NAME: (GROUP, the override as typed)}).
+
+    A user's own curriculum (or model, optim, ...) file should not have to be copied into conf/ or reached through
+    `hydra.searchpath`: its content is stored in Hydra's ConfigStore as an option of the group, under a name made
+    from its absolute path, so Hydra composes it exactly as it composes conf/GROUP/NAME.yaml (its `# @package`
+    header included). The path is relative to the current folder; every rank starts there and composes alike.
+    """
+    rewritten, own = [], {}
+    for text in overrides:
+        prefix, group, value = _group_file_override(text, conf_dir)
+        if value is None:
+            rewritten.append(text)
+            continue
+        name = store_own_file(group, Path(value), text, conf_dir)
+        own[name] = (group, text)
+        rewritten.append(f"{prefix}{group}={name}")
+    return rewritten, own
+
+
+def _group_file_override(text: str, conf_dir: Path) -> tuple[str, str, str | None]:
+    """(Hydra's prefix, the group, the file path) of `GROUP=PATH.yaml` where GROUP is a folder of conf_dir; the
+    path is None for every other override (a key, an option name, a deletion)."""
+    match = re.fullmatch(r"(\+{0,2})([A-Za-z_][\w/]*)=(.+)", text)
+    if not match or not match.group(3).endswith(YAML_SUFFIXES) or not (conf_dir / match.group(2)).is_dir():
+        return "", "", None
+    return match.group(1), match.group(2), match.group(3).strip("'\"")
+
+
+def store_own_file(group: str, path: Path, typed: str, conf_dir: Path) -> str:
+    """Store the YAML file at `path` as an option of `group` in Hydra's ConfigStore; its option name.
+    ConfigCompositionError, naming the file, when it is missing or not a YAML mapping."""
+    from hydra.core.config_store import ConfigStore
+    from hydra.plugins.config_source import ConfigSource
+    from omegaconf import DictConfig, OmegaConf
+
+    if not path.is_file():
+        raise ConfigCompositionError(
+            f"{typed}: no such file {path} (relative to {Path.cwd()}): give the path of a YAML file of yours, "
+            f"or an option of {conf_label(conf_dir)}{group}/ ({', '.join(group_options(group, conf_dir))})")
+    text = path.read_text(encoding="utf-8")
+    try:
+        node = OmegaConf.create(text)
+    except Exception as err:  # OmegaConf wraps YAML's parser errors in several types
+        raise ConfigCompositionError(f"{typed}: {path} is not valid YAML: {str(err).splitlines()[0]}") from None
+    if not isinstance(node, DictConfig):
+        raise ConfigCompositionError(f"{typed}: {path} must hold a YAML mapping (key: value lines), as the files "
+                                     f"of {conf_label(conf_dir)}{group}/ do")
+    # A hash of the absolute path keeps the name stable (ranks and reruns agree) and apart from conf/'s options.
+    import hashlib
+    digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:8]
+    name = f"{re.sub(r'[^A-Za-z0-9_]', '_', path.stem)}_{digest}"
+    package = ConfigSource._get_header_dict(text).get("package")  # Hydra's own reading of `# @package X`
+    ConfigStore.instance().store(group=group, name=name, node=node, package=package)
+    return name
+
+
+def as_typed(message: str, own: Mapping[str, tuple[str, str]], conf_dir: Path) -> str:
+    """A composition message with each own file's stored option name put back as the user typed it."""
+    for name, (group, typed) in own.items():
+        path = typed.split("=", 1)[1]
+        message = message.replace(f"{conf_label(conf_dir)}{group}/{name}.yaml", path)
+        message = message.replace(f"{group}/{name}", path).replace(f"{group}={name}", typed)
+    return message
 
 
 def compose_once(config_name: str, overrides: list[str], conf_dir: Path):
@@ -155,8 +228,11 @@ def composition_problem(err: BaseException | None, overrides: list[str] | tuple[
     if missing:
         group, option = missing.groups()
         typed = next((text for text in overrides if override_key(text) == group), None)
-        return (f"{group}={option}: no such option in {conf_label(conf_dir)}{group}/; choose one of "
-                f"{', '.join(group_options(group, conf_dir))}"), typed
+        line = (f"{group}={option}: no such option in {conf_label(conf_dir)}{group}/; choose one of "
+                f"{', '.join(group_options(group, conf_dir))}")
+        if Path(f"{option}.yaml").is_file():  # a file of one's own named like an option: the path is the way
+            line += f"; or give your file's path: {group}=./{option}.yaml"
+        return line, typed
     cause = next((e for e in _chain(err) if getattr(e, "full_key", None)), None)
     if cause is None:
         return None
