@@ -41,8 +41,9 @@ class TaskConfig:
     """The train split for few-shot examples; empty: the JSONL's own lines with "split": "train", or for
     llm-jp-eval the same file name in the sibling `train/` folder (its layout: train/, dev/, test/)."""
     delimiter: str | None = None
-    """Between a context and its answer (lm-eval's target_delimiter); unset: " " for multiple_choice and cloze
-    (lm-eval's default), a newline for qa. Japanese multiple-choice and cloze tasks usually want ""."""
+    """Between a context and its answer (lm-eval's target_delimiter); unset: a newline for qa; for multiple_choice
+    and cloze "" when most of the file's examples are Japanese (kana or kanji: no spaces between words), else " "
+    (lm-eval's default)."""
     fewshot_separator: str = "\n\n"
     """Between one few-shot example and the next, and before the question."""
     instruction: str = ""

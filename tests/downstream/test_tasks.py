@@ -104,7 +104,8 @@ def test_two_tasks_of_one_name_are_a_mistake(tmp_path, tokenizer):
 def test_auto_reads_the_kind_from_the_first_line(tmp_path, line, kind):
     task = load_task(TaskConfig(path=str(write_lines(tmp_path / "t.jsonl", line))))
     assert task.kind == kind
-    assert task.delimiter == ("\n" if kind == "qa" else " ")
+    # the cloze line is Japanese: no space before its answer (issue 48, papercut 2; below)
+    assert task.delimiter == {"multiple_choice": " ", "cloze": "", "qa": "\n"}[kind]
 
 
 def test_a_line_of_two_kinds_is_refused(tmp_path):
@@ -156,3 +157,25 @@ def test_naming_the_metrics_gets_past_an_llm_jp_metric_ayumi_does_not_compute(tm
     with pytest.raises(TaskError, match="set the task's metrics"):
         load_task(TaskConfig(path=str(path)))
     assert load_task(TaskConfig(path=str(path), metrics=["char_f1"])).metrics == ["char_f1"]
+
+
+README_CLOZE = [{"context": "吾輩は猫で", "target": "ある。"}, {"context": "名前はまだ", "target": "無い。"},
+                {"context": "It is a truth universally", "target": " acknowledged"}]
+"""The README's own-corpus cloze task (tests/test_readme_own_corpus.py writes the same file): mostly Japanese."""
+
+
+def test_a_japanese_task_without_a_delimiter_gets_none_and_an_english_one_a_space(tmp_path, tokenizer):
+    """Issue 48, papercut 2: the README's Japanese cloze task was scored with " " before each target (loglik -10.92;
+    -7.40 with delimiter ""): Japanese has no spaces between words. An unset delimiter now follows the language."""
+    japanese = write_lines(tmp_path / "cloze_ja.jsonl", *README_CLOZE)
+    english = write_lines(tmp_path / "cloze_en.jsonl", {"context": "It is a truth universally", "target": "known"},
+                          {"context": "吾輩は猫で", "target": "ある。"})
+    choices = write_lines(tmp_path / "mc_ja.jsonl", {"context": "雨の日に使うものは", "choices": ["傘", "靴"], "gold": 0})
+    assert load_task(TaskConfig(path=str(japanese))).delimiter == ""
+    assert load_task(TaskConfig(path=str(choices))).delimiter == ""
+    assert load_task(TaskConfig(path=str(english))).delimiter == " "  # one of two examples Japanese: not most
+    assert load_task(TaskConfig(path=str(japanese), delimiter=" ")).delimiter == " "  # a delimiter set wins
+    # what is scored: the target's own tokens after the context, no space piece before them
+    [prepared] = prepare(tokenizer, TaskConfig(path=str(japanese)), prefix="none")
+    continuations = [tokenizer.decode(requests[0].continuation) for requests in prepared.loglik]
+    assert continuations == ["ある。", "無い。", " acknowledged"]
