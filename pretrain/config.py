@@ -324,6 +324,17 @@ def async_checkpoints(cfg: "AyumiConfig", device) -> bool:
 
 
 @dataclass
+class ResumeConfig:
+    """What this resume acknowledges changing in the run's future (pretrain/startup/resume.py, docs/training.md)."""
+
+    accept: list[str] = field(default_factory=list)
+    """Config keys whose change this resume accepts although it changes the LR or the data stream from the resume
+    step on: e.g. resume.accept=[train.tokens] to extend a run, [curriculum.stages] for a stage not yet begun,
+    [optim.wsd_decay_fraction]. A key names itself and everything under it. Only this command line's: a later
+    resume never replays it."""
+
+
+@dataclass
 class AyumiConfig:
     """The whole training configuration (`conf/config.yaml`)."""
 
@@ -358,6 +369,8 @@ class AyumiConfig:
     """The hang and straggler watchdog (pretrain/job/hang_watchdog.py)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Downstream evaluation (eval.downstream)."""
+    resume: ResumeConfig = field(default_factory=ResumeConfig)
+    """What a resume acknowledges changing (resume.accept)."""
 
 
 SCHEMA_NAME = "ayumi_schema"

@@ -75,8 +75,10 @@ from pretrain.plan.memory import format_memory
 from pretrain.plan.hardware import Hardware, gpu_properties
 from pretrain.plan.run_plan import run_plan
 from pretrain.startup.checks import (
-    check_fp8, check_vocabulary, config_before_launch, load_tokenizer_identity, read_downstream_tasks,
+    check_fp8, check_vocabulary, load_tokenizer_identity, read_downstream_tasks, settled_before_launch,
 )
+from pretrain.startup.record import ConfigVersion, absolute_paths, commit, resolved_config
+from pretrain.startup.resume import ResumeDecision, Settled
 from pretrain.metrics import MetricsLogger, NullLogger
 from pretrain.model.flops import count_parameters
 from pretrain.model.fp8 import convert_to_fp8
@@ -85,7 +87,6 @@ from pretrain.model.llama import Llama
 from pretrain.job.run_lock import RunDirLock, RunDirLocked
 from pretrain.engine.precision import CAPABILITY_ORDER, PrecisionChoice, agreed, kept_from_checkpoint, resolve_precision
 from pretrain.trainer import Trainer, TrainResult
-from common.files import write_text_atomic
 from common.status import STABILITY_STOP
 from tokenizer.info import TokenizerNotFoundError
 
@@ -176,9 +177,12 @@ def data_vocab_size(cfg: AyumiConfig) -> int:
     return int(load_manifest(Path(cfg.data.root))["tokenizer"]["vocab_size"])
 
 
-def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict,
-                  watchdog: HangWatchdog | None = None) -> tuple[Trainer, NullLogger]:
-    """Everything the loop needs, in data-flow order: data, model, engine, checkpoints, metrics."""
+def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict, watchdog: HangWatchdog | None = None,
+                  settled: Settled | None = None) -> tuple[Trainer, NullLogger]:
+    """Everything the loop needs, in data-flow order: data, model, engine, checkpoints, metrics.
+
+    `settled`: the command line as decided before launch (its overrides and what the resume changes); the run's
+    config record is written from it once everything has been checked and loaded (record_config)."""
     grad_accum = data_parallel_grad_accum(cfg.train, dist.dp_size)
     run_dir = Path(cfg.run_dir)
     ckpt = cfg.checkpoint
@@ -212,7 +216,6 @@ def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict,
     resume_step = None if cfg.checkpoint.load_from or resumed is None else resumed.step
     if dist.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(run_dir / "config.yaml", config_as_yaml(OmegaConf.create(resolved)))
         save_ds_config(engine.ds_config, run_dir / "deepspeed_config.json")
         logger: NullLogger = MetricsLogger(cfg, run_dir, resolved, resume_step)
     else:
@@ -224,11 +227,30 @@ def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict,
     run_meta = {"name": cfg.name, "model": asdict(cfg.model), "world_size": dist.world_size,
                 "tensor_parallel": dist.tensor_parallel, "sequence_parallel": dist.sequence_parallel,
                 "zero_stage": cfg.deepspeed.zero_stage, "precision": cfg.deepspeed.precision,
-                "precision_reason": precision.reason, **tokenizer}
+                "precision_reason": precision.reason, **tokenizer, "config": resolved}
     trainer = Trainer(cfg, dist, engine, loader, val_sets, logger, checkpointer, total_steps(cfg.train), run_meta,
                       watchdog=watchdog, downstream=downstream)
-    trainer.resume_if_possible(resumed)
+    decision = settled.resume if settled and resume_step is not None else None
+    trainer.resume_if_possible(resumed, decision.lengths if decision else None)
+    if dist.is_main:  # every check has passed and the checkpoint is loaded: now the run's record may change
+        record_config(cfg, resolved, settled.overrides if settled else [], resume_step or 0, decision, logger,
+                      trainer.state.tokens)
     return trainer, logger
+
+
+def record_config(cfg: AyumiConfig, resolved: dict, overrides: list[str], step: int,
+                  decision: ResumeDecision | None, logger: NullLogger, tokens: int) -> None:
+    """A new version of the run's config on record when it differs from the last (pretrain/startup/record.py), and
+    a resume's accepted changes as a `config_change` event (events.jsonl, W&B, the report)."""
+    from pretrain.startup.record import last_version
+
+    previous = last_version(cfg.run_dir)
+    changes = decision.recorded() if decision else []
+    if previous is None or previous.config != resolved or previous.overrides != overrides:
+        commit(cfg.run_dir, ConfigVersion(step, resolved, overrides, changes), config_as_yaml(OmegaConf.create(resolved)))
+    if changes:
+        listed = "; ".join(change.shown() for change in decision.changes)
+        logger.event("config_change", step, tokens, f"resumed with a changed config: {listed}", changes=changes)
 
 
 def announce_fp8(cfg: AyumiConfig, converted: list[str], dist: DistInfo) -> None:
@@ -355,7 +377,7 @@ def lock_run_dir(cfg: AyumiConfig, dist: DistInfo) -> RunDirLock | None:
     return lock
 
 
-def run(cfg: AyumiConfig, resolved: dict) -> TrainResult:
+def run(cfg: AyumiConfig, resolved: dict, settled: Settled | None = None) -> TrainResult:
     check_config(cfg)
     dist = init_distributed(cfg.train.device, process_group_timeout_s(cfg.hang), cfg.parallel.tensor,
                             cfg.parallel.sequence)
@@ -365,7 +387,7 @@ def run(cfg: AyumiConfig, resolved: dict) -> TrainResult:
     try:
         lock = lock_run_dir(cfg, dist)
         watchdog.start()  # from here on a stuck rank ends the job with a report (startup included)
-        trainer, logger = build_trainer(cfg, dist, resolved, watchdog)
+        trainer, logger = build_trainer(cfg, dist, resolved, watchdog, settled)
         result = trainer.run()
         logger.summary({"final/steps": result.steps, "final/tokens": result.tokens,
                         **{f"final/val/{k}/loss": v for k, v in result.val_losses.items()}})
@@ -393,22 +415,26 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Before init_distributed: a mistake costs no rank start. The files the config names are read below (build_data,
         # downstream_tasks) with the checks `ayumi train` made before starting this rank; `--cfg job` makes them here.
-        cfg = config_before_launch(argv, check_files=False)
+        settled = settled_before_launch(argv, check_files=False)
     except ConfigError as err:
         if not first:
             linger_before_refusing()
         return refuse(err, say=first)
-    if cfg is None:  # --cfg job printed it
+    if settled.printed:  # --cfg job printed it
         return 0
+    cfg = settled.cfg
+    said_by_launcher = bool(os.environ.get(CHECKED_BY_LAUNCHER_ENV))
     notice = default_run_notice(PROG, argv, cfg)
-    if notice and first and not os.environ.get(CHECKED_BY_LAUNCHER_ENV):
+    if notice and first and not said_by_launcher:
         print(notice, file=sys.stderr, flush=True)
-    cfg.run_dir = str(Path(cfg.run_dir).resolve())
-    cfg.checkpoint.dir = str(Path(cfg.checkpoint.dir).resolve())
-    cfg.data.root = str(Path(cfg.data.root).resolve())
-    resolved = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    for line in settled.resume.lines() if settled.resume and first and not said_by_launcher else []:
+        print(f"{PROG}: {line}", flush=True)
+    if settled.resume and settled.resume.complete:
+        return 0
+    absolute_paths(cfg)
+    resolved = resolved_config(cfg)
     try:
-        result = run(cfg, resolved)
+        result = run(cfg, resolved, settled)
     except INPUT_ERRORS as err:
         # Every rank reads the same data, tokenizer and checkpoint, so every rank fails alike: one
         # says why, without a traceback per rank (the message names the file and the fix). A damaged

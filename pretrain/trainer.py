@@ -27,7 +27,6 @@ from pretrain.checkpoint.ring import RunCheckpoints
 from pretrain.checkpoint.trust import Loaded, report
 from pretrain.config import AyumiConfig, advisable_settings
 from pretrain.engine.distributed import DistInfo, all_reduce_tensor, barrier, broadcast_object
-from pretrain.engine.optimizer import lr_at
 from pretrain.engine.train_engine import TrainEngine
 from pretrain.evaluation import DownstreamEvaluator, DownstreamTasks, Evaluator
 from pretrain.fault_drills import FaultDrills
@@ -38,6 +37,7 @@ from pretrain.loader import BatchLoader
 from pretrain.metrics import NullLogger, format_count
 from pretrain.model.documents import span_sum
 from pretrain.model.flops import flops_per_token
+from pretrain.plan.lr_schedule import LengthHistory, history_as_record, history_from_record, scheduled_lr, with_length
 from pretrain.progress import StepFigures, start_line, step_metrics
 from pretrain.stability.policy import Action, ring_checkpoints_to_delete
 from pretrain.skips import SkippedData
@@ -57,6 +57,9 @@ class TrainState:
     """Steps whose update was not applied (overflow, non-finite gradients)."""
     wall_time: float = 0.0
     """Seconds spent training over all sessions of this run."""
+    lengths: list = field(default_factory=list)
+    """The run's lengths so far (pretrain/plan/lr_schedule.py's LengthHistory as recorded): the LR schedule's
+    history. Empty in a checkpoint saved before it was recorded."""
 
 
 @dataclass
@@ -103,6 +106,8 @@ class Trainer:
         self.total_steps = total_steps
         self.run_meta = run_meta
         self.state = TrainState()
+        self.lengths: LengthHistory = history_from_record(None, total_steps)  # a fresh run's; a resume's below
+        self.state.lengths = history_as_record(self.lengths)
         self.domain_names = list(loader.source.domain_names)
         self.figures = StepFigures.of(cfg, dist)  # what the step's metrics derive from (pretrain/progress.py)
         self.stop = StopSignal()
@@ -142,8 +147,12 @@ class Trainer:
         return shared
 
     def load_shared_state(self, shared: dict[str, Any], with_stability: bool = True) -> None:
-        """Restore counters, data position and (unless rolling back in-process) the stability history."""
+        """Restore counters, data position and (unless rolling back in-process) the stability history. A rollback
+        keeps the run's lengths as they are: a change made at this session's resume stays the run's schedule."""
+        lengths = self.state.lengths
         self.state = TrainState(**shared["train"])
+        if not with_stability:
+            self.state.lengths = lengths
         self.loader.load_state_dict(shared["loader"])
         self.skipped.add(shared.get("skips", []))
         if self.mixer is not None and "mixer" in shared:
@@ -154,17 +163,35 @@ class Trainer:
         if with_stability and "stability" in shared:
             self.stability.load_state_dict(shared["stability"])
 
-    def resume_if_possible(self, resumed: Loaded | None) -> int | None:
-        """Take over what pretrain.checkpoint.trust.resume_start loaded; the resumed step, None for a fresh start."""
+    def resume_if_possible(self, resumed: Loaded | None, lengths: list | None = None) -> int | None:
+        """Take over what pretrain.checkpoint.trust.resume_start loaded; the resumed step, None for a fresh start.
+
+        `lengths`: the run's lengths as decided before launch (pretrain/startup/resume.py), for a checkpoint that
+        predates their record. A changed train.tokens becomes a new length from this step on (no LR jump)."""
         if resumed is None:
             return None
         self.load_shared_state(resumed.shared)
+        self.settle_lengths(lengths)
         self.apply_optimizer_overrides()
         self.checkpoints.note_resume(resumed)
         report(resumed.notes, self.logger, self.state.step, self.state.tokens)
         self.logger.info(f"resumed from {resumed.path} at step {self.state.step} ({format_count(self.state.tokens)} "
                          f"tokens){resharded_note(resumed.meta, self.dist.world_size, self.dist.tensor_parallel)}")
         return self.state.step
+
+    def settle_lengths(self, lengths: list | None) -> None:
+        """The run's LR schedule history after a resume: the checkpoint's, this config's length added at this step.
+        A run started from another run's checkpoint (checkpoint.load_from) has a schedule of its own."""
+        recorded = None if self.cfg.checkpoint.load_from else (self.state.lengths or lengths)
+        history = history_from_record(recorded, self.total_steps)
+        self.lengths = with_length(history, self.cfg.optim, self.state.step, self.total_steps)
+        self.state.lengths = history_as_record(self.lengths)
+
+    def checkpoint_meta(self, shared: dict[str, Any]) -> dict[str, Any]:
+        """ayumi.json's description of a checkpoint: the run's (model, layout, tokenizer, config) and where it
+        stands, what a resume decides from before any rank starts (pretrain/startup/resume.py)."""
+        started = len(shared["mixer"]["stages"]) if "mixer" in shared else 0
+        return {**self.run_meta, "tokens": self.state.tokens, "lengths": self.state.lengths, "started_stages": started}
 
     def _gather_per_rank(self, value: float) -> list[float]:
         """Every rank's `value`, in rank order (one small all-reduce)."""
@@ -176,7 +203,8 @@ class Trainer:
     def save(self, reason: str) -> None:
         start = time.perf_counter()
         with self.watchdog.phase(self.state.step, "checkpoint save"):
-            path = self.checkpoints.save(self.engine, self.state.step, self.shared_state(), self.run_meta)
+            shared = self.shared_state()
+            path = self.checkpoints.save(self.engine, self.state.step, shared, self.checkpoint_meta(shared))
         how = "staged; writing in the background" if self.checkpoints.long_term.async_writes else "saved"
         self.logger.info(f"{how} checkpoint {path} ({reason}, {time.perf_counter() - start:.1f}s)")
 
@@ -201,7 +229,8 @@ class Trainer:
                                               self.stability.policy.bad_steps, self.stability.detector.low_point())
 
         with self.watchdog.phase(step, "checkpoint save"):
-            self.checkpoints.save_ring(self.engine, step, self.shared_state(), self.run_meta, to_delete)
+            shared = self.shared_state()
+            self.checkpoints.save_ring(self.engine, step, shared, self.checkpoint_meta(shared), to_delete)
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> TrainResult:
@@ -290,7 +319,7 @@ class Trainer:
         if self.mixer is not None:
             self.follow_stage(self.mixer.stage_index())
         self.stability.new_step()
-        lr = lr_at(step, self.cfg.optim, self.total_steps)
+        lr = scheduled_lr(step, self.cfg.optim, self.lengths)
         if self.mixer is not None:
             lr = self.mixer.lr(lr, self.cfg.optim.min_lr)
         lr *= self.stability.lr_factor(step)

@@ -8,7 +8,7 @@ reads as plain training logic and DeepSpeed's quirks are handled here once (docs
 - `train_engine.py`: `TrainEngine`, the facade over DeepSpeed's engine, and `build_model` (ZeRO-3 init);
 - `distributed.py`: `DistInfo`, process groups (NCCL/gloo, tensor parallelism), small collectives;
 - `ds_config.py`: DeepSpeed's JSON config rendered from ayumi's;
-- `optimizer.py`: the AdamW DeepSpeed wraps (an update can be withheld), parameter groups, LR schedules;
+- `optimizer.py`: the AdamW DeepSpeed wraps (an update can be withheld), parameter groups;
 - `grad_accum.py`: fp32 gradient accumulation where DeepSpeed does not do it;
 - `precision.py`: `deepspeed.precision=auto` resolved for the hardware;
 - `host_memory.py`: allocator settings for CPU training;

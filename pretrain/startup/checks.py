@@ -30,30 +30,33 @@ from typing import Any, Callable
 
 from curriculum.plan import DATA_ERRORS
 from data.manifest import MANIFEST_NAME, ManifestError, check_manifest_tokenizer, load_manifest
-from omegaconf import OmegaConf
 
-from pretrain.config import AyumiConfig, ConfigError, check_config, checked_config, composed_from_args
+from pretrain.config import AyumiConfig, ConfigError, check_config
 from pretrain.model.hf_import import padded_vocab
+from pretrain.startup.resume import Settled, settle
 from tokenizer.info import TokenizerNotFoundError
 
 
 def config_before_launch(args: list[str], check_files: bool = True) -> AyumiConfig | None:
-    """The training config of a command that plans or starts ranks, checked by check_before_launch; None once
-    `--cfg job` has printed it.
+    """The training config of a command that plans or starts ranks (settled_before_launch); None once `--cfg job`
+    has printed it. Raises ConfigError."""
+    settled = settled_before_launch(args, check_files)
+    return None if settled.printed else settled.cfg
 
-    `--cfg job` prints the resolved config (what was asked) and then refuses what `ayumi train` would, files
-    included. `check_files=False` keeps to the config's own rules (check_config): a dry run, whose files may live
-    on the cluster, and the ranks, which read those files themselves. Raises ConfigError.
+
+def settled_before_launch(args: list[str], check_files: bool = True) -> Settled:
+    """The training config of a command that plans or starts ranks, its resume decided (pretrain/startup/resume.py)
+    and checked by check_before_launch.
+
+    `--cfg job` prints the resolved config (what was asked, the run's replayed overrides included) and then refuses
+    what `ayumi train` would, files included. `check_files=False` keeps to the config's own rules (check_config): a
+    dry run, whose files may live on the cluster, and the ranks, which read those files themselves. Raises
+    ConfigError.
     """
-    composed, print_cfg = composed_from_args(args)
-    if print_cfg:
-        print(OmegaConf.to_yaml(composed, resolve=True), end="", flush=True)
-        check_before_launch(checked_config(composed))
-        return None
-    cfg = checked_config(composed)
-    if check_files:
-        check_before_launch(cfg)
-    return cfg
+    settled = settle(args)
+    if check_files or settled.printed:
+        check_before_launch(settled.cfg)
+    return settled
 
 
 def check_before_launch(cfg: AyumiConfig) -> None:

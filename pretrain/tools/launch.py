@@ -203,14 +203,20 @@ def main(argv: list[str]) -> int:
         CHECKED_BY_LAUNCHER_ENV, EXIT_CONFIG_ERROR, ConfigError, data_parallel_grad_accum, data_parallel_size,
         default_run_notice, print_config_error,
     )
-    from pretrain.startup.checks import config_before_launch
+    from pretrain.startup.checks import settled_before_launch
 
     args, overrides = parse_args(argv)
     try:
-        # Types, ranges, names, stages, and (unless a dry run: they may live on the cluster) the data's vocabulary
-        # and the task files (pretrain/startup/checks.py); no torch or DeepSpeed import
-        cfg = config_before_launch(overrides, check_files=not args.dry_run)
-        if cfg is None:  # --cfg job: printed, nothing started
+        # Types, ranges, names, stages, what a resume changes (pretrain/startup/resume.py), and (unless a dry run: they
+        # may live on the cluster) the data's vocabulary and the task files (pretrain/startup/checks.py); no torch or
+        # DeepSpeed import
+        settled = settled_before_launch(overrides, check_files=not args.dry_run)
+        if settled.printed:  # --cfg job: printed, nothing started
+            return 0
+        cfg, overrides = settled.cfg, settled.overrides  # the ranks get the run's replayed overrides too
+        for line in settled.resume.lines() if settled.resume else []:
+            print(f"{PROG}: {line}", flush=True)
+        if settled.resume and settled.resume.complete:
             return 0
         gpus = gpu_count()
         nproc = args.nproc or (gpus if gpus else 2)

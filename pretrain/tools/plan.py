@@ -49,18 +49,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{USAGE}\n\n{training_config_help()}")
         return 0
     from pretrain.config import print_config_error
-    from pretrain.startup.checks import config_before_launch
+    from pretrain.startup.checks import settled_before_launch
     from pretrain.model.flops import count_parameters
 
     try:
         rest, options = parse_args(argv)
-        # The same checks as `ayumi train` before it starts a rank: ranges, names, shapes, stages, vocabulary, tasks
-        cfg = config_before_launch(rest)
+        # The same checks as `ayumi train` before it starts a rank: ranges, names, shapes, stages, what a resume
+        # changes, vocabulary, tasks
+        settled = settled_before_launch(rest)
     except ValueError as err:  # a bad option, or a ConfigError (a ValueError too)
         print_config_error("ayumi plan", err)
         return BAD_INPUT
-    if cfg is None:  # --cfg job printed the resolved config
+    if settled.printed:  # --cfg job printed the resolved config
         return DONE
+    cfg = settled.cfg
+    for line in settled.resume.lines() if settled.resume else []:
+        print(f"ayumi plan: {line}")
     free = options.get("free_bytes")
     run = run_plan(cfg, count_parameters(cfg.model), planned_hardware(cfg), tokens_per_s=options.get("tokens_per_s"),
                    free_bytes=int(free) if free is not None else None)

@@ -32,9 +32,13 @@ EVENT_STYLE: dict[str, tuple[str, str]] = {
     "stage_switch": ("|", "tab:blue"),
     "domain_repetition": ("d", "tab:cyan"),
     "signal_stop": ("P", "black"),
+    "config_change": ("D", "tab:olive"),
 }
 # Events drawn on the loss/optimizer panels too (the others live in the event lane only).
 ALARM_EVENTS = ("spike", "rollback", "skip_update", "loss_scale_reset")
+LINE_EVENTS = (*ALARM_EVENTS, "config_change")
+"""Events marked by a faint vertical line on every panel: the alarms, and a resume that changed the config (an
+extended run's LR curve shows where its length changed)."""
 
 
 # -- numbers ----------------------------------------------------------------------------------------
@@ -159,9 +163,9 @@ def draw_stages(ax, stages: list[Stage], label: bool) -> None:
 
 
 def draw_alarm_lines(ax, events: list[dict[str, Any]]) -> None:
-    """Faint vertical lines at spikes, rollbacks, skipped updates and scale resets."""
+    """Faint vertical lines at spikes, rollbacks, skipped updates, scale resets and config changes."""
     for event in events:
-        if event.get("event") in ALARM_EVENTS:
+        if event.get("event") in LINE_EVENTS:
             _, color = EVENT_STYLE[event["event"]]
             ax.axvline(float(event.get("tokens", 0)), color=color, linewidth=0.8,
                        alpha=0.2 if event["_abandoned"] else 0.45)

@@ -17,6 +17,9 @@ import numpy as np
 from pretrain.metrics import EVAL_CURVE_FILE, EVENTS_FILE, METRICS_FILE, format_count, format_duration
 from pretrain.tools.report.eval_curve import CurvePoint, EvalCurve, eval_curve_plot_name, newer_checkpoints
 from pretrain.tools.report.plots import downstream_plot_name
+from pretrain.startup.record import HISTORY, read_history
+from pretrain.startup.record import timeline as timeline_of_versions
+from pretrain.startup.resume import short
 from pretrain.tools.report.timeline import (CONFIG_FILE, JsonlFile, Stage, Timeline, downstream_metrics,
                                             is_train_record, lengths_differ)
 LAST_N = 10  # "mean of the last N logged values" in the loss table: one step alone is noisy
@@ -200,10 +203,27 @@ def eval_curve_blocks(run_dir: Path, curve: EvalCurve | None) -> list[Block]:
     return blocks
 
 
+def config_history_blocks(run_dir: Path) -> list[Block]:
+    """Which config trained which steps, when the run's config changed on a resume (nothing when it never did)."""
+    versions = timeline_of_versions(read_history(run_dir))
+    if len(versions) < 2:
+        return []
+    rows = []
+    for version, following in zip(versions, [*versions[1:], None]):
+        steps = f"{version.from_step + 1:,}–{following.from_step:,}" if following else f"{version.from_step + 1:,}–"
+        changed = "; ".join(f"{c['key']}: {short(c['was'])} → {short(c['now'])}" for c in version.changes)
+        rows.append([steps, version.written, changed or "(the run's start)"])
+    return [("h2", "Config history"),
+            ("p", f"Each resume that changed the config added a version to `{HISTORY}`; the steps each trained:"),
+            ("table", (["steps", "recorded", "changed on resume"], rows))]
+
+
 def file_rows(run_dir: Path) -> list[list[str]]:
     rows = []
     for name, what in ((METRICS_FILE, "one JSON object per log step / eval"), (EVENTS_FILE, "events, one per line"),
-                       (CONFIG_FILE, "the resolved config"), ("deepspeed_config.json", "the DeepSpeed JSON used"),
+                       (CONFIG_FILE, "the resolved config"),
+                       (HISTORY, "each version of the config and the step it trained from (append-only)"),
+                       ("deepspeed_config.json", "the DeepSpeed JSON used"),
                        (EVAL_CURVE_FILE, "each checkpoint's downstream scores (`ayumi eval RUN_DIR --all`)")):
         path = run_dir / name
         if path.exists():
@@ -248,6 +268,7 @@ def summary_blocks(run_dir: Path, config: dict[str, Any], timeline: Timeline, ev
                                + ([str(s.seq_len or "")] if lengths else []) for s in stages]))]
     blocks += downstream_blocks(timeline)
     blocks += eval_curve_blocks(run_dir, curve)
+    blocks += config_history_blocks(run_dir)
     blocks += [("h2", "Optimizer"), ("img", ("optim.png", "learning rate, grad norm, loss scale")),
                ("h2", "Throughput"), ("img", ("throughput.png", "tokens per second and step time")),
                ("h2", "Events"), *event_blocks(events, max_events),

@@ -1,4 +1,4 @@
-"""LR schedules (pure functions of the step) and AdamW parameter groups."""
+"""LR schedules (pure functions of the step: pretrain/plan/lr_schedule.py) and AdamW parameter groups."""
 import math
 
 import pytest
@@ -6,7 +6,8 @@ import pytest
 from pretrain.config import OptimConfig
 from pretrain.model.config import ModelConfig
 from pretrain.model.llama import Llama
-from pretrain.engine.optimizer import lr_at, param_groups
+from pretrain.engine.optimizer import param_groups
+from pretrain.plan.lr_schedule import lr_at
 
 
 def cfg(**kw):

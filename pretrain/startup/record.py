@@ -1,0 +1,121 @@
+"""The run's config record: which config trained which steps, kept append-only.
+
+    RUN_DIR/config.yaml               the config the run trains with now (resolved; what export and eval read)
+    RUN_DIR/config_history.jsonl      one line per version: the step it trains from, the command line's overrides,
+                                      the differences from the version before and the whole resolved config
+
+A version is added only once every check before training has passed (pretrain.train.build_trainer, rank 0), and
+only when the config differs from the last one; a refused start writes nothing. Lines are only ever appended: a
+resume from a checkpoint older than a recorded version supersedes it in the timeline (`timeline`), and the line
+stays. Imports no torch.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONFIG = "config.yaml"
+HISTORY = "config_history.jsonl"
+
+
+@dataclass
+class ConfigVersion:
+    """One version of the run's config."""
+
+    from_step: int
+    """The first step this version trained (0 for the run's start; the resume step after a change)."""
+    config: dict[str, Any]
+    """The whole resolved config, as the ranks hold it (paths absolute)."""
+    overrides: list[str] = field(default_factory=list)
+    """The command line's overrides that composed it (a resume replays those it leaves out)."""
+    changes: list[dict[str, Any]] = field(default_factory=list)
+    """The differences from the version before: {key, was, now, kind} (pretrain/startup/resume.py)."""
+    written: str = ""
+    """When it was recorded (local time)."""
+
+
+def absolute_paths(cfg: Any) -> None:
+    """The run dir, the checkpoint dir and the data root made absolute, in place: every rank of a job, and every
+    later resume, names the same folders whatever its working directory."""
+    cfg.run_dir = str(Path(cfg.run_dir).resolve())
+    cfg.checkpoint.dir = str(Path(cfg.checkpoint.dir).resolve())
+    cfg.data.root = str(Path(cfg.data.root).resolve())
+
+
+def resolved_config(cfg: Any) -> dict[str, Any]:
+    """The whole config as recorded: plain values, interpolations resolved, the run's folders absolute."""
+    import copy
+
+    from omegaconf import OmegaConf
+
+    held = copy.deepcopy(cfg)
+    absolute_paths(held)
+    return OmegaConf.to_container(OmegaConf.structured(held), resolve=True)
+
+
+def read_history(run_dir: str | Path) -> list[ConfigVersion]:
+    """Every version in the order written; a line cut by a crash is skipped."""
+    path = Path(run_dir) / HISTORY
+    if not path.is_file():
+        return []
+    versions = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            versions.append(ConfigVersion(**json.loads(line)))
+        except (json.JSONDecodeError, TypeError):
+            continue
+    return versions
+
+
+def timeline(versions: list[ConfigVersion]) -> list[ConfigVersion]:
+    """The versions the run's present timeline holds, by first step: a version recorded at a resume from an older
+    checkpoint supersedes those recorded from a later step (that future was abandoned)."""
+    kept: list[ConfigVersion] = []
+    for version in versions:
+        kept = [old for old in kept if old.from_step < version.from_step] + [version]
+    return kept
+
+
+def last_version(run_dir: str | Path) -> ConfigVersion | None:
+    """The version the run trained with last: the history's newest, else (a run recorded before the history
+    existed) its config.yaml with no overrides known; None for a run never started."""
+    versions = read_history(run_dir)
+    if versions:
+        return versions[-1]
+    path = Path(run_dir) / CONFIG
+    if path.is_file():
+        try:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except yaml.YAMLError:
+            return None
+        return ConfigVersion(0, loaded) if isinstance(loaded, dict) else None
+    return None
+
+
+def config_for_step(run_dir: str | Path, step: int) -> ConfigVersion | None:
+    """The version that trained step `step` (1-based, as the progress line and the events count), or None."""
+    found = None
+    for version in timeline(read_history(run_dir)):
+        if version.from_step < max(step, 1):
+            found = version
+    return found
+
+
+def commit(run_dir: str | Path, version: ConfigVersion, config_yaml: str) -> None:
+    """Append `version` to the history (fsynced), then replace config.yaml with `config_yaml` atomically."""
+    from common.files import write_text_atomic
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    version.written = version.written or time.strftime("%Y-%m-%dT%H:%M:%S")
+    with open(run_dir / HISTORY, "a", encoding="utf-8") as out:
+        out.write(json.dumps(asdict(version), default=str) + "\n")
+        out.flush()
+        os.fsync(out.fileno())
+    write_text_atomic(run_dir / CONFIG, config_yaml)
