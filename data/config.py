@@ -74,7 +74,8 @@ class DomainConfig:
     val_fraction: float = 0.0
     """Share of documents held out for validation, chosen by content hash (stable when files are added)."""
     val_count: int = 0
-    """Instead of val_fraction: hold out the N documents with the smallest content hashes (not stable when files are added)."""
+    """Instead of val_fraction: hold out the N documents with the smallest content hashes (not stable when files are
+    added); > 0 makes val_fraction 0, whatever the preset sets. Suits a small corpus, where a fraction holds out none."""
     shard_max_mb: float = 256.0
     """Size cap of one shard's .bin in MiB; a document is never split, so one longer document makes a bigger shard."""
     clean: CleanConfig = field(default_factory=CleanConfig)
@@ -149,7 +150,7 @@ def domain_config(name: str, node: Any, where: str = "data.domains") -> DomainCo
     """
     try:
         merged = OmegaConf.merge(OmegaConf.structured(DomainConfig), node if node is not None else {})
-        return OmegaConf.to_object(merged)
+        domain = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         full_key = getattr(err, "full_key", None) or ""
         key = f"{where}.{name}{'.' + full_key if full_key else ''}"
@@ -157,6 +158,10 @@ def domain_config(name: str, node: Any, where: str = "data.domains") -> DomainCo
         fix = f"set it, e.g. {key}=['/data/{name}/*.jsonl']" if "Missing mandatory" in message \
             else "see the fields of DomainConfig / CleanConfig in data/config.py"
         raise ConfigError(f"{key}: {message}. Fix: {fix}.") from None
+    if domain.val_count > 0:
+        # val_count replaces the fraction a preset sets (data=ja_en: 0.001), so setting it alone is enough.
+        domain.val_fraction = 0.0
+    return domain
 
 
 def prepare_config(cfg: Any, tokenizer_required: bool = True) -> DataPrepareConfig:

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from data.integrity import check_domain_record, open_listed_shards, wants_checksum
-from data.manifest import load_manifest
+from data.manifest import ManifestError, load_manifest
 from data.packed import BlendedSamples, EodAppended, LongDocuments, PackedSamples
 from data.shards import ShardFormatError
 
@@ -78,7 +78,7 @@ def open_run_data(root: str | Path, names: list[str] | None, seq_len: int, vocab
     manifest = load_manifest(root)
     chosen = select_domains(manifest, root, names)
     records = {name: manifest["domains"][name] for name in chosen}
-    val_names = [name for name in chosen if validation and "val" in records[name]["splits"]]
+    val_names = validation_domains(records, validation)
     checksum = wants_checksum(verify, [(records[n], "train") for n in chosen] + [(records[n], "val") for n in val_names])
     for name, record in records.items():
         check_domain_record(root, name, record)
@@ -91,3 +91,34 @@ def open_run_data(root: str | Path, names: list[str] | None, seq_len: int, vocab
         if len(samples):
             val[name] = samples
     return manifest, train, val
+
+
+def validation_domains(records: dict[str, dict], validation: bool = True) -> list[str]:
+    """The domains (of `records`, the manifest's) a run computes a validation loss on: those with a val split,
+    none when data.validation is off."""
+    return [name for name, record in records.items() if validation and "val" in record["splits"]]
+
+
+def validation_notice(root: str | Path, names: list[str] | None, validation: bool = True) -> str | None:
+    """One line when a run on `root` (its domains `names`; empty: all) has no validation loss, or has it for some
+    domains only; None when every domain has one, or when the root cannot be read (other checks say why).
+
+    For `ayumi plan` and `ayumi train` to say before the run what would otherwise only show as a missing curve:
+    a small corpus prepared with a fraction (data=ja_en: val_fraction=0.001) holds out no document at all."""
+    try:
+        manifest = load_manifest(root)
+        records = {name: manifest["domains"][name] for name in select_domains(manifest, Path(root), names)}
+    except (ManifestError, ShardFormatError, OSError, ValueError, KeyError):
+        return None
+    if not validation:
+        return "no validation loss: data.validation=false"
+    with_val = validation_domains(records)
+    without = [name for name in records if name not in with_val]
+    if not without:
+        return None
+    fix = ("to get one, prepare the data again with data.domains.NAME.val_count=N (N documents held out per domain; "
+           "a val_fraction holds out none of a small corpus)")
+    if not with_val:
+        return f"no validation loss: no domain of {root} has a validation split ({', '.join(without)}); {fix}"
+    return (f"validation loss on {', '.join(with_val)} only: {', '.join(without)} of {root} has no validation split; "
+            f"{fix}")

@@ -115,6 +115,8 @@ def test_the_own_corpus_path_runs_verbatim(tmp_path):
     manifest = json.loads((shards / "manifest.json").read_text())
     assert set(manifest["domains"]) == {"ja", "en"}, manifest.keys()
     assert manifest["tokenizer"]["sha256"] == meta["sha256"]
+    # a validation split in every domain (issue 48, papercut 3: data=ja_en's 0.1% held out none of this corpus)
+    assert all(record["splits"]["val"]["docs"] > 0 for record in manifest["domains"].values())
 
     assert "plan ok" in outputs["plan"]
     # model.vocab_size is not on the lines: it follows the tokenizer, padded to 128, as the section says the plan shows
@@ -127,6 +129,7 @@ def test_the_own_corpus_path_runs_verbatim(tmp_path):
     steps = [r["step"] for r in read_jsonl(run / "metrics.jsonl") if "train/loss" in r]
     tokens = int(option(commands, "ayumi train", "train.tokens"))
     assert steps and steps[-1] == tokens // (8 * 64)  # cpu_tiny: global batch 8 x 64 tokens
+    assert any("val/loss" in r for r in read_jsonl(run / "metrics.jsonl"))  # the run has its validation loss
     assert yaml.safe_load((run / "config.yaml").read_text())["model"]["vocab_size"] == padded  # the number, not 0
     latest = (run / "checkpoints" / "latest").read_text().strip()
     assert (run / "checkpoints" / latest / "ayumi.json").exists()

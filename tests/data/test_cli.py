@@ -136,3 +136,31 @@ def test_a_misspelt_key_gets_one_line_with_did_you_mean(capsys):
         preset = [] if override.startswith("data=") else ["data=tiny"]
         assert ayumi(["data", "prepare", *preset, override, "--cfg", "job"]) == BAD_INPUT
         assert capsys.readouterr().err.splitlines() == [line]
+
+
+def test_val_count_alone_holds_out_documents_and_a_run_without_them_is_named(tmp_path, tokenizer_dir, en_texts, capsys):
+    """Issue 48, papercut 3: data=ja_en's val_fraction=0.001 holds out none of a small corpus, and
+    data.domains.NAME.val_count=N was refused ("not both") unless the fraction was also set to 0. val_count alone now
+    works; validation_notice (for `ayumi plan` and `ayumi train`) says when a run would have no validation loss."""
+    from data.domains import validation_notice
+
+    write_jsonl(tmp_path / "en" / "a.jsonl", en_texts[:60])
+    rotations = [JA_PARAGRAPHS[i:] + JA_PARAGRAPHS[:i] for i in range(len(JA_PARAGRAPHS))]
+    write_jsonl(tmp_path / "ja" / "a.jsonl", ["".join(paragraphs) for paragraphs in rotations])  # past min_chars
+    common = ["data", "prepare", "data=ja_en", f"tokenizer_dir={tokenizer_dir}", "workers=0", "progress=false",
+              f"data.domains.en.inputs=['{tmp_path}/en/*.jsonl']", f"data.domains.ja.inputs=['{tmp_path}/ja/*.jsonl']"]
+    roots = {}
+    for name, extra in {"none": [], "en": ["data.domains.en.val_count=5"],
+                        "both": ["data.domains.en.val_count=5", "data.domains.ja.val_count=2"]}.items():
+        roots[name] = tmp_path / name
+        assert ayumi([*common, f"data.root={roots[name]}", *extra]) == 0, capsys.readouterr().err
+    splits = json.loads((roots["en"] / MANIFEST_NAME).read_text())["domains"]["en"]["splits"]
+    assert splits["val"]["docs"] == 5
+    fix = "to get one, prepare the data again with data.domains.NAME.val_count=N"
+    none = validation_notice(roots["none"], [])
+    assert none.startswith(f"no validation loss: no domain of {roots['none']} has a validation split (en, ja); {fix}")
+    assert validation_notice(roots["en"], []).startswith(
+        f"validation loss on en only: ja of {roots['en']} has no validation split; {fix}")
+    assert validation_notice(roots["en"], ["en"]) is None  # a run on en alone has its validation loss
+    assert validation_notice(roots["both"], []) is None
+    assert validation_notice(roots["both"], [], validation=False) == "no validation loss: data.validation=false"

@@ -65,7 +65,6 @@ def test_missing_tokenizer_dir_is_named():
 
 @pytest.mark.parametrize("overrides, message", [
     (["data.domains.en.inputs=[]"], "data.domains.en.inputs is empty"),
-    (["data.domains.en.val_fraction=0.1", "data.domains.en.val_count=5"], "not both"),
     (["data.domains.en.val_fraction=1.5"], "val_fraction"),
     (["data.domains.en.clean.normalize=NFD"], "normalize"),
     (["data.domains.en.clean.dedup=fuzzy"], r"data\.domains\.en\.clean\.dedup='fuzzy' is not one of exact, normalized, off"),
@@ -82,6 +81,18 @@ def test_cross_checks(overrides, message):
 def test_cfg_job_prints_resolved_config_with_defaults():
     text = resolved_yaml(compose(["tokenizer_dir=/t", "data.root=/r/${data.name}"]))
     assert "root: /r/tiny" in text and "max_symbol_share: 1.0" in text and "tokenizer_dir: /t" in text
+
+
+def test_val_count_alone_replaces_the_presets_fraction():
+    """Issue 48, papercut 3: data=ja_en holds out val_fraction=0.001, none of a small corpus; data.domains.ja.val_count=20
+    was refused ("set val_fraction or val_count, not both") until the fraction was also set to 0. val_count alone
+    now makes the fraction 0; the other domain keeps the preset's."""
+    cfg = prepare_config(compose(["data=ja_en", "tokenizer_dir=/t", "data.domains.ja.inputs=[a]",
+                                  "data.domains.en.inputs=[b]", "data.domains.ja.val_count=20"]))
+    check_prepare_config(cfg)
+    ja, en = cfg.data.domains["ja"], cfg.data.domains["en"]
+    assert (ja.val_count, ja.val_fraction) == (20, 0.0)
+    assert (en.val_count, en.val_fraction) == (0, 0.001)
 
 
 def test_new_typed_domain_from_command_line():
