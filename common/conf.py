@@ -31,26 +31,58 @@ class ConfigCompositionError(ValueError):
 
 
 def compose(config_name: str, overrides: Iterable[str], register: Callable[[], None], conf_dir: Path | None = None,
-            schema: type | None = None, root: str = "the config"):
+            schema: type | None = None, root: str = "the config", plain_entries: Mapping[str, str] | None = None):
     """conf/<config_name>.yaml with Hydra overrides, as a DictConfig: no output dir, no cwd change.
 
     `register` puts the command's structured schemas into Hydra's ConfigStore first. Raises
     ConfigCompositionError: given `schema` (the dataclass the composed config's top level is; `root`, how a
     message names that top level), one line for each usual mistake of the command line (every_problem: three
     typos are three lines, not one per rerun), else every message in Hydra's exception chain (the outer one often
-    lacks the key, the value or the reason).
+    lacks the key, the value or the reason). plain_entries: {a list of sections' key: the field a plain entry fills}
+    (entries_as_mappings).
     """
     register()
     conf_dir = Path(conf_dir or CONF_DIR)
     overrides, own = own_config_files(list(overrides), conf_dir)
+    overrides, entries = entries_as_mappings(overrides, plain_entries or {})
     try:
         return compose_once(config_name, overrides, conf_dir)
     except Exception as err:  # Hydra and OmegaConf raise many types; all are configuration errors here
         located = composition_problem(err, overrides, schema, root, conf_dir) if schema is not None else None
         if located is None:
-            raise ConfigCompositionError(as_typed(describe_error(err), own, conf_dir)) from err
+            raise ConfigCompositionError(as_typed(describe_error(err), own, conf_dir, entries)) from err
         problems = every_problem(config_name, overrides, located, schema, root, conf_dir)
-        raise ConfigCompositionError(as_typed("\n".join(problems), own, conf_dir)) from err
+        raise ConfigCompositionError(as_typed("\n".join(problems), own, conf_dir, entries)) from err
+
+
+def entries_as_mappings(overrides: list[str], plain_entries: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
+    """(the overrides with each plain entry of a listed key made a mapping, {override as rewritten: as typed}).
+
+    `eval.downstream.tasks=[{path:A,delimiter:""},B]` mixes a task given in full with one given by its file alone;
+    Hydra cannot merge a plain value into a list of sections, and its words were about a missing entry. With
+    plain_entries {"eval.downstream.tasks": "path"}, B becomes {path:B}, in Hydra's own grammar (quotes kept)."""
+    if not plain_entries:
+        return overrides, {}
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import Override
+    from hydra.errors import HydraException
+
+    parser, rewritten, typed = OverridesParser.create(), [], {}
+    for text in overrides:
+        try:
+            parsed = parser.parse_override(text)
+        except HydraException:  # Hydra says what is wrong with it when it composes
+            parsed = None
+        field = plain_entries.get(parsed.key_or_group) if parsed is not None and not parsed.is_delete() else None
+        value = getattr(parsed, "_value", None)  # as parsed, quotes kept: value() drops them ("" would be lost)
+        if field is None or not isinstance(value, list) or all(isinstance(entry, dict) for entry in value):
+            rewritten.append(text)
+            continue
+        entries = [entry if isinstance(entry, dict) else {field: entry} for entry in value]
+        new = f"{text.split('=', 1)[0]}={Override._get_value_element_as_str(entries)}"
+        rewritten.append(new)
+        typed[new] = text
+    return rewritten, typed
 
 
 # -- a group option given as the path of a YAML file of one's own (`curriculum=./my_cur.yaml`) --------------------
@@ -116,8 +148,12 @@ def store_own_file(group: str, path: Path, typed: str, conf_dir: Path) -> str:
     return name
 
 
-def as_typed(message: str, own: Mapping[str, tuple[str, str]], conf_dir: Path) -> str:
-    """A composition message with each own file's stored option name put back as the user typed it."""
+def as_typed(message: str, own: Mapping[str, tuple[str, str]], conf_dir: Path,
+             entries: Mapping[str, str] | None = None) -> str:
+    """A composition message with each own file's stored option name, and each override entries_as_mappings
+    rewrote, put back as the user typed it."""
+    for rewritten, typed in (entries or {}).items():
+        message = message.replace(rewritten, typed)
     for name, (group, typed) in own.items():
         path = typed.split("=", 1)[1]
         message = message.replace(f"{conf_label(conf_dir)}{group}/{name}.yaml", path)

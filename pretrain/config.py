@@ -381,6 +381,10 @@ def register_configs() -> None:
     ConfigStore.instance().store(name=SCHEMA_NAME, node=AyumiConfig)
 
 
+PLAIN_ENTRIES = {"eval.downstream.tasks": "path"}
+"""A task given by its file alone in a list of tasks on the command line (`[{path:A,delimiter:""},B]`) is {path:B}."""
+
+
 def compose_config(overrides: list[str] | tuple[str, ...] = (), config_name: str = "config") -> DictConfig:
     """Compose conf/<config_name>.yaml with Hydra overrides (no output dir, no cwd change).
 
@@ -388,7 +392,8 @@ def compose_config(overrides: list[str] | tuple[str, ...] = (), config_name: str
     Hydra's whole explanation.
     """
     try:
-        return compose(config_name, overrides, register_configs, conf_dir=CONF_DIR, schema=AyumiConfig)
+        return compose(config_name, overrides, register_configs, conf_dir=CONF_DIR, schema=AyumiConfig,
+                       plain_entries=PLAIN_ENTRIES)
     except ConfigCompositionError as err:
         raise ConfigError(str(err)) from err
 

@@ -9,7 +9,8 @@ TARGET is
 
 key=value set eval.downstream's fields (`max_examples=50`, `prefix=none`, `batch_size=4`, ...) in Hydra's override
 grammar, as `ayumi train` reads them (`eval.downstream.` before a key is optional); `tasks=A,B` is a shorthand for
-task files with default settings, and `tasks=[{path:A,delimiter:""}]` the full form. Options may come before or
+task files with default settings, and `tasks=[{path:A,delimiter:""}]` the full form (`[{path:A,delimiter:""},B]`
+mixes them). Options may come before or
 after them. It prints a table (each metric with n and its standard error, as lm-evaluation-harness prints them)
 and writes JSON: with `--out FILE` there; else, for a run, `--all` writes the run's curve RUN_DIR/eval/downstream.json
 and one checkpoint writes beside it, RUN_DIR/eval/downstream.step_XXXXXXX.json, so it never replaces the curve.
@@ -78,7 +79,7 @@ def compose_settings(own: dict[str, Any], overrides: list[str]):
         base.tasks = [TaskConfig(path=path) for path in paths]
     try:
         composed = compose(EVAL_CONFIG, overrides, lambda: ConfigStore.instance().store(name=EVAL_CONFIG, node=base),
-                           schema=DownstreamConfig, root=SECTION.rstrip("."))
+                           schema=DownstreamConfig, root=SECTION.rstrip("."), plain_entries={"tasks": "path"})
         return OmegaConf.to_object(composed)
     except ConfigCompositionError as err:
         raise ValueError(str(err)) from None
