@@ -249,6 +249,9 @@ def build_tokenizer(
             log(f"[eval] merged/baseline total tokens: {comparison['total_tokens_ratio']:.4f} on the held-out text, "
                 f"{comparison['total_tokens_ratio_mix']:.4f} mixed in sample proportions; chars/token ratio per "
                 f"domain: {', '.join(f'{d} {r:.3f}' for d, r in comparison['chars_per_token_ratio'].items())}")
+        loss = merge_loss_line(cfg, results, samples)
+        if loss:
+            log(loss)
         log(f"[eval] HF ids identical to SentencePiece: "
             f"{all(r['mismatches'] == 0 for r in parity.values())} ({parity})")
 
@@ -261,6 +264,44 @@ def build_tokenizer(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+MERGE_LOSS_WARNING = 0.05
+"""The merged model is said to lose when its chars/token, overall or in a domain, is this much below the joint
+baseline's (docs/tokenizer.md: the presets stay within 1.5% of it on real text)."""
+
+
+def merge_loss_line(cfg: TokenizerConfig, results: dict, samples: dict[str, DomainSample]) -> str | None:
+    """A warning line when the merged model compresses the held-out text more than MERGE_LOSS_WARNING worse than
+    the joint baseline the build trained (chars/token, overall or in a domain), naming the knob that helps; None
+    when it does not, or when there is no baseline (tokenizer.evaluate.baseline=false)."""
+    if "merged" not in results or "joint_baseline" not in results:
+        return None
+    merged, joint = results["merged"], results["joint_baseline"]
+    ratios = {"all": merged["all"]["chars_per_token"] / max(1e-9, joint["all"]["chars_per_token"])}
+    ratios |= {d: m["chars_per_token"] / max(1e-9, joint["domains"][d]["chars_per_token"])
+               for d, m in merged["domains"].items()}
+    losing = {name: ratio for name, ratio in ratios.items() if ratio < 1 - MERGE_LOSS_WARNING}
+    if not losing:
+        return None
+    worst = min(losing.values())
+    return (f"[eval] WARNING: the merged tokenizer compresses {100 * (1 - worst):.1f}% worse than the joint baseline "
+            f"this build trained (merged/baseline chars per token: "
+            f"{', '.join(f'{name} {ratio:.3f}' for name, ratio in losing.items())}). {merge_knob(cfg, samples)}")
+
+
+def merge_knob(cfg: TokenizerConfig, samples: dict[str, DomainSample]) -> str:
+    """The setting that helps a merge that loses to the joint baseline, by what held it back."""
+    total = sum(sample.train_bytes for sample in samples.values())
+    merge = cfg.merge
+    if merge.em_sample_bytes < total:  # the EM re-estimated the pieces on part of the text the baseline learnt on
+        return (f"Fix: raise tokenizer.merge.em_sample_bytes to {total} or more: the merge's EM read "
+                f"{merge.em_sample_bytes:,} of the samples' {total:,} bytes.")
+    if merge.share_weight > 0:  # a trade chosen on purpose: the configured shares over the text's proportions
+        return (f"Fix: lower tokenizer.merge.share_weight (now {merge.share_weight}; 0 weighs the domains as the "
+                "joint model does).")
+    return (f"Fix: raise tokenizer.merge.pool_factor (now {merge.pool_factor}): each domain model then proposes "
+            "more candidate pieces to the merge.")
 
 
 def _meta(cfg, proto, model_path, samples, shares, timings, parity, comparison) -> dict:
