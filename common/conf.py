@@ -111,6 +111,17 @@ def own_config_files(overrides: list[str], conf_dir: Path) -> tuple[list[str], d
     return rewritten, own
 
 
+def absolute_file_overrides(overrides: list[str], conf_dir: Path | None = None) -> list[str]:
+    """The overrides with each own file's path made absolute (`curriculum=./my_cur.yaml` -> `curriculum=/abs/
+    my_cur.yaml`): the form to record, so a replay from another folder composes the same file."""
+    conf_dir = Path(conf_dir or CONF_DIR)
+    absolute = []
+    for text in overrides:
+        prefix, group, value = _group_file_override(text, conf_dir)
+        absolute.append(text if value is None else f"{prefix}{group}={Path(value).resolve()}")
+    return absolute
+
+
 def _group_file_override(text: str, conf_dir: Path) -> tuple[str, str, str | None]:
     """(Hydra's prefix, the group, the file path) of `GROUP=PATH.yaml` where GROUP is a folder of conf_dir; the
     path is None for every other override (a key, an option name, a deletion)."""

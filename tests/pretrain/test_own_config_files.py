@@ -16,6 +16,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
+from common.conf import absolute_file_overrides
 from pretrain.config import ConfigError, compose_config, composed_from_args
 from tests.helpers import REPO, tiny_overrides, write_tiny_corpus
 
@@ -90,3 +91,16 @@ def test_plan_and_train_cfg_job_read_the_file_from_the_users_folder(tmp_path):
     assert job.returncode == 0, job.stderr[-2000:]
     curriculum = yaml.safe_load(job.stdout)["curriculum"]
     assert curriculum["name"] == "mine" and [s["name"] for s in curriculum["stages"]] == ["ja_heavy", "en_heavy"]
+
+
+def test_the_recorded_form_of_a_file_override_composes_from_another_folder(tmp_path, monkeypatch):
+    """A run's record replays its overrides on resume: recorded absolute, the file is found from any folder."""
+    (tmp_path / "elsewhere").mkdir()
+    own_curriculum(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    typed = ["experiment=cpu_tiny", "curriculum=./my_cur.yaml", "optim.lr=0.001"]
+    recorded = absolute_file_overrides(typed)
+    assert recorded == ["experiment=cpu_tiny", f"curriculum={tmp_path / 'my_cur.yaml'}", "optim.lr=0.001"]
+    expected = curriculum_of(compose_config(typed))
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert curriculum_of(compose_config(recorded)) == expected
