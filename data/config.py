@@ -75,7 +75,7 @@ class DomainConfig:
     """Share of documents held out for validation, chosen by content hash (stable when files are added)."""
     val_count: int = 0
     """Instead of val_fraction: hold out the N documents with the smallest content hashes (not stable when files are
-    added); > 0 makes val_fraction 0, whatever the preset sets. Suits a small corpus, where a fraction holds out none."""
+    added); > 0 makes val_fraction 0, whatever the preset sets. Suits a small corpus (a fraction holds out none)."""
     shard_max_mb: float = 256.0
     """Size cap of one shard's .bin in MiB; a document is never split, so one longer document makes a bigger shard."""
     clean: CleanConfig = field(default_factory=CleanConfig)

@@ -84,8 +84,8 @@ def test_cfg_job_prints_resolved_config_with_defaults():
 
 
 def test_val_count_alone_replaces_the_presets_fraction():
-    """Issue 48, papercut 3: data=ja_en holds out val_fraction=0.001, none of a small corpus; data.domains.ja.val_count=20
-    was refused ("set val_fraction or val_count, not both") until the fraction was also set to 0. val_count alone
+    """Issue 48, papercut 3: data=ja_en holds out val_fraction=0.001, none of a small corpus;
+    data.domains.ja.val_count=20 was refused ("set val_fraction or val_count, not both") until the fraction was also set to 0. val_count alone
     now makes the fraction 0; the other domain keeps the preset's."""
     cfg = prepare_config(compose(["data=ja_en", "tokenizer_dir=/t", "data.domains.ja.inputs=[a]",
                                   "data.domains.en.inputs=[b]", "data.domains.ja.val_count=20"]))

@@ -35,4 +35,5 @@ def test_a_mistake_in_a_mixed_list_is_named_as_typed():
     typed = 'eval.downstream.tasks=[{path:a.jsonl,delimitr:""},b.jsonl]'
     with pytest.raises(ConfigError) as raised:
         compose_config(["experiment=cpu_tiny", typed])
-    assert str(raised.value) == f"{typed}: an entry of eval.downstream.tasks has no key 'delimitr'; did you mean delimiter?"
+    assert str(raised.value) == (f"{typed}: an entry of eval.downstream.tasks has no key 'delimitr'; "
+                                 "did you mean delimiter?")
