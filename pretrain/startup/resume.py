@@ -31,6 +31,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from common.conf import absolute_file_overrides
+
 from pretrain.checkpoint.layout import META, latest_tag
 from pretrain.config import AyumiConfig, ConfigError, checked_config, composed_from_args, split_cli_args, total_steps
 from pretrain.plan.lr_schedule import (
@@ -49,7 +51,7 @@ RULES: dict[str, str] = {
     "model.restart_positions": "future", "model.fp8": "future", "model.fp8_emulate": "future",
     "optim": "future", "optim.lr": "lr", "optim.min_lr": "lr", "optim.schedule": "lr", "optim.warmup_steps": "lr",
     "optim.wsd_decay_fraction": "lr",
-    "deepspeed": "harmless", "deepspeed.precision": "future", "deepspeed.initial_scale_power": "future",
+    "deepspeed": "harmless", "deepspeed.zero_stage": "past", "deepspeed.precision": "future", "deepspeed.initial_scale_power": "future",
     "deepspeed.loss_scale_window": "future", "deepspeed.hysteresis": "future", "deepspeed.min_loss_scale": "future",
     "deepspeed.bf16_skip_nonfinite": "future", "deepspeed.grad_accum_dtype": "future",
     "parallel": "harmless",
@@ -62,7 +64,11 @@ RULES: dict[str, str] = {
     "curriculum": "future", "curriculum.name": "harmless", "curriculum.domains": "past",
     "eval": "future", "eval.downstream.interval": "harmless",
 }
-"""Config key (or prefix) -> its kind on resume; `lr`: judged by the LR it gives each step (`lr_changes`)."""
+"""Config key (or prefix) -> its kind on resume; `lr`: judged by the LR it gives each step (`resolve_lr_kind`)."""
+
+WHY_PAST = {"deepspeed.zero_stage": "the checkpoint's optimizer state is laid out for its ZeRO stage (another number "
+                                    "of ranks, or parallel.tensor, may change; the stage may not)"}
+"""Why a refused key is refused, where the general reason would mislead."""
 
 NOT_REPLAYED = ("resume", "checkpoint.load_from", "checkpoint.resume", "train.max_steps", "stability.inject",
                 "hang.inject_delay_s", "hang.inject_rank", "checkpoint.inject_write_delay_s")
@@ -148,6 +154,7 @@ def settle(args: list[str]) -> Settled:
     """The training config of `args` (Hydra overrides, --cfg job) with its resume decided; raises ConfigError with
     one line per refused difference. `--cfg job` prints the config the run would train with (replays included)."""
     overrides, print_cfg = split_cli_args(args)
+    overrides = absolute_file_overrides(overrides)  # `curriculum=./mine.yaml`: the same file for ranks and replays
     composed, cfg = compose_checked(overrides, print_cfg)
     point = resume_point(cfg)
     if point is None:
@@ -235,7 +242,7 @@ def decide(cfg: AyumiConfig, tag_dir: Path, meta: dict, recorded: dict | None, t
     accepted = cfg.resume.accept
     unacknowledged = [change for change in changes if change.kind == "ack" and not acknowledged(change.key, accepted)]
     if unacknowledged:
-        raise ConfigError("\n".join(unacknowledged_line(change, step) for change in unacknowledged))
+        raise ConfigError("\n".join(unacknowledged_line(change, cfg, step) for change in unacknowledged))
     decision.changes = changes
     decision.lengths = history_as_record(with_length(history, cfg.optim, step, total_steps(cfg.train)))
     return decision
@@ -276,7 +283,7 @@ def differences(old: dict, new: dict, started: int) -> list[Change]:
             continue
         was, now = comparable(key, old_flat.get(key)), comparable(key, new_flat.get(key))
         if was != now:
-            changes.append(Change(key, old_flat.get(key), new_flat.get(key), kind_of(key)))
+            changes.append(Change(key, old_flat.get(key), new_flat.get(key), kind_of(key), WHY_PAST.get(key, "")))
     return changes + stage_changes(old_flat.get("curriculum.stages") or [], new_flat.get("curriculum.stages") or [],
                                    started)
 
@@ -389,10 +396,10 @@ def acknowledged(key: str, accepted: list[str]) -> bool:
     return any(base == name or base.startswith(name + ".") for name in accepted)
 
 
-def unacknowledged_line(change: Change, step: int) -> str:
+def unacknowledged_line(change: Change, cfg: AyumiConfig, step: int) -> str:
     base = change.key.split(" ", 1)[0]
     accept = "curriculum.stages" if base.startswith("curriculum.stages.") else base
-    return (f"resume at step {step:,}: {change.shown()} changes the LR or the data stream from step {step + 1:,} on. "
+    return (f"resume of {cfg.run_dir} at step {step:,}: {change.shown()} changes the LR or the data stream from step {step + 1:,} on. "
             f"Fix: add resume.accept=[{accept}] to accept it, or restore the run's value")
 
 

@@ -203,6 +203,7 @@ def main(argv: list[str]) -> int:
         CHECKED_BY_LAUNCHER_ENV, EXIT_CONFIG_ERROR, ConfigError, data_parallel_grad_accum, data_parallel_size,
         default_run_notice, print_config_error,
     )
+    from data.domains import validation_notice
     from pretrain.startup.checks import settled_before_launch
 
     args, overrides = parse_args(argv)
@@ -235,6 +236,9 @@ def main(argv: list[str]) -> int:
     notice = default_run_notice(PROG, overrides, cfg)
     if notice:
         print(notice, file=sys.stderr, flush=True)
+    no_validation = None if args.dry_run else validation_notice(cfg.data.root, cfg.data.domains, cfg.data.validation)
+    if no_validation:
+        print(f"{PROG}: {no_validation}", flush=True)
     launcher = args.launcher if args.launcher != "auto" else ("deepspeed" if gpus else "torchrun")
     if nproc == 1 and args.launcher == "auto":
         launcher = "python"

@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{USAGE}\n\n{training_config_help()}")
         return 0
     from pretrain.config import print_config_error
+    from data.domains import validation_notice
     from pretrain.startup.checks import settled_before_launch
     from pretrain.model.flops import count_parameters
 
@@ -65,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = settled.cfg
     for line in settled.resume.lines() if settled.resume else []:
         print(f"ayumi plan: {line}")
+    no_validation = validation_notice(cfg.data.root, cfg.data.domains, cfg.data.validation)
+    if no_validation:
+        print(f"ayumi plan: {no_validation}")
     free = options.get("free_bytes")
     run = run_plan(cfg, count_parameters(cfg.model), planned_hardware(cfg), tokens_per_s=options.get("tokens_per_s"),
                    free_bytes=int(free) if free is not None else None)
