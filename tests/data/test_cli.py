@@ -164,3 +164,8 @@ def test_val_count_alone_holds_out_documents_and_a_run_without_them_is_named(tmp
     assert validation_notice(roots["en"], ["en"]) is None  # a run on en alone has its validation loss
     assert validation_notice(roots["both"], []) is None
     assert validation_notice(roots["both"], [], validation=False) == "no validation loss: data.validation=false"
+    capsys.readouterr()
+    plan = ["plan", "experiment=cpu_tiny", f"data.root={roots['none']}", f"data.tokenizer_dir={tokenizer_dir}",
+            f"run_root={tmp_path / 'runs'}", "logging=none"]
+    assert ayumi(plan) in (0, 1)  # ok or refused (the tiny run reads this corpus many times): said either way
+    assert f"ayumi plan: {none}" in capsys.readouterr().out.splitlines()
