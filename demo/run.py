@@ -141,18 +141,20 @@ def hydra_quote(text: str) -> str:
     return "'" + text.replace("'", "\\'") + "'"
 
 
-def show_plan(overrides: list[str]) -> None:
+def show_plan(overrides: list[str], run_dir: Path) -> None:
     from pretrain.tools.plan import main as plan_main
 
-    check(plan_main(overrides), "ayumi plan")
-
-
-def train(overrides: list[str], run_dir: Path) -> None:
-    from pretrain.tools.launch import main as launch_main
-
+    # The demo trains afresh each time: a previous demo run is replaced before the plan, which would otherwise plan
+    # its resume.
     if run_dir.exists():
         print(f"replacing the previous demo run in {run_dir}")
         shutil.rmtree(run_dir)
+    check(plan_main(overrides), "ayumi plan")
+
+
+def train(overrides: list[str]) -> None:
+    from pretrain.tools.launch import main as launch_main
+
     check(launch_main(overrides), "training")
 
 
@@ -247,9 +249,9 @@ def main_demo(argv: list[str]) -> int:
             cloze_tasks = build_cloze(files, tokenizer_dir, heldout_dir)
         overrides = training_overrides(shards, tokenizer_dir, runs, cloze_tasks)
         with Stage(4, 6, "the plan: stages, repetition, steps, disk"):
-            show_plan(overrides)
+            show_plan(overrides, run_dir)
         with Stage(5, 6, "training: 4-stage curriculum, one injected spike, DeepSpeed"):
-            train(overrides, run_dir)
+            train(overrides)
         with Stage(6, 6, "run report"):
             report(run_dir)
     except DemoError as err:

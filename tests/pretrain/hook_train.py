@@ -28,8 +28,8 @@ class RecordingHook(StepHook):
 _build = train.build_trainer
 
 
-def build_with_hook(cfg, dist, resolved, watchdog=None):
-    trainer, logger = _build(cfg, dist, resolved, watchdog)
+def build_with_hook(cfg, dist, resolved, watchdog=None, settled=None):
+    trainer, logger = _build(cfg, dist, resolved, watchdog, settled)
     trainer.hooks.append(RecordingHook(Path(cfg.run_dir) / f"hook_calls_rank{dist.rank}.json"))
     return trainer, logger
 
