@@ -242,11 +242,11 @@ def record_config(cfg: AyumiConfig, resolved: dict, overrides: list[str], step: 
                   decision: ResumeDecision | None, logger: NullLogger, tokens: int) -> None:
     """A new version of the run's config on record when it differs from the last (pretrain/startup/record.py), and
     a resume's accepted changes as a `config_change` event (events.jsonl, W&B, the report)."""
-    from pretrain.startup.record import last_version
+    from pretrain.startup.record import is_new_version, last_version
 
     previous = last_version(cfg.run_dir)
     changes = decision.recorded() if decision else []
-    if previous is None or previous.config != resolved or previous.overrides != overrides:
+    if is_new_version(previous, resolved, overrides):
         commit(cfg.run_dir, ConfigVersion(step, resolved, overrides, changes), config_as_yaml(OmegaConf.create(resolved)))
     if changes:
         listed = "; ".join(change.shown() for change in decision.changes)

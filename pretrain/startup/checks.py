@@ -4,6 +4,9 @@
 `config_before_launch`, so what the ranks would refuse after torchrun has started is refused there, with the same
 line and exit status 2 (common/status.py):
 
+- what a resume means (pretrain/startup/resume.py, first: it answers from the run's record alone): the run's own
+  overrides replayed, the past refused, a change of the LR or the data stream ahead refused unless acknowledged,
+  "already complete";
 - the config's own rules (pretrain.config.check_config): ranges, names, model shapes, and each curriculum stage's
   length and RoPE (pretrain/stages.py);
 - the vocabulary: the data root was made by the run's tokenizer, and model.vocab_size has a row for every id in it

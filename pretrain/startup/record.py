@@ -23,6 +23,36 @@ import yaml
 CONFIG = "config.yaml"
 HISTORY = "config_history.jsonl"
 
+SESSION_KEYS = ("resume", "checkpoint.load_from", "checkpoint.resume", "train.max_steps", "stability.inject",
+                "hang.inject_delay_s", "hang.inject_rank", "checkpoint.inject_write_delay_s")
+"""Settings of one session, not of the run: this command's acknowledgement, where this session stops, a fire drill,
+how a run starts (another run's checkpoint). A resume never replays them, and they never make a new version."""
+
+
+def session_only(key: str) -> bool:
+    """Whether the config key (or an override's key) `key` is one session's (SESSION_KEYS)."""
+    return any(key == name or key.startswith(name + ".") for name in SESSION_KEYS)
+
+
+def run_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` without its session settings: what makes two versions of the run differ."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if session_only(key):
+            continue
+        if isinstance(value, dict):
+            nested = {f"{key}.{inner}": v for inner, v in value.items()}
+            kept = run_settings(nested)
+            out[key] = {name.split(".", 1)[1]: v for name, v in kept.items()}
+        else:
+            out[key] = value
+    return out
+
+
+def run_overrides(overrides: list[str]) -> list[str]:
+    """The overrides that are the run's (a session's own left out)."""
+    return [override for override in overrides if not session_only(override.split("=", 1)[0].lstrip("+~"))]
+
 
 @dataclass
 class ConfigVersion:
@@ -33,7 +63,8 @@ class ConfigVersion:
     config: dict[str, Any]
     """The whole resolved config, as the ranks hold it (paths absolute)."""
     overrides: list[str] = field(default_factory=list)
-    """The command line's overrides that composed it (a resume replays those it leaves out)."""
+    """The command line's overrides that composed it (a resume replays those it leaves out; a session's own are
+    recorded, never replayed)."""
     changes: list[dict[str, Any]] = field(default_factory=list)
     """The differences from the version before: {key, was, now, kind} (pretrain/startup/resume.py)."""
     written: str = ""
@@ -105,6 +136,12 @@ def config_for_step(run_dir: str | Path, step: int) -> ConfigVersion | None:
         if version.from_step < max(step, 1):
             found = version
     return found
+
+
+def is_new_version(previous: ConfigVersion | None, config: dict[str, Any], overrides: list[str]) -> bool:
+    """Whether `config` composed from `overrides` differs from `previous` in anything but a session's settings."""
+    return previous is None or run_settings(previous.config) != run_settings(config) or \
+        run_overrides(previous.overrides) != run_overrides(overrides)
 
 
 def commit(run_dir: str | Path, version: ConfigVersion, config_yaml: str) -> None:

@@ -8,7 +8,7 @@ overrides (pretrain/startup/record.py). From those, `settle`:
 1. **replays what the command line left out.** An override the run was started with and this command line does not
    name again (`curriculum=mine`, `data.root=/corpus`) is taken from the run, and said in one line: a resume never
    falls back to a default without a word;
-2. **sorts every difference** between the run's config and this one (`KINDS`):
+2. **sorts every difference** (a session's own settings aside: record.SESSION_KEYS) between the run's config and this one (`KINDS`):
    - `past`: it would make the trained steps not what the config says (a begun stage, the model's shape, the data,
      the tokenizer, the seed, the LR of a trained step): refused, one line each with both values and the fix;
    - `ack`: it changes the LR or the data stream from the resume step on (train.tokens, a stage not yet begun, the
@@ -38,7 +38,7 @@ from pretrain.config import AyumiConfig, ConfigError, checked_config, composed_f
 from pretrain.plan.lr_schedule import (
     LengthHistory, history_as_record, history_from_record, scheduled_lr, with_length,
 )
-from pretrain.startup.record import last_version, resolved_config
+from pretrain.startup.record import last_version, resolved_config, session_only
 
 KINDS = ("past", "ack", "future", "harmless")
 """How a difference between the run's config and a resume's is treated (the module doc says what each means)."""
@@ -69,12 +69,6 @@ RULES: dict[str, str] = {
 WHY_PAST = {"deepspeed.zero_stage": "the checkpoint's optimizer state is laid out for its ZeRO stage (another number "
                                     "of ranks, or parallel.tensor, may change; the stage may not)"}
 """Why a refused key is refused, where the general reason would mislead."""
-
-NOT_REPLAYED = ("resume", "checkpoint.load_from", "checkpoint.resume", "train.max_steps", "stability.inject",
-                "hang.inject_delay_s", "hang.inject_rank", "checkpoint.inject_write_delay_s")
-"""Overrides a resume never takes from the run's command line: they belong to one session, not to the run (this
-command's acknowledgement, where this session stops, a fire drill), or say how a run starts (another run's
-checkpoint) rather than what it is."""
 
 PATH_KEYS = ("run_dir", "checkpoint.dir", "data.root")
 """Recorded as absolute paths (the ranks resolve them): compared the same way."""
@@ -208,11 +202,6 @@ def resume_point(cfg: AyumiConfig) -> tuple[Path, dict] | None:
 def override_key(override: str) -> str:
     """`+a.b=1` -> `a.b`; `~a` -> `a`."""
     return override.split("=", 1)[0].lstrip("+~")
-
-
-def session_only(key: str) -> bool:
-    """Whether `key` belongs to one session (NOT_REPLAYED): never replayed, and not a change of the run."""
-    return any(key == name or key.startswith(name + ".") for name in NOT_REPLAYED)
 
 
 def left_out(recorded: list[str], given: list[str]) -> list[str]:

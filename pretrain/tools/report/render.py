@@ -212,7 +212,8 @@ def config_history_blocks(run_dir: Path) -> list[Block]:
     for version, following in zip(versions, [*versions[1:], None]):
         steps = f"{version.from_step + 1:,}–{following.from_step:,}" if following else f"{version.from_step + 1:,}–"
         changed = "; ".join(f"{c['key']}: {short(c['was'])} → {short(c['now'])}" for c in version.changes)
-        rows.append([steps, version.written, changed or "(the run's start)"])
+        rows.append([steps, version.written, changed or ("(the run's start)" if version.from_step == 0 else
+                                                          "(its command line's overrides)")])
     return [("h2", "Config history"),
             ("p", f"Each resume that changed the config added a version to `{HISTORY}`; the steps each trained:"),
             ("table", (["steps", "recorded", "changed on resume"], rows))]
