@@ -78,7 +78,7 @@ from pretrain.startup.checks import (
     check_fp8, check_vocabulary, load_tokenizer_identity, read_downstream_tasks, settled_before_launch,
 )
 from pretrain.startup.record import ConfigVersion, absolute_paths, commit, resolved_config
-from pretrain.startup.resume import ResumeDecision, Settled
+from pretrain.startup.resume import ResumeDecision, Settled, data_identity
 from pretrain.metrics import MetricsLogger, NullLogger
 from pretrain.model.flops import count_parameters
 from pretrain.model.fp8 import convert_to_fp8
@@ -227,7 +227,8 @@ def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict, watchdog: Ha
     run_meta = {"name": cfg.name, "model": asdict(cfg.model), "world_size": dist.world_size,
                 "tensor_parallel": dist.tensor_parallel, "sequence_parallel": dist.sequence_parallel,
                 "zero_stage": cfg.deepspeed.zero_stage, "precision": cfg.deepspeed.precision,
-                "precision_reason": precision.reason, **tokenizer, "config": resolved}
+                "precision_reason": precision.reason, **tokenizer, "config": resolved,
+                "data": data_identity(cfg.data.root)}
     trainer = Trainer(cfg, dist, engine, loader, val_sets, logger, checkpointer, total_steps(cfg.train), run_meta,
                       watchdog=watchdog, downstream=downstream)
     decision = settled.resume if settled and resume_step is not None else None

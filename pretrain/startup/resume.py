@@ -220,7 +220,8 @@ def decide(cfg: AyumiConfig, tag_dir: Path, meta: dict, recorded: dict | None, t
     old = recorded if isinstance(recorded, dict) else new  # a checkpoint from before the record: nothing to compare
     old_cfg = config_of(old) or cfg
     history = history_from_record(meta.get("lengths"), total_steps(old_cfg.train))
-    changes = differences(old, new, started_stages(meta, old_cfg, step))
+    begun = started_stages(meta, old_cfg, step)
+    changes = differences(old, new, begun) + data_changes(meta.get("data"), old_cfg, begun, cfg.data.root)
     changes = [resolve_lr_kind(change, old_cfg, cfg, history, step) for change in changes]
     refusals = [refusal(change, cfg, step) for change in changes if change.kind == "past"]
     if refusals:
@@ -320,6 +321,43 @@ def started_stages(meta: dict, old: AyumiConfig, step: int) -> int:
             break
         begun, start = begun + 1, start + stage.tokens
     return begun
+
+
+def data_identity(root: str) -> dict[str, str]:
+    """{domain: what its training split holds} of a data root: each train shard's name, size and checksum (from the
+    manifest: nothing is read but it); {} when the root has no readable manifest. Recorded in each checkpoint
+    (ayumi.json: data), so a resume notices data changed under the run at the same path."""
+    import hashlib
+
+    from data.manifest import load_manifest
+
+    try:
+        domains = load_manifest(root)["domains"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    identity = {}
+    for name, record in domains.items():
+        shards = (record.get("splits") or {}).get("train", {}).get("shards", [])
+        held = [[s.get("name"), s.get("docs"), s.get("tokens"), s.get("sha256")] for s in shards]
+        identity[name] = hashlib.sha256(json.dumps([record.get("fingerprint"), held]).encode()).hexdigest()[:16]
+    return identity
+
+
+def data_changes(recorded: dict | None, old: AyumiConfig, begun: int, root: str) -> list[Change]:
+    """A domain the run has trained on whose training data changed (or is gone) since: past. Domains only a stage
+    not yet begun reads may change; without a record (an older checkpoint) the ranks' own check stands."""
+    if not recorded:
+        return []
+    current = data_identity(root)
+    if not current:
+        return []  # no readable manifest: the data checks say why
+    stages = old.curriculum.stages
+    used = {name for stage in stages[:begun] for name, weight in stage.weights.items() if weight} if stages \
+        else set(old.data.domains or recorded)
+    return [Change(f"data.root's domain {name!r}", "the shards trained on",
+                   "missing" if name not in current else "other shards", "past",
+                   f"its training data in {root} changed since the run trained on it (the manifest's shard records "
+                   "differ)") for name in sorted(used) if name in recorded and current.get(name) != recorded[name]]
 
 
 def config_of(recorded: dict) -> AyumiConfig | None:

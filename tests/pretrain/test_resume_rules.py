@@ -8,7 +8,7 @@ import pytest
 
 from pretrain.config import ConfigError
 from pretrain.startup.record import ConfigVersion, commit, resolved_config
-from pretrain.startup.resume import settle
+from pretrain.startup.resume import data_identity, settle
 from tests.helpers import tiny_overrides
 
 STEP = 40
@@ -25,7 +25,7 @@ def run(corpus, tmp_path):
     tag = tmp_path / "runs" / "cpu_tiny" / "checkpoints" / "step_0000040"
     tag.mkdir(parents=True)
     (tag / "ayumi.json").write_text(json.dumps({"step": STEP, "config": resolved, "lengths": [[0, 128, False]],
-                                                "started_stages": 0}))
+                                                "started_stages": 0, "data": data_identity(corpus)}))
     return tiny_overrides(corpus, tmp_path / "runs")
 
 
@@ -68,3 +68,17 @@ def test_a_change_of_the_lr_ahead_needs_an_acknowledgement(run):
         settle([*run, "optim.wsd_decay_fraction=0.3"])
     settled = settle([*run, "optim.wsd_decay_fraction=0.3", "resume.accept=[optim]"])
     assert [(c.key, c.kind) for c in settled.resume.changes] == [("optim.wsd_decay_fraction", "ack")]
+
+
+def test_data_changed_under_the_run_at_the_same_path_is_refused(run, corpus, tmp_path):
+    """The checkpoint records what each domain's training split held; the root at the same path now holds other
+    shards for `ja` (prepared again, say): the resume is refused before launch, naming the domain."""
+    meta_path = tmp_path / "runs" / "cpu_tiny" / "checkpoints" / "step_0000040" / "ayumi.json"
+    meta = json.loads(meta_path.read_text())
+    assert set(meta["data"]) == {"ja", "en"} and settle(run).resume.changes == []
+    meta["data"]["ja"] = "0" * 16  # what the run trained on is not what the root holds now
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ConfigError) as refused:
+        settle(run)
+    assert str(refused.value).startswith(f"resume of {tmp_path / 'runs' / 'cpu_tiny'} at step 40: data.root's domain "
+                                         f"'ja' was the shards trained on, now other shards: its training data in {corpus} changed")
