@@ -120,14 +120,15 @@ def test_a_refused_resume_changes_nothing_and_is_answered_before_launch(corpus, 
     """Edits of the past (a begun stage, the model's shape, the LR of trained steps) are refused by `ayumi train` and
     `ayumi plan` alike, one line each, before any rank starts, every file of the run and the data as it was; so is a
     resume with nothing to do (exit 0). Before, each was a rank's refusal after ~20 s, and config.yaml had been
-    rewritten with the refused config."""
+    rewritten with the refused config (the begun stage's new weights: checked on the code before this change)."""
     run_dir = tmp_path / "runs" / "cpu_tiny"
     base = tiny_overrides(corpus, tmp_path / "runs", "curriculum=tiny", "checkpoint.interval=0")
     ok(ayumi("train", *base, "train.max_steps=40"))
     before = files_of(run_dir, corpus)
     edits = {  # the override: (the key the refusal names, its values and why)
-        "curriculum.stages.0.tokens=20000": ("curriculum.stages.0 ('ja_heavy')", "was {\"tokens\": 24000}, now "
-                                             "{\"tokens\": 20000}: a stage the run has begun"),
+        "curriculum.stages.0.weights.ja=0.5": ("curriculum.stages.0 ('ja_heavy')", "was {\"weights\": {\"ja\": 0.8, "
+                                               "\"en\": 0.2}}, now {\"weights\": {\"ja\": 0.5, \"en\": 0.2}}: a "
+                                               "stage the run has begun"),
         "model.hidden_size=128": ("model.hidden_size", "was 64, now 128: the trained steps would no longer be what "
                                   "the config says"),
         "optim.lr=0.001": ("optim.lr", "was 0.003, now 0.001: the LR of trained step 1 would change from 0.0003 to "
