@@ -416,6 +416,31 @@ def _placeholder(key: str) -> str:
     return "PATH" if leaf.endswith(("_from", "_path", "_file", "root")) else "VALUE"
 
 
+class PlantedInterpolation(ValueError):
+    """A config read back from a run (config.yaml, a checkpoint's record, the config history) holds `${...}`."""
+
+
+def plain_config(data: Any, where: str, key: str = "") -> Any:
+    """`data` (a config read back from a file: dicts, lists, scalars) unchanged, once no string in it holds an
+    interpolation; PlantedInterpolation naming `where` and the key otherwise.
+
+    ayumi records configs resolved, so a `${...}` there was written by someone else: resolving it would run
+    OmegaConf's resolvers on their behalf (`${oc.env:SECRET}` copies the environment into the run's outputs)."""
+    if isinstance(data, dict):
+        for name, value in data.items():
+            plain_config(value, where, f"{key}.{name}" if key else str(name))
+    elif isinstance(data, list):
+        for index, value in enumerate(data):
+            plain_config(value, where, f"{key}[{index}]")
+    elif isinstance(data, str) and "${" in data:
+        shown = data if len(data) <= 60 else data[:57] + "..."
+        raise PlantedInterpolation(
+            f"{where}: {key or 'a value'} holds an interpolation ({shown!r}); ayumi records configs resolved and "
+            "resolves nothing read back from a run. Fix: write the value itself there, or take the run from a "
+            "source you trust")
+    return data
+
+
 # -- help: every `ayumi` command answers -h/--help alike, and says which config it reads ----------
 
 HELP_FLAGS = ("-h", "--help")

@@ -250,7 +250,7 @@ class HFWeights:
         if index.is_file():
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
             for file in sorted(set(weight_map.values())):
-                self.shapes.update(safetensors_shapes(self.folder / file))
+                self.shapes.update(safetensors_shapes(self._inside(index, file)))
             return {name: self.folder / file for name, file in weight_map.items()}
         single = self.folder / SAFETENSORS_FILE
         if single.is_file():
@@ -260,6 +260,18 @@ class HFWeights:
         hint = (f" (it has {', '.join(other[:3])}: save it with safe_serialization=True, e.g. "
                 "`LlamaForCausalLM.from_pretrained(PATH).save_pretrained(NEW)`)") if other else ""
         raise HFImportError(f"model.init_from={self.folder}: no {SAFETENSORS_FILE} or {SAFETENSORS_INDEX}{hint}")
+
+    def _inside(self, index: Path, file: object) -> Path:
+        """The shard `file` that `index` names, once it is a plain name inside the folder (no absolute name, no `..`,
+        no link leading out): an index could otherwise have any safetensors of this machine read as the model."""
+        resolved_folder = self.folder.resolve()
+        path = self.folder / file if isinstance(file, str) else None
+        if path is None or Path(file).is_absolute() or ".." in Path(file).parts or \
+                not path.resolve().is_relative_to(resolved_folder):
+            raise HFImportError(f"{index}: weight_map names {file!r}, outside {self.folder}: an index may name only "
+                                "files inside its folder (no absolute names, no '..', no links leading out). Fix: "
+                                "take the folder from a source you trust, or save it again with save_pretrained")
+        return path
 
     def check(self, shapes: dict[str, tuple[int, ...]], tied: bool, grown_vocab: bool = False) -> None:
         """Every parameter the model needs is there with its shape (a tied lm_head may be absent; with

@@ -115,18 +115,36 @@ def timeline(versions: list[ConfigVersion]) -> list[ConfigVersion]:
 
 def last_version(run_dir: str | Path) -> ConfigVersion | None:
     """The version the run trained with last: the history's newest, else (a run recorded before the history
-    existed) its config.yaml with no overrides known; None for a run never started."""
+    existed) its config.yaml with no overrides known; None for a run never started. A resume replays its overrides
+    and compares its config, so a `${...}` in either (never recorded by ayumi, which records them resolved) is
+    refused: ConfigError naming the file and the key."""
     versions = read_history(run_dir)
     if versions:
-        return versions[-1]
+        return plain_version(versions[-1], Path(run_dir) / HISTORY)
     path = Path(run_dir) / CONFIG
     if path.is_file():
         try:
             loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
         except yaml.YAMLError:
             return None
-        return ConfigVersion(0, loaded) if isinstance(loaded, dict) else None
+        return plain_version(ConfigVersion(0, loaded), path) if isinstance(loaded, dict) else None
     return None
+
+
+def plain_version(version: ConfigVersion, path: Path) -> ConfigVersion:
+    """`version` (read from `path`) once neither its config nor its overrides hold an interpolation; ConfigError
+    otherwise (a planted `${oc.env:...}` would be resolved by the resume's composition)."""
+    from common.conf import PlantedInterpolation, plain_config
+    from pretrain.config import ConfigError
+
+    try:
+        plain_config(version.config, str(path), "config")
+        for override in version.overrides:
+            plain_config(override, str(path),
+                         f"override {override.split('=', 1)[0]} (name it on the command line to give it yourself)")
+    except PlantedInterpolation as err:
+        raise ConfigError(str(err)) from None
+    return version
 
 
 def config_for_step(run_dir: str | Path, step: int) -> ConfigVersion | None:

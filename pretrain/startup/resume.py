@@ -361,9 +361,16 @@ def data_changes(recorded: dict | None, old: AyumiConfig, begun: int, root: str)
 
 
 def config_of(recorded: dict) -> AyumiConfig | None:
-    """A recorded config as dataclasses (None when it does not fit today's schema)."""
+    """A recorded config as dataclasses (None when it does not fit today's schema). ConfigError when a value holds
+    `${...}`: a run records its config resolved, and merging would resolve what someone else planted there."""
     from omegaconf.errors import OmegaConfBaseException
 
+    from common.conf import PlantedInterpolation, plain_config
+
+    try:
+        plain_config(recorded, "the config recorded with the checkpoint (its ayumi.json, else RUN_DIR/config.yaml)")
+    except PlantedInterpolation as err:
+        raise ConfigError(str(err)) from None
     try:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(AyumiConfig), recorded))
     except (OmegaConfBaseException, ValueError, TypeError):

@@ -149,7 +149,8 @@ print(json.dumps({"version": deepspeed.__version__, "accelerator": accelerator._
 def deepspeed_facts() -> dict:
     """{"version", "accelerator", "ops": {name: {compatible, prebuilt}}} or {"error": why}."""
     try:
-        result = subprocess.run([sys.executable, "-c", _DEEPSPEED_PROBE], capture_output=True, text=True,
+        # -P: `-c` would put the working folder first on the import path, where a deepspeed/ or json.py would win.
+        result = subprocess.run([sys.executable, "-P", "-c", _DEEPSPEED_PROBE], capture_output=True, text=True,
                                 timeout=DEEPSPEED_PROBE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return {"error": f"importing deepspeed took over {DEEPSPEED_PROBE_TIMEOUT_S} s"}

@@ -119,15 +119,25 @@ def _sets_tasks(override: str) -> bool:
 
 
 def run_config_downstream(run_dir: Path) -> dict[str, Any]:
-    """The run's own eval.downstream (RUN_DIR/config.yaml), or {} when it has none."""
-    from omegaconf import OmegaConf
+    """The run's own eval.downstream (RUN_DIR/config.yaml), or {} when it has none. Read as plain YAML and refused
+    (PlantedInterpolation, a ValueError) when a value holds `${...}`: the run records it resolved, and composing
+    would resolve what someone else wrote there."""
+    import yaml
+
+    from common.conf import plain_config
 
     path = run_dir / "config.yaml"
     if not path.is_file():
         return {}
-    run_cfg = OmegaConf.load(path)
-    section = OmegaConf.select(run_cfg, "eval.downstream")
-    return OmegaConf.to_container(section, resolve=False) if section is not None else {}
+    try:
+        run_cfg = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        raise ValueError(f"{path} is not valid YAML: {str(err).splitlines()[0]}") from None
+    evals = run_cfg.get("eval") if isinstance(run_cfg, dict) else None
+    section = evals.get("downstream") if isinstance(evals, dict) else None
+    if not isinstance(section, dict):
+        return {}
+    return plain_config(section, str(path), "eval.downstream")
 
 
 def settings_for(target: Path, overrides: list[str]):
@@ -174,7 +184,9 @@ def load_checkpoint_model(path: Path, dtype: torch.dtype, device: torch.device, 
               file=sys.stderr)
     model = Llama(model_cfg, init_weights=False)
     _load_weights(model, state)
-    tok = tokenizer_dir or extra.get("tokenizer_dir")
+    from pretrain.checkpoint.recorded import recorded_tokenizer
+
+    tok = tokenizer_dir or recorded_tokenizer(path, extra.get("tokenizer_dir"))  # a recorded path: inside the run only
     if not tok:
         raise ValueError(f"{path} records no tokenizer: give --tokenizer-dir")
     return model.to(device, dtype).eval(), load_declared_tokenizer(tok), step_of(path.name)

@@ -209,28 +209,31 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     from pretrain.checkpoint.checkpointer import (  # here: --help stays fast
-        CheckpointCorrupt, CheckpointError, load_for_export,
+        CheckpointCorrupt, CheckpointError, load_for_export, resolve_checkpoint,
     )
+    from pretrain.checkpoint.recorded import RecordedPathOutside, recorded_tokenizer
 
     try:
         state_dict, cfg, extra = load_for_export(args.checkpoint)
+        # A recorded tokenizer is copied only from inside the run: ayumi.json could name any folder of this machine.
+        tokenizer_dir = args.tokenizer_dir or recorded_tokenizer(Path(*resolve_checkpoint(args.checkpoint)),
+                                                                 extra.get("tokenizer_dir"))
         out = export_hf(
             state_dict, cfg, args.out_dir,
             bos_id=extra.get("bos_id"), eos_id=extra.get("eos_id"), pad_id=extra.get("pad_id"),
-            tokenizer_dir=args.tokenizer_dir or extra.get("tokenizer_dir"),
+            tokenizer_dir=tokenizer_dir,
             dtype=DTYPES[args.dtype], overwrite=args.overwrite,
         )
     except CheckpointCorrupt as err:  # the run may hold an intact older one: say which, and how to export it
         print(f"ayumi export hf: {err}. Fix: {older_checkpoint_fix(err.tag_dir, args)}", file=sys.stderr)
         return BAD_INPUT
-    except (ExportError, CheckpointError, FileNotFoundError) as err:
+    except (ExportError, CheckpointError, RecordedPathOutside, FileNotFoundError) as err:
         # Bad input (a folder that holds no checkpoint, an OUT_DIR in the way): one line, exit 2.
         print(f"ayumi export hf: {err}", file=sys.stderr)
         return BAD_INPUT
     if not extra.get("verified"):
         print(f"note: {args.checkpoint} records no checksums (saved before ayumi recorded them): exported without "
               "verifying its files", file=sys.stderr)
-    has_tokenizer = args.tokenizer_dir or extra.get("tokenizer_dir")
-    tokenizer_note = "" if has_tokenizer else " (no tokenizer: none recorded or given)"
+    tokenizer_note = "" if tokenizer_dir else " (no tokenizer: none recorded or given)"
     print(f"wrote {out}: {cfg.name}, {count_parameters(cfg):,} parameters, {args.dtype}{tokenizer_note}")
     return 0

@@ -110,7 +110,8 @@ def launch_env(gpus: int) -> dict[str, str]:
     env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_GRACE_S))
     # The ranks run `python -m pretrain.train` in the user's folder, which Python would put first on the import path:
     # a folder there named tokenizer/, data/ or pretrain/ (a tokenizer output, say) would hide ayumi's own package.
-    env.setdefault("PYTHONSAFEPATH", "1")
+    # Set, not defaulted: an empty PYTHONSAFEPATH (a shell's `export PYTHONSAFEPATH=`) means off to Python.
+    env["PYTHONSAFEPATH"] = "1"
     return env
 
 
