@@ -1,29 +1,38 @@
-"""torch files read without running code: every pickle checked before it is read, then read with `weights_only=True`.
+"""torch files read without running code or changing the process: every pickle checked before it is read, then read
+with `weights_only=True`.
 
 A `.pt` file is a zip whose `data.pkl` is a pickle, and unpickling calls whatever functions the pickle names: a file
 that someone else could write runs code as whoever loads it. Checksums do not help (whoever writes a file can write
 its checksum too). Two gates, both closed unless a file passes:
 
-- `unsafe_globals(path, allowed)`: a static look at the pickle (`pickletools` lists its opcodes and runs nothing).
-  Every opcode must be one that torch's weights-only unpickler knows, every global one of TENSOR_GLOBALS or
-  `allowed`. It needs no torch, so `ayumi checkpoint verify` checks files with it, and the checkpointer checks a whole
-  folder with it (ranks sharing the files) before any rank reads one;
+- `unsafe_globals(path, allowed)`: a static look at the pickle (`pickletools` lists its opcodes and runs nothing),
+  taken from the file through torch's own zip reader, so that it is the record torch.load would unpickle: a file
+  that is not a zip archive (torch would read it as a legacy pickle stream), or that has not exactly one
+  `data.pkl` record (torch matches that name whatever its case), is refused. Every opcode must be one of OPCODES,
+  every global one of TENSOR_GLOBALS or `allowed`, and each global used only as USES says (called, made new,
+  given state once); BUILD applies only to an object the pickle has just made. The checkpointer checks a whole
+  folder with it (ranks sharing the files) before any rank reads one, and `ayumi checkpoint verify` with it;
 - `load(path, allowed)`: the same check, then `torch.load(weights_only=True)` with exactly `allowed` on torch's own
   allow-list (`torch.serialization.safe_globals`) for this one load. Third-party readers that pass
   `weights_only=False` themselves (DeepSpeed's converters) run under `forced_weights_only`.
 
-Either gate refuses with UnsafeFile: one line naming the file and the names it holds beyond tensors and plain data.
+What torch's allow-list holds for DeepSpeed's objects is never their class but a stand-in (`constructor`): torch's
+unpickler applies BUILD to an allow-listed type with `__dict__.update`, which on an enum member would rewrite a
+singleton the whole process shares. The stand-ins make every object anew from plain values, so torch refuses a BUILD
+on anything else (the second gate for what the first already refuses).
+
+Either gate refuses with UnsafeFile: one line naming the file and what it holds beyond tensors and plain data.
 Nothing here ever loads with `weights_only=False`.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
+import pickle
 import pickletools
 import re
-import struct
-import zipfile
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -49,24 +58,43 @@ DEEPSPEED_GLOBALS = (
 )
 """The objects DeepSpeed 0.19 pickles into its ZeRO optimizer states beyond tensors (found in the files of every ZeRO
 stage and precision): the loss scaler (its attributes are numbers), the stage (an enum) and each parameter's place in
-the flat partition (a dataclass of two ints). Rebuilding them sets attributes or looks up an enum member; none runs
-code of the file's choosing."""
+the flat partition (a dataclass of two ints). torch's allow-list gets stand-ins for them (`constructor`): an enum
+member looked up by its int value, a new object given plain values; none runs code of the file's choosing, none
+changes an object that is not new."""
 
 OPCODES = frozenset([
     "PROTO", "STOP", "GLOBAL", "REDUCE", "NEWOBJ", "BUILD", "MARK", "APPEND", "APPENDS", "SETITEM", "SETITEMS",
-    "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "EMPTY_TUPLE", "EMPTY_LIST", "EMPTY_DICT", "EMPTY_SET", "NONE", "NEWTRUE",
-    "NEWFALSE", "BININT", "BININT1", "BININT2", "LONG1", "BINFLOAT", "BINUNICODE", "SHORT_BINSTRING", "BINPERSID",
-    "BINGET", "LONG_BINGET", "BINPUT", "LONG_BINPUT",
+    "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "EMPTY_TUPLE", "EMPTY_LIST", "EMPTY_DICT", "NONE", "NEWTRUE", "NEWFALSE",
+    "BININT", "BININT1", "BININT2", "LONG1", "BINFLOAT", "BINUNICODE", "BINPERSID", "BINGET", "LONG_BINGET", "BINPUT",
+    "LONG_BINPUT",
 ])
-"""The opcodes torch's weights-only unpickler reads (torch 2.6+); any other (INST, OBJ, STACK_GLOBAL, EXT*) names
-code by another route, and torch would refuse it too."""
+"""The opcodes of ayumi's and DeepSpeed's files (torch.save's protocol 2), all of which torch's weights-only unpickler
+reads. Any other is refused: INST, OBJ, STACK_GLOBAL, EXT* name code by another route (torch refuses them too), and
+the few more torch reads (EMPTY_SET, SHORT_BINSTRING) no checkpoint of ayumi's holds."""
+
+USES = {
+    "torch._utils._rebuild_tensor_v2": frozenset({"REDUCE"}),
+    "torch._tensor._rebuild_from_type_v2": frozenset({"REDUCE"}),
+    "torch.Size": frozenset({"REDUCE"}),
+    "_codecs.encode": frozenset({"REDUCE"}),
+    "collections.OrderedDict": frozenset({"REDUCE", "BUILD"}),  # a state dict's `_metadata`, set on the new dict
+    "deepspeed.runtime.zero.config.ZeroStageEnum": frozenset({"REDUCE"}),  # a member from its value; never BUILD
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler": frozenset({"NEWOBJ", "BUILD"}),
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler": frozenset({"NEWOBJ", "BUILD"}),
+    "deepspeed.utils.tensor_fragment.fragment_address": frozenset({"NEWOBJ", "BUILD"}),
+}
+"""How a pickle may use each global (as ayumi's and DeepSpeed's files do): call it (REDUCE), make a new instance
+(NEWOBJ), give what it made its state (BUILD, once, right after). Storages, dtypes and torch.Tensor are only ever
+arguments. A global a caller allows without an entry here (an older ayumi's NumPy arrays, for the --trust conversion)
+may be called and given state (LOOSE_USES)."""
+
+LOOSE_USES = frozenset({"REDUCE", "BUILD"})
 
 FORCE_ENV = {"TORCH_FORCE_WEIGHTS_ONLY_LOAD": "1"}
 """torch's switch that turns every torch.load of a process into a weights-only one, even where the caller passes
 `weights_only=False` (DeepSpeed's readers do)."""
 
 _PICKLE = "data.pkl"
-_LOCAL_HEADER = struct.Struct("<4s5H3I2H")  # a zip entry's local header (signature, ..., name and extra lengths)
 
 
 class UnsafeFile(ValueError):
@@ -85,32 +113,29 @@ def describe(path: Path | str, found: list[str]) -> str:
 
 
 def pickle_bytes(path: Path) -> bytes:
-    """The `data.pkl` record of a torch zip file, read from the zip's own offsets: ayumi's files carry no CRC32
-    (pretrain/checkpoint/integrity.py), which Python's zipfile would insist on. ValueError when the file is not a
-    torch zip holding exactly one pickle, stored uncompressed (what torch.save writes)."""
-    try:
-        with zipfile.ZipFile(path) as archive:
-            entries = [info for info in archive.infolist() if info.filename.rsplit("/", 1)[-1] == _PICKLE]
-    except (zipfile.BadZipFile, OSError) as err:
-        raise ValueError(f"not a torch zip file ({err})") from None
-    if len(entries) != 1 or entries[0].compress_type != zipfile.ZIP_STORED:
-        raise ValueError(f"not one stored {_PICKLE} but {len(entries)}")  # two could be read differently by torch
-    entry = entries[0]
+    """The pickle torch.load would unpickle from `path`, read through torch's own zip reader (the one torch.load
+    opens), not Python's zipfile: zipfile accepts data before an archive and matches names by case, torch does
+    neither. ValueError when the file is not a zip archive (torch would read it as a legacy pickle stream), or when it
+    has not exactly one `data.pkl` record, whatever the case of the name (two could be read differently)."""
+    import torch
+
     with open(path, "rb") as handle:
-        handle.seek(entry.header_offset)
-        header = _LOCAL_HEADER.unpack(handle.read(_LOCAL_HEADER.size))
-        if header[0] != b"PK\x03\x04":
-            raise ValueError("a zip entry without its local header")
-        handle.seek(header[-2] + header[-1], os.SEEK_CUR)  # past the entry's name and extra field
-        data = handle.read(entry.file_size)
-    if len(data) != entry.file_size:
-        raise ValueError(f"{_PICKLE} is cut short")
-    return data
+        if not torch.serialization._is_zipfile(handle):  # torch.load's own test: a legacy stream otherwise
+            raise ValueError("not a zip archive (torch would unpickle it as a legacy stream)")
+        try:
+            reader = torch._C.PyTorchFileReader(handle)
+            records = sorted(name for name in reader.get_all_records() if name.lower() == _PICKLE)
+            if len(records) != 1:
+                raise ValueError(f"not one {_PICKLE} record but {len(records)} ({', '.join(records) or 'none'})")
+            return reader.get_record(_PICKLE)  # what torch.load reads: its lookup, whatever the name's case
+        except RuntimeError as err:  # torch's reader: not a zip it can read
+            raise ValueError(f"not a torch zip file ({str(err).splitlines()[0][:200]})") from None
 
 
 def pickle_problems(data: bytes, allowed: frozenset[str]) -> list[str]:
-    """The globals and opcodes of a pickle beyond tensors and plain data (empty when it is all tensors and plain
-    data). Reads the opcodes only: nothing of the pickle runs."""
+    """The globals and opcodes of a pickle beyond tensors and plain data, then any global used otherwise than USES
+    says (empty when it is all tensors, plain data and `allowed`). Reads the opcodes only: nothing of the pickle
+    runs."""
     found = []
     try:
         for opcode, argument, _ in pickletools.genops(data):
@@ -122,7 +147,82 @@ def pickle_problems(data: bytes, allowed: frozenset[str]) -> list[str]:
                     found.append(name)
     except (ValueError, EOFError, TypeError, UnicodeDecodeError) as err:  # a pickle that does not even parse
         found.append(f"an unreadable pickle ({err})")
-    return found
+    return found or misuses(data, allowed)
+
+
+class _Item:
+    """What the static check knows of one object on the pickle's stack: the global it is, or the global whose call
+    made it (and whether that object has been given its state)."""
+
+    __slots__ = ("name", "made_by", "built")
+
+    def __init__(self, name: str | None = None, made_by: str | None = None):
+        self.name, self.made_by, self.built = name, made_by, False
+
+
+_PLAIN = _Item()  # a number, string, container or storage: nothing to call or to build
+_PUSHES_PLAIN = frozenset(["EMPTY_TUPLE", "EMPTY_LIST", "EMPTY_DICT", "NONE", "NEWTRUE", "NEWFALSE", "BININT",
+                           "BININT1", "BININT2", "LONG1", "BINFLOAT", "BINUNICODE"])
+
+
+def misuses(data: bytes, allowed: frozenset[str]) -> list[str]:
+    """Each global used otherwise than USES says, found by following the pickle's stack (a pickle of OPCODES only):
+    a global called or made new that is not meant to be, a BUILD on anything but an object just made by a global
+    that takes state (a shared enum member, a class, a second BUILD), an object made new and never given its state."""
+    uses = {name: USES.get(name, LOOSE_USES if name in allowed else frozenset()) for name in (*USES, *allowed)}
+    stack: list[_Item] = []
+    marks: list[list[_Item]] = []
+    memo: dict[int, _Item] = {}
+    made_new: list[_Item] = []
+    found: list[str] = []
+    try:
+        for opcode, argument, _ in pickletools.genops(data):
+            op = opcode.name
+            if op == "GLOBAL":
+                stack.append(_Item(name=str(argument).replace(" ", ".", 1)))
+            elif op in ("REDUCE", "NEWOBJ"):
+                stack.pop()  # the arguments: plain data, tensors or allowed globals (checked as such)
+                made = _Item(made_by=_called(stack.pop(), op, uses, found))
+                made_new += [made] if op == "NEWOBJ" else []
+                stack.append(made)
+            elif op == "BUILD":
+                stack.pop()  # the state
+                _build(stack[-1], uses, found)
+            elif op == "MARK":
+                marks.append(stack)
+                stack = []
+            elif op in ("APPENDS", "SETITEMS", "TUPLE"):
+                stack = marks.pop()  # the items went into the list, dict or tuple below the mark
+                stack += [_PLAIN] if op == "TUPLE" else []
+            elif op in ("TUPLE1", "TUPLE2", "TUPLE3", "APPEND", "SETITEM", "BINPERSID", "STOP"):
+                del stack[len(stack) - {"TUPLE2": 2, "TUPLE3": 3, "SETITEM": 2}.get(op, 1):]
+                stack += [_PLAIN] if op.startswith("TUPLE") or op == "BINPERSID" else []
+            elif op in ("BINPUT", "LONG_BINPUT"):
+                memo[argument] = stack[-1]
+            elif op in ("BINGET", "LONG_BINGET"):
+                stack.append(memo[argument])
+            elif op in _PUSHES_PLAIN:
+                stack.append(_PLAIN)
+    except (IndexError, KeyError) as err:  # a stack or memo the pickle never filled: torch could not read it either
+        return [f"an unreadable pickle (its stack: {type(err).__name__})"]
+    return found + [f"a {item.made_by} made without its state" for item in made_new if not item.built]
+
+
+def _called(item: _Item, op: str, uses: dict[str, frozenset[str]], found: list[str]) -> str | None:
+    """The global `op` (REDUCE or NEWOBJ) calls, recording it in `found` unless USES lets it be called that way."""
+    if item.name is None or op not in uses.get(item.name, ()):
+        found.append(f"pickle {op} of {item.name or 'an object that is no global'}")
+        return None
+    return item.name
+
+
+def _build(item: _Item, uses: dict[str, frozenset[str]], found: list[str]) -> None:
+    """A BUILD on `item`: allowed once, on an object just made by a global that takes state; else in `found`."""
+    if item.made_by is None or "BUILD" not in uses.get(item.made_by, ()) or item.built:
+        what = item.name or item.made_by or "plain data"
+        found.append(f"pickle BUILD on {what}{' again' if item.built else ''}")
+    if item.made_by is not None:  # _PLAIN is shared: never marked
+        item.built = True
 
 
 def unsafe_globals(path: Path, allowed: Iterable[str] = ()) -> list[str]:
@@ -143,7 +243,8 @@ def check(path: Path, allowed: Iterable[str] = ()) -> None:
 
 def resolve(names: Iterable[str]) -> list[tuple[object, str]]:
     """(object, name) for each global name (`module.Name`) that this Python can import, for torch's allow-list: under
-    the name the file spells (an alias module's, e.g. numpy.core for numpy._core), not the object's own."""
+    the name the file spells (an alias module's, e.g. numpy.core for numpy._core), not the object's own. DeepSpeed's
+    objects are their stand-ins (`constructor`), never their classes."""
     import warnings
 
     objects = []
@@ -152,17 +253,77 @@ def resolve(names: Iterable[str]) -> list[tuple[object, str]]:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeprecationWarning)  # numpy.core, an alias NumPy 2 still answers to
-                objects.append((getattr(importlib.import_module(module), attribute), name))
+                found = getattr(importlib.import_module(module), attribute)
         except (ImportError, AttributeError):  # not in this version: a file naming it is refused by torch
             continue
+        objects.append((constructor(name, found) if name in DEEPSPEED_GLOBALS else found, name))
     return objects
 
 
-def load(path: Path, allowed: Iterable[str] = (), map_location="cpu"):
-    """`torch.load(path, weights_only=True)` with `allowed` globals on torch's allow-list for this load, after the
-    static check; UnsafeFile (naming the file) from either."""
-    import pickle
+@functools.lru_cache(maxsize=None)
+def constructor(name: str, cls: type) -> object:
+    """What torch's unpickler gets for DeepSpeed's global `name` (class `cls`): for an enum, a function from a member's
+    value to the member; for a class, a stand-in that NEWOBJ makes bare and BUILD fills with plain values, then turns
+    into a `cls`. Neither is `cls`, so torch refuses a BUILD on anything but a stand-in just made (on a shared enum
+    member, on a `cls` already built). One per name for the process, so that torch's allow-list sees the same
+    entry in nested loads."""
+    import enum
 
+    if isinstance(cls, type) and issubclass(cls, enum.Enum):
+        return _member_of(cls)
+    return _rebuilt(cls)
+
+
+def _member_of(cls: type) -> object:
+    """A function giving the member of the enum `cls` whose value is a given int, as pickle's REDUCE calls the enum."""
+    def member(value):
+        if type(value) is not int or value not in cls._value2member_map_:
+            raise pickle.UnpicklingError(f"{cls.__name__} has no member {value!r}")
+        return cls(value)
+
+    member.__qualname__ = f"member_of_{cls.__name__}"
+    return member
+
+
+def _rebuilt(cls: type) -> type:
+    """A stand-in for DeepSpeed's class `cls` that NEWOBJ makes bare and BUILD fills (`__setstate__`): only public
+    attributes the class does not itself define (no method or property is shadowed), only plain values; the object
+    then becomes a `cls` (its class swapped: same layout), which pickles and behaves as DeepSpeed's own."""
+    class Rebuilt(cls):
+        def __new__(kind, *args):
+            if args:  # DeepSpeed's files make these with no arguments (pickle's __newobj__ of a plain class)
+                raise pickle.UnpicklingError(f"{cls.__name__} made with arguments")
+            return object.__new__(kind)
+
+        def __setstate__(self, state):
+            bad = _bad_state(cls, state)
+            if bad:
+                raise pickle.UnpicklingError(f"{cls.__name__} given {bad}")
+            self.__dict__.update(state)
+            self.__class__ = cls  # a later BUILD finds a `cls`, which is on no allow-list: refused
+
+    Rebuilt.__qualname__ = Rebuilt.__name__ = f"Rebuilt{cls.__name__}"
+    return Rebuilt
+
+
+def _bad_state(cls: type, state: object) -> str | None:
+    """What is wrong with `state` as the attributes of a new `cls` (None when it is a dict of plain values under
+    public names that `cls` does not define itself)."""
+    import torch
+
+    if type(state) is not dict:
+        return f"state of type {type(state).__name__}"
+    for key, value in state.items():
+        if type(key) is not str or not key.isidentifier() or key.startswith("_") or hasattr(cls, key):
+            return f"the attribute {str(key)[:80]!r}"
+        if not (value is None or type(value) in (bool, int, float, str) or isinstance(value, torch.dtype)):
+            return f"{key}={type(value).__name__}"
+    return None
+
+
+def load(path: Path, allowed: Iterable[str] = (), map_location="cpu"):
+    """`torch.load(path, weights_only=True)` with `allowed` globals on torch's allow-list for this load (DeepSpeed's as
+    their stand-ins), after the static check; UnsafeFile (naming the file) from either."""
     import torch
 
     allowed = tuple(allowed)

@@ -1,16 +1,19 @@
 """Which objects each checkpoint file may hold, and a folder checked for anything else before any of it is read.
 
 Every `.pt` file of a checkpoint is a pickle, and unpickling can run code (common/safe_load.py). ayumi's own files
-hold tensors and plain data only; DeepSpeed's may also hold the few objects of common.safe_load.DEEPSPEED_GLOBALS.
-`folder_problem` checks every file of a folder against that (a static look: nothing runs), ranks sharing the files
-like the checksums' verification; the checkpointer refuses a folder with a problem on every rank, before any rank
-reads a file, and then reads each file with `weights_only=True` all the same.
+hold tensors and plain data only; DeepSpeed's may also hold the few objects of common.safe_load.DEEPSPEED_GLOBALS,
+each used only as DeepSpeed's files use it (common.safe_load.USES: no BUILD onto a shared enum member).
+`folder_problem` checks every file of a folder against that (a static look at the pickle torch's own zip reader
+gives, the one torch.load would read: nothing runs), ranks sharing the files like the checksums' verification; the
+checkpointer refuses a folder with a problem on every rank, before any rank reads a file, and then reads each file
+with `weights_only=True` all the same.
 
 RNG files written before ayumi held NumPy's RNG state as a tensor name NumPy's array types (LEGACY_RNG_GLOBALS):
 refused like any other, with the fix `ayumi checkpoint convert ... --trust` (pretrain/tools/convert.py), which
 rewrites them once and records their new checksums.
 
-Imports no torch: `ayumi checkpoint verify` checks files with it.
+Imports torch only to read a file's pickle (torch's zip reader), never DeepSpeed: `ayumi checkpoint verify` checks
+files with it.
 """
 from __future__ import annotations
 

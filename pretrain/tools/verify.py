@@ -11,13 +11,13 @@ the rollback ring's are checked, and the folders a run set aside as damaged are 
     checkpoints/step_0000032              32      4  unsafe: ayumi_state.pt holds objects other than tensors ...
 
 A checkpoint whose checksums hold is also checked to hold only tensors and plain data (pretrain/checkpoint/safety.py,
-a static look at each pickle: nothing of it runs); one that holds anything else is `unsafe`, since loading it could
+a static look at each pickle, read through torch's own zip reader as torch.load would read it: nothing of it runs); one that holds anything else is `unsafe`, since loading it could
 run code, and a line on stderr names the file and the fix.
 
 Exit status (common/status.py): 0 when no checkpoint a run could load is damaged or unsafe (verified, unverifiable,
 set aside or incomplete ones do not count), 1 (the verdict is no) when one is damaged, 2 with one line when PATH holds
 no checkpoint or when a checkpoint is unsafe (a run would refuse it with status 2 too). Hashes with the same streaming
-xxh3_128 as the save (pretrain/checkpoint/integrity.py); imports no torch or DeepSpeed.
+xxh3_128 as the save (pretrain/checkpoint/integrity.py); imports torch only for its zip reader, never DeepSpeed.
 `ayumi checkpoint convert` (pretrain/tools/convert.py) rewrites an older ayumi's RNG files once, when told to trust.
 """
 from __future__ import annotations
@@ -157,7 +157,7 @@ def main(argv: list[str]) -> int:
     if argv[0] == "verify":
         return verify_main(argv[1:])
     if argv[0] == "convert":
-        from pretrain.tools.convert import convert_main  # torch only for this verb: verify stays without it
+        from pretrain.tools.convert import convert_main  # the conversion's imports for this verb only
 
         return convert_main(argv[1:])
     print(f"ayumi checkpoint: unknown command {argv[0]!r}\n{USAGE}", file=sys.stderr)

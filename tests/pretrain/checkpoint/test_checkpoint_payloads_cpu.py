@@ -12,7 +12,10 @@ run (module fixture) gives the checkpoint; each case plants into a copy. Every c
 - DeepSpeed's own readers behind ayumi's (its fp32 consolidation, its universal conversion), which pass
   `weights_only=False` themselves: run by ayumi weights-only, they refuse the payload too;
 - an older ayumi's RNG files (NumPy arrays): refused with the fix, converted by `ayumi checkpoint convert --trust`
-  (after which the run resumes), while a payload in such a file is refused by the conversion, --trust or not.
+  (after which the run resumes), while a payload in such a file is refused by the conversion, --trust or not;
+- files built to show the static check another pickle than torch reads (a legacy stream before a zip, the real
+  record as DATA.PKL), or to BUILD onto DeepSpeed's shared enum member: refused by verify and by a resume, the enum
+  unchanged (issue 49).
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ import json
 import os
 import random
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +35,8 @@ from common.safe_load import DEEPSPEED_GLOBALS, load
 from pretrain.checkpoint import integrity
 from pretrain.checkpoint.layout import META
 from pretrain.tools.cli import main
-from tests.helpers import run_training, tiny_overrides
+from tests.helpers import REPO, cpu_env, run_training, tiny_overrides
+from tests.pretrain.checkpoint.test_safe_load import OnTheEnum, legacy_before_zip, pickle_in_capitals
 from tests.pretrain.tools.test_train_exit_status import ayumi, ranks_said
 
 pytestmark = pytest.mark.slow
@@ -215,3 +221,72 @@ def test_the_conversion_never_reads_a_payload_even_when_trusted(base_root, tmp_p
     assert one_line(capsys.readouterr().err, "ayumi checkpoint verify: ").startswith(
         f"ayumi checkpoint verify: {path} {REFUSAL}")
     assert not marker.exists()
+
+
+def counter_beside(tag_dir: Path, name: str) -> dict:
+    """The file's state with a Counter added: a type torch's own weights-only defaults admit, ayumi's list does not."""
+    import collections
+
+    state = load(tag_dir / name, DEEPSPEED_GLOBALS)
+    state["planted"] = collections.Counter("ab")
+    return state
+
+
+def plant_legacy_before_zip(tag_dir: Path, name: str) -> None:
+    legacy_before_zip(tag_dir / name, counter_beside(tag_dir, name))
+
+
+def plant_pickle_in_capitals(tag_dir: Path, name: str) -> None:
+    pickle_in_capitals(tag_dir / name, counter_beside(tag_dir, name))
+
+
+def plant_build_on_the_enum(tag_dir: Path, name: str) -> None:
+    state = load(tag_dir / name, DEEPSPEED_GLOBALS)
+    state["optimizer_state_dict"]["zero_stage"] = OnTheEnum()
+    torch.save(state, tag_dir / name)
+
+
+BYPASSES = {  # issue 49, findings 3a, 3b and 4: how the file is built -> the reason its line gives
+    "legacy stream before a zip": (plant_legacy_before_zip,
+                                   "not a zip archive (torch would unpickle it as a legacy stream)"),
+    "DATA.PKL beside data.pkl": (plant_pickle_in_capitals, "collections.Counter"),
+    "BUILD onto ZeroStageEnum": (plant_build_on_the_enum,
+                                 "pickle BUILD on deepspeed.runtime.zero.config.ZeroStageEnum"),
+}
+
+
+@pytest.mark.parametrize("bypass", sorted(BYPASSES))
+def test_a_file_built_to_show_the_static_check_another_pickle_or_to_build_on_a_shared_enum_is_refused(
+        base_root, corpus, tmp_path, capsys, bypass):
+    """What the static check reads is what torch reads (torch's own zip reader), and a BUILD onto DeepSpeed's enum
+    member is refused: `ayumi checkpoint verify` says unsafe, a resume stops with status 2 and one line naming the
+    file and the reason, and a load of the file (in a child process) leaves the enum member as it was."""
+    build, reason = BYPASSES[bypass]
+    root = Path(shutil.copytree(base_root, tmp_path / "runs"))
+    run = root / "cpu_tiny"
+    tag_dir = run / "checkpoints" / TAG
+    name = KINDS["optimizer states"]
+    build(tag_dir, name)
+    rerecord(tag_dir, name)
+    assert integrity.verify(tag_dir).status == integrity.VERIFIED  # the checksums are no defence
+    path = tag_dir / name
+    said = f"{path} holds objects other than tensors and plain data ({reason}): loading it could run code"
+    assert main(["checkpoint", "verify", str(run)]) == 2
+    captured = capsys.readouterr()
+    assert f"checkpoints/{TAG}  " in captured.out and "unsafe: " in captured.out, captured.out
+    assert one_line(captured.err, "ayumi checkpoint verify: ").startswith(f"ayumi checkpoint verify: {said}")
+    proc = ayumi("train", *tiny_overrides(corpus, root, *BASE, "train.max_steps=6"))
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-4000:]
+    [line] = ranks_said(proc.stderr)
+    assert line.startswith(f"{said}; nothing of the checkpoint was loaded. Fix: do not load it"), line
+    assert proc.stderr.rstrip("\n").splitlines()[-1] == f"ayumi train: {line}"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_")) == [
+        "step_0000002", TAG]
+    if bypass == "BUILD onto ZeroStageEnum":  # what a load of the file does to the process
+        child = ("from common.safe_load import DEEPSPEED_GLOBALS, UnsafeFile, load\n"
+                 "from deepspeed.runtime.zero.config import ZeroStageEnum\n"
+                 f"try:\n    load({str(path)!r}, DEEPSPEED_GLOBALS)\nexcept UnsafeFile:\n    print('REFUSED')\n"
+                 "print('MEMBER', ZeroStageEnum.optimizer_states.value, ZeroStageEnum.optimizer_states.name)\n")
+        proc = subprocess.run([sys.executable, "-c", child], cwd=REPO, env=cpu_env(), capture_output=True, text=True,
+                              timeout=120)
+        assert proc.stdout.splitlines() == ["REFUSED", "MEMBER 1 optimizer_states"], proc.stdout + proc.stderr

@@ -80,3 +80,167 @@ def test_a_nested_load_keeps_the_outer_allow_list(tmp_path):
         assert torch.load(tmp_path / "optim.pt", weights_only=False)["loss_scaler"].cur_scale == 4.0
     with pytest.raises(UnsafeFile, match="LossScaler"):
         load(tmp_path / "optim.pt")  # not allowed where it was not asked for
+
+
+# Issue 49, findings 3 and 4: files built as an attacker would, so that Python's zipfile and torch's reader see two
+# different pickles, or so that a pickle BUILDs onto DeepSpeed's shared enum member.
+
+def torch_records(path) -> dict[str, bytes]:
+    """Every record of a torch zip file (names without the archive folder), read by torch's own reader."""
+    if not hasattr(path, "read"):
+        path = str(path)
+    else:
+        path.seek(0)
+    reader = torch._C.PyTorchFileReader(path)
+    return {name: reader.get_record(name) for name in reader.get_all_records()}
+
+
+def legacy_before_zip(path, planted) -> None:
+    """(a) `planted` as a legacy (non-zip) torch stream, the benign zip that was at `path` after it: zipfile finds the
+    zip (it accepts data before one), torch.load unpickles the legacy stream."""
+    import io
+
+    stream = io.BytesIO()
+    torch.save(planted, stream, _use_new_zipfile_serialization=False)
+    path.write_bytes(stream.getvalue() + path.read_bytes())
+
+
+def pickle_in_capitals(path, planted) -> None:
+    """(b) `planted` as the record `archive/DATA.PKL`, the benign pickle that was at `path` beside it as
+    `archive/zzz/data.pkl`: zipfile finds only the benign one under its exact name, torch's reader matches names
+    whatever their case and reads the planted one."""
+    import io
+    import zipfile
+
+    benign = torch_records(path)["data.pkl"]
+    stream = io.BytesIO()
+    torch.save(planted, stream)
+    records = torch_records(stream)
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
+        archive.writestr("archive/DATA.PKL", records.pop("data.pkl"))
+        for name, data in records.items():
+            archive.writestr(f"archive/{name}", data)
+        archive.writestr("archive/zzz/data.pkl", benign)
+
+
+class OnTheEnum:
+    """Pickled, a BUILD onto DeepSpeed's member ZeroStageEnum.optimizer_states: its value and name rewritten."""
+
+    def __reduce__(self):
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+
+        return ZeroStageEnum, (1,), {"_value_": 99, "_name_": "planted"}
+
+
+def optimizer_like_state() -> dict:
+    """What a ZeRO optimizer state file holds beyond tensors: DeepSpeed's loss scaler, stage and partition places."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    dynamic = DynamicLossScaler(init_scale=2.0 ** 16, scale_window=1000, min_scale=1, delayed_shift=2,
+                                consecutive_hysteresis=False, raise_error_at_min_scale=True, dtype=torch.float16)
+    return {"optimizer_state_dict": {"zero_stage": ZeroStageEnum.optimizer_states, "loss_scaler": LossScaler(4.0),
+                                     "dynamic": dynamic, "param_slice_mappings": [{"w": fragment_address(3, 0)}]},
+            "w": torch.ones(3)}
+
+
+@pytest.mark.parametrize("build", [legacy_before_zip, pickle_in_capitals])
+def test_the_static_check_reads_the_pickle_torch_reads(tmp_path, build):
+    """Findings 3a and 3b: a Counter (which torch's own defaults admit, ayumi's list does not) in the pickle torch
+    would read, a benign one where Python's zipfile looks: refused by the static check and by load."""
+    import collections
+
+    path = tmp_path / "x.pt"
+    torch.save({"w": torch.ones(3)}, path)
+    build(path, {"w": torch.ones(3), "planted": collections.Counter("ab")})
+    assert "planted" in torch.load(path, weights_only=True)  # torch itself reads the planted pickle
+    found = unsafe_globals(path)
+    assert found and all("Counter" in item or "zip archive" in item for item in found), found
+    with pytest.raises(UnsafeFile, match=f"^{path} holds objects other than tensors and plain data"):
+        load(path)
+
+
+def test_a_second_pickle_record_differing_in_case_is_refused(tmp_path):
+    import io
+    import zipfile
+
+    path = tmp_path / "x.pt"
+    torch.save({"w": torch.ones(3)}, path)
+    records = torch_records(path)
+    stream = io.BytesIO()
+    with zipfile.ZipFile(stream, "w") as archive:
+        for name, data in records.items():
+            archive.writestr(f"archive/{name}", data)
+        archive.writestr("archive/Data.pkl", records["data.pkl"])
+    path.write_bytes(stream.getvalue())
+    assert unsafe_globals(path) == ["not one data.pkl record but 2 (Data.pkl, data.pkl)"]
+
+
+def test_a_build_onto_deepspeeds_enum_is_refused_by_both_gates_and_the_member_is_unchanged(tmp_path):
+    """Finding 4: the static check refuses the BUILD; torch's unpickler alone (as DeepSpeed's readers run it) refuses
+    it too, because what it allows is a function giving the member, not the enum class. Checked in a child process,
+    so that a BUILD that went through would show there and nowhere else."""
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO, cpu_env
+
+    path = tmp_path / "optim.pt"
+    state = optimizer_like_state()
+    state["optimizer_state_dict"]["zero_stage"] = OnTheEnum()
+    torch.save(state, path)
+    assert unsafe_globals(path, DEEPSPEED_GLOBALS) == ["pickle BUILD on deepspeed.runtime.zero.config.ZeroStageEnum"]
+    child = f"""
+import torch
+from common.safe_load import DEEPSPEED_GLOBALS, UnsafeFile, forced_weights_only, load
+from deepspeed.runtime.zero.config import ZeroStageEnum
+try:
+    load({str(path)!r}, DEEPSPEED_GLOBALS)
+except UnsafeFile as err:
+    print("REFUSED", err)
+try:
+    with forced_weights_only(DEEPSPEED_GLOBALS):
+        torch.load({str(path)!r}, weights_only=False)
+except Exception as err:
+    print("TORCH REFUSED", type(err).__name__)
+member = ZeroStageEnum.optimizer_states
+print("MEMBER", member.value, member.name, ZeroStageEnum(1) is member)
+"""
+    proc = subprocess.run([sys.executable, "-c", child], cwd=REPO, env=cpu_env(), capture_output=True, text=True,
+                          timeout=120)
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith(f"REFUSED {path} holds objects other than tensors and plain data (pickle BUILD on "
+                               "deepspeed.runtime.zero.config.ZeroStageEnum)"), proc.stdout + proc.stderr
+    assert lines[1:] == ["TORCH REFUSED UnpicklingError", "MEMBER 1 optimizer_states True"], proc.stdout + proc.stderr
+
+
+def test_deepspeeds_objects_load_as_deepspeeds_own_rebuilt_from_plain_values(tmp_path):
+    """Through the stand-ins: the loss scalers and partition places come back as DeepSpeed's classes (so they save
+    as such again), the stage as the very member."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    torch.save(optimizer_like_state(), tmp_path / "optim.pt")
+    assert unsafe_globals(tmp_path / "optim.pt", DEEPSPEED_GLOBALS) == []
+    loaded = load(tmp_path / "optim.pt", DEEPSPEED_GLOBALS)["optimizer_state_dict"]
+    assert loaded["zero_stage"] is ZeroStageEnum.optimizer_states
+    assert type(loaded["loss_scaler"]) is LossScaler and loaded["loss_scaler"].cur_scale == 4.0
+    assert type(loaded["dynamic"]) is DynamicLossScaler and loaded["dynamic"].dtype is torch.float16
+    assert type(loaded["param_slice_mappings"][0]["w"]) is fragment_address
+    assert loaded["param_slice_mappings"][0]["w"] == fragment_address(3, 0)
+    torch.save(loaded, tmp_path / "again.pt")  # saved again by DeepSpeed's next checkpoint: the same globals
+    assert unsafe_globals(tmp_path / "again.pt", DEEPSPEED_GLOBALS) == []
+
+
+def test_a_deepspeed_object_takes_only_plain_values_under_names_its_class_does_not_define(tmp_path):
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+
+    scaler = LossScaler(1.0)
+    scaler.update_scale = 3  # pickled in its state: an attribute that would shadow the method
+    torch.save({"loss_scaler": scaler}, tmp_path / "optim.pt")
+    assert unsafe_globals(tmp_path / "optim.pt", DEEPSPEED_GLOBALS) == []  # statically plain data
+    with forced_weights_only(DEEPSPEED_GLOBALS), pytest.raises(Exception, match="LossScaler given the attribute "
+                                                                                "'update_scale'"):
+        torch.load(tmp_path / "optim.pt", weights_only=False)
