@@ -7,6 +7,8 @@
 - `integrity.py`: every file's checksum, taken as it is written and recorded in `ayumi.json`, and the
   verification every load does first (no torch: `ayumi checkpoint verify` uses it alone);
 - `layout.py`: the names in a checkpoint root (tags, `latest`, folders set aside as damaged), without torch;
+- `paths.py`: where ayumi may write and delete under a checkpoint root (never through a link, never outside it) and
+  the private folders conversions write into, without torch;
 - `safety.py`: what each checkpoint file may hold (tensors and plain data, DeepSpeed's few objects) and a folder
   checked for anything else before any rank reads it, without torch (docs/checkpoints.md);
 - `trust.py`: which checkpoint a resume or a rollback builds on: verified, its loaded state checked, a damaged

@@ -7,7 +7,8 @@ Layout under the checkpoint root::
         ayumi_rank00000.pt        per-rank state (RNG of torch, numpy, python, CUDA)
         ayumi.json                written last by rank 0: marks the folder complete, describes it
     latest                        the newest complete tag, replaced atomically after ayumi.json
-    universal/step_0000100/       only while a checkpoint of another data-parallel size is loaded
+    universal/step_0000100.XXXX/  a conversion's private folder (mkdtemp, 0700), only while a checkpoint cut
+                                  for another number of ranks is loaded
     step_0000040.corrupt/         a damaged checkpoint a run set aside (pretrain/checkpoint/trust.py)
 
 `ayumi.json` records every file's size and checksum (pretrain/checkpoint/integrity.py): each rank hashes
@@ -42,7 +43,7 @@ import torch
 from common.safe_load import UnsafeFile
 from common.safe_load import load as load_plain
 from curriculum.plan import directory_bytes, existing_parent, human_bytes
-from pretrain.checkpoint import integrity, safety
+from pretrain.checkpoint import integrity, paths, safety
 from pretrain.checkpoint.async_writer import (
     WRITTEN, WRITTEN_GLOB, BackgroundWriter, HostBuffers, StagingCollector, finish_staging, stage,
 )
@@ -53,7 +54,7 @@ from pretrain.checkpoint.layout import (  # noqa: F401 - the folder names, re-ex
 from pretrain.model.config import ModelConfig
 from common.files import write_text_atomic
 
-UNIVERSAL_DIR = "universal"  # under a checkpoint root: converted copies, while they are being loaded
+UNIVERSAL_DIR = "universal"  # under a checkpoint root: conversions' private folders, while they are being loaded
 
 
 class CheckpointError(RuntimeError):
@@ -206,6 +207,7 @@ class Checkpointer:
         meta = copy.deepcopy(meta)
         tag = tag_for(step)
         tag_dir = self.root / tag
+        self._refuse_links([tag_dir])  # every rank alike, before any writes: no save goes through a link
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             if tag_dir.exists():  # left by a crash mid-save, or a re-save of the same step
@@ -334,10 +336,11 @@ class Checkpointer:
         meta = integrity.read_meta(tag_dir)
         meta["verified"] = verdict.status == integrity.VERIFIED
         try:
-            if self._needs_universal(tag_dir, meta):
+            cut_for = self._needs_universal(tag_dir, meta)
+            if cut_for:
                 self._load_universal(engine, tag_dir)
-                meta["resharded_from"] = meta["world_size"]
-                meta["resharded_from_tensor_parallel"] = meta.get("tensor_parallel", 1)
+                meta["resharded_from"] = cut_for[0] * cut_for[1]  # what the files say, not the record
+                meta["resharded_from_tensor_parallel"] = cut_for[1]
             else:
                 engine.load(root, tag)  # DeepSpeed's files, weights-only (TrainEngine.load)
             shared = load_plain(tag_dir / SHARED_STATE)
@@ -375,9 +378,27 @@ class Checkpointer:
         self._barrier()
         return aside
 
-    def _needs_universal(self, tag_dir: Path, meta: dict[str, Any]) -> bool:
-        """Whether DeepSpeed cannot load this checkpoint directly on this run's ranks."""
-        saved_stage, saved_world = meta.get("zero_stage", self.zero_stage), meta.get("world_size", self.world_size)
+    def check_paths(self) -> None:
+        """Refuse, on every rank alike, a checkpoint root whose `checkpoints/`, `universal/` or rollback ring folder is
+        a link (or resolves outside the root): every later write or delete there would land elsewhere. One line."""
+        from pretrain.checkpoint.layout import RING_DIR
+
+        self._refuse_links([self.root / UNIVERSAL_DIR, self.root / RING_DIR], agree=True)
+
+    def _refuse_links(self, folders: list[Path], agree: bool = False) -> None:
+        """CheckpointError with paths.links_problem's line when ayumi must not write into or delete one of `folders`
+        (under this root). `agree`: the ranks agree first (a collective every rank calls)."""
+        problem = paths.links_problem(self.root, folders)
+        problem = self.first_problem(problem) if agree else problem
+        if problem:
+            raise CheckpointError(problem)
+
+    def _needs_universal(self, tag_dir: Path, meta: dict[str, Any]) -> tuple[int, int] | None:
+        """(data-parallel, tensor-parallel) sizes the checkpoint's optimizer states are cut for when DeepSpeed cannot
+        load them directly on this run's ranks, else None. Decided from DeepSpeed's per-rank files in the folder
+        (pretrain.engine.checkpoint_formats.optimizer_layout), never from ayumi.json alone: a record that does not
+        describe its files is refused (_check_record)."""
+        saved_stage = meta.get("zero_stage", self.zero_stage)
         saved_tp = meta.get("tensor_parallel", 1)  # checkpoints from before tensor parallelism: 1
         if saved_stage != self.zero_stage:
             raise CheckpointError(
@@ -389,29 +410,79 @@ class Checkpointer:
                 f"{tag_dir} was saved with parallel.tensor={saved_tp}, this run uses {self.tensor_parallel}: a ZeRO-0 "
                 "checkpoint holds one file per tensor-parallel rank and DeepSpeed converts only ZeRO 1-3 checkpoints "
                 f"between sizes. Fix: resume with parallel.tensor={saved_tp} (the data-parallel size may differ).")
-        # Stage 0 keeps whole optimizer state on every rank of a tensor-parallel position and loads at any
-        # data-parallel size; ZeRO 1-3 cut it by the data-parallel size and the tensor-parallel size.
-        return saved_stage >= 1 and (saved_world != self.world_size or saved_tp != self.tensor_parallel)
+        if saved_stage == 0:  # whole optimizer state on every rank: loads at any data-parallel size
+            return None
+        from pretrain.engine.checkpoint_formats import optimizer_layout  # DeepSpeed's file names
+
+        cut_for = optimizer_layout(tag_dir)
+        if cut_for is None:  # no shards to convert: DeepSpeed's own load says what is missing
+            return None
+        _check_record(tag_dir, meta, cut_for)
+        # ZeRO 1-3 cut the optimizer state by the data-parallel size and the tensor-parallel size.
+        here = (self.world_size // self.tensor_parallel, self.tensor_parallel)
+        return None if cut_for == here else cut_for
 
     def _load_universal(self, engine, tag_dir: Path) -> None:
-        universal = self.root / UNIVERSAL_DIR / tag_dir.name
-        failure = None
+        """Load `tag_dir` through DeepSpeed's universal form, converted by rank 0 into a private folder (mkdtemp,
+        0700) under `<root>/universal/`, removed once loaded. Before any conversion every parameter name in the
+        folder's DeepSpeed files must be one of the model's own (the converter makes paths of them): refused on every
+        rank alike, one line naming the file and the name."""
+        self._refuse_links([self.root / UNIVERSAL_DIR], agree=True)
+        foreign = None
         if self.rank == 0:
-            # Never reused: one left by a crash may come from another run's folder of the same name.
-            shutil.rmtree(universal, ignore_errors=True)
+            from pretrain.engine.checkpoint_formats import foreign_name  # the DeepSpeed room
+
+            foreign = foreign_name(tag_dir, engine.own_names())
+        problem = self.first_problem(_foreign_line(*foreign) if foreign else None)
+        if problem:
+            raise CheckpointError(problem)
+        private, failure = None, None
+        if self.rank == 0:
             try:
-                _check_room_for_universal(tag_dir, universal)
+                private = paths.private_folder(self.root, self.root / UNIVERSAL_DIR, tag_dir.name + ".")
+                _check_room_for_universal(tag_dir, private)
                 from pretrain.engine.checkpoint_formats import convert_to_universal  # the DeepSpeed room
 
-                convert_to_universal(tag_dir, universal)
+                convert_to_universal(tag_dir, private / tag_dir.name)
             except Exception as err:  # every rank must hear of it, or they would wait forever below
                 failure = err
-        if self._any_rank(failure is not None):
-            raise CheckpointError(f"cannot load {tag_dir} on {self.world_size} ranks: {failure or 'see rank 0'}")
-        engine.load(universal.parent, universal.name, universal=True)
-        self._barrier()
-        if self.rank == 0:  # a one-off: this run saves regular checkpoints for its own size
-            shutil.rmtree(universal.parent, ignore_errors=True)  # with the `latest_universal` file DeepSpeed adds
+        private = self.first_problem(str(private) if private else None)  # its name, for the other ranks
+        try:
+            if self._any_rank(failure is not None):
+                raise CheckpointError(f"cannot load {tag_dir} on {self.world_size} ranks: {failure or 'see rank 0'}")
+            engine.load(Path(private), tag_dir.name, universal=True)
+            self._barrier()
+        finally:
+            if self.rank == 0 and private:  # a one-off: this run saves regular checkpoints for its own size
+                paths.remove_tree(self.root, Path(private))  # with the `latest_universal` file DeepSpeed adds
+                _remove_if_empty(self.root / UNIVERSAL_DIR)
+
+
+def _foreign_line(path: Path, name: object) -> str:
+    """The refusal of a checkpoint file naming a parameter the model does not have."""
+    return (f"{path} names a parameter this model does not have ({name!r}): DeepSpeed's conversion for another "
+            "number of ranks would make a path of it, so nothing was converted or loaded. Fix: load a checkpoint of "
+            "this model from a source you trust")
+
+
+def _check_record(tag_dir: Path, meta: dict[str, Any], cut_for: tuple[int, int]) -> None:
+    """Refuse a checkpoint whose ayumi.json says another number of ranks than its DeepSpeed files hold: ayumi never
+    writes one, so it was edited or files of another save were mixed in."""
+    world, tp = meta.get("world_size"), meta.get("tensor_parallel", 1)
+    if world is None or (world, tp) == (cut_for[0] * cut_for[1], cut_for[1]):
+        return
+    raise CheckpointError(
+        f"{tag_dir / META} records world_size {world} (tensor-parallel {tp}), but the folder holds DeepSpeed optimizer "
+        f"states of {cut_for[0] * cut_for[1]} ranks (tensor-parallel {cut_for[1]}): the record does not describe its "
+        "files, so nothing of it was loaded. Fix: do not load it; take the checkpoint again from a source you trust")
+
+
+def _remove_if_empty(folder: Path) -> None:
+    """rmdir `folder` when nothing else is in it (another conversion's leftovers stay for a person to look at)."""
+    try:
+        folder.rmdir()
+    except OSError:
+        pass
 
 
 def _check_room_for_universal(tag_dir: Path, universal: Path) -> None:
@@ -480,5 +551,7 @@ def resharded_note(meta: dict[str, Any], world_size: int, tensor_parallel: int) 
 
     def tp(size: int) -> str:
         return f" (tensor-parallel {size})" if size > 1 else ""
-    return (f"; re-sharded from {meta['resharded_from']} ranks{tp(meta['resharded_from_tensor_parallel'])} to "
-            f"{world_size}{tp(tensor_parallel)} through DeepSpeed's universal checkpoint")
+    saved, saved_tp = meta["resharded_from"], meta["resharded_from_tensor_parallel"]
+    return (f"; re-sharded from {saved} ranks{tp(saved_tp)} to {world_size}{tp(tensor_parallel)} through DeepSpeed's "
+            f"universal checkpoint (its folder holds optimizer states cut for {saved // saved_tp} data-parallel "
+            f"rank(s){tp(saved_tp)}, this run has {world_size // tensor_parallel})")

@@ -143,7 +143,9 @@ def newest_first(root: Path) -> list[str]:
 
 def choose_start(load_from: str | None, resume: bool, on_corrupt: str, checkpointer: Checkpointer) -> Start | None:
     """The checkpoint a run starts from (checkpoint.load_from, else the run's own newest when checkpoint.resume),
-    its files verified: damaged ones are set aside or refused first. None for a fresh start. Needs no model."""
+    its files verified: damaged ones are set aside or refused first. None for a fresh start. Needs no model.
+    A checkpoint root whose folders are links is refused first (Checkpointer.check_paths), fresh start or not."""
+    checkpointer.check_paths()
     if load_from:
         candidates, fallback, fix = [resolve_checkpoint(load_from)], False, LOAD_FROM_FIX
     else:

@@ -1,7 +1,9 @@
 """DeepSpeed's checkpoint formats, read and converted without a running engine.
 
 - `convert_to_universal`: a ZeRO 1-3 checkpoint to DeepSpeed's universal form, which any number of ranks
-  (and another tensor-parallel size) can load;
+  (and another tensor-parallel size) can load; `optimizer_layout` says from the files which sizes a folder's
+  optimizer states were cut for, `foreign_name` finds a parameter name the model does not have (DeepSpeed's
+  converter makes paths of these names, so none but the model's own may reach it);
 - `consolidated_state_dict` / `tensor_parallel_slices`: the full fp32 weights of a checkpoint of any ZeRO
   stage and tensor-parallel size, on the CPU, for export.
 
@@ -52,13 +54,60 @@ def convert_to_universal(tag_dir: Path, out_dir: Path) -> None:
                "--output_folder", str(partial), "--inject_missing_state", "--num_extract_workers", str(extract_workers),
                "--num_merge_workers", "1"]
     # The converter works on the CPU; keep it off the GPUs this job's ranks already fill.
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu", **FORCE_ENV}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu", **FORCE_ENV, "PYTHONSAFEPATH": "1"}
     done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     if done.returncode != 0:
         shutil.rmtree(partial, ignore_errors=True)
         raise RuntimeError(f"converting {tag_dir} to a universal checkpoint failed (exit {done.returncode}):\n"
                            f"{done.stdout[-3000:]}")
     partial.rename(out_dir)
+
+
+_OPTIM_SHARD = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+
+
+def optimizer_layout(tag_dir: Path) -> tuple[int, int] | None:
+    """(data-parallel size, tensor-parallel size) a ZeRO 1-3 checkpoint folder's optimizer states were cut for, from
+    DeepSpeed's per-rank file names (`zero_pp_rank_<dp>_mp_rank_<tp>_optim_states.pt`); None when it holds none.
+    The files, not ayumi.json, say it: a record anyone can edit must not decide a conversion."""
+    ranks = [(int(m.group(1)), int(m.group(2))) for path in Path(tag_dir).iterdir()
+             if (m := _OPTIM_SHARD.match(path.name))]
+    if not ranks:
+        return None
+    return len({dp for dp, _ in ranks}), len({tp for _, tp in ranks})
+
+
+def _keys(mapping) -> list:
+    """A dict's keys; anything else where a dict belongs is itself the odd name (so it is refused, not skipped)."""
+    return list(mapping) if isinstance(mapping, dict) else [mapping]
+
+
+def _names_in(state: dict, kind: str) -> list:
+    """The parameter names a DeepSpeed model-states (`kind` "model") or optimizer-states file holds."""
+    if kind == "model":
+        shapes = state.get("param_shapes") or []
+        shared = state.get("shared_params") or {}
+        names = _keys(state.get("module") or {}) + list(state.get("buffer_names") or [])
+        names += [name for group in (shapes if isinstance(shapes, list) else [shapes]) for name in _keys(group)]
+        names += _keys(state.get("frozen_param_shapes") or {}) + _keys(state.get("frozen_param_fragments") or {})
+        return names + _keys(shared) + (list(shared.values()) if isinstance(shared, dict) else [])
+    optimizer = state.get("optimizer_state_dict") or {}
+    mappings = optimizer.get("param_slice_mappings") or [] if isinstance(optimizer, dict) else [optimizer]
+    return [name for group in (mappings if isinstance(mappings, list) else [mappings]) for name in _keys(group)]
+
+
+def foreign_name(tag_dir: Path, own: set[str]) -> tuple[Path, object] | None:
+    """(file, name) for the first parameter name in a checkpoint folder's DeepSpeed files (the model states' weights,
+    `param_shapes` and the rest, each optimizer shard's `param_slice_mappings`) that is not one of `own` (the model's
+    own names); None when every name is. DeepSpeed's universal converter joins these names to its output folder
+    (`os.path.join(output, name)`), so `../x` or `/abs` would write outside it. Files are read weights-only."""
+    files = sorted(Path(tag_dir).glob("*model_states.pt")) + sorted(Path(tag_dir).glob("*optim_states.pt"))
+    for path in files:
+        state = load_plain(path, DEEPSPEED_GLOBALS)
+        for name in _names_in(state, "model" if path.name.endswith("model_states.pt") else "optim"):
+            if not isinstance(name, str) or name not in own:
+                return path, name
+    return None
 
 
 # -- consolidation for export -------------------------------------------------------------------

@@ -267,6 +267,13 @@ class TrainEngine:
     def module(self) -> torch.nn.Module:
         return self.engine.module
 
+    def own_names(self) -> set[str]:
+        """The names of the model's parameters and buffers as built from this run's config: the only names a
+        checkpoint's DeepSpeed files may use (pretrain.engine.checkpoint_formats.foreign_name)."""
+        module = self.engine.module
+        return {name for name, _ in module.named_parameters(remove_duplicate=False)} | \
+            {name for name, _ in module.named_buffers(remove_duplicate=False)}
+
     def train(self) -> None:
         self.engine.train()
 

@@ -13,13 +13,18 @@ from pretrain.checkpoint.checkpointer import (
 class FakeEngine:
     """Writes a file where DeepSpeed would write its shards (the mechanism under test is ayumi's)."""
 
-    def __init__(self, fail=False, error=None):
+    def __init__(self, fail=False, error=None, shards=0):
         self.fail = fail
         self.error = error or OSError("No space left on device")
+        self.shards = shards
+        """ZeRO optimizer shards to write, as that many data-parallel ranks would (their names say the layout)."""
 
     def save(self, root, tag, client_state, collector=None):
         (root / tag).mkdir(parents=True, exist_ok=True)
         torch.save({"module": {}}, root / tag / "mp_rank_00_model_states.pt")  # written directly: rank 0 hashes it
+        for rank in range(self.shards):
+            torch.save({"optimizer_state_dict": {"param_slice_mappings": [{}]}},
+                       root / tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
         if self.fail:
             raise self.error
 
@@ -33,6 +38,9 @@ class LoadingEngine(FakeEngine):
 
     def load(self, root, tag, universal=False):
         self.loads.append((tag, universal))
+
+    def own_names(self):
+        return set()
 
 
 def make(tmp_path, keep=2):
@@ -112,7 +120,7 @@ def test_a_conversion_the_disk_cannot_hold_is_refused_before_it_starts(tmp_path,
     import shutil
     from collections import namedtuple
 
-    saved = make(tmp_path).save(FakeEngine(), 10, {}, {"world_size": 2, "zero_stage": 2})
+    saved = make(tmp_path).save(FakeEngine(shards=2), 10, {}, {"world_size": 2, "zero_stage": 2})
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 8, 8))
     engine = LoadingEngine()
