@@ -77,7 +77,9 @@ from pretrain.plan.run_plan import run_plan
 from pretrain.startup.checks import (
     check_fp8, check_vocabulary, load_tokenizer_identity, read_downstream_tasks, settled_before_launch,
 )
-from pretrain.startup.record import ConfigVersion, absolute_paths, commit, resolved_config
+from pretrain.startup.record import (
+    ConfigVersion, absolute_paths, commit, keep_tokenizer, kept_tokenizer, resolved_config,
+)
 from pretrain.startup.resume import ResumeDecision, Settled, data_identity
 from pretrain.metrics import MetricsLogger, NullLogger
 from pretrain.model.flops import count_parameters
@@ -229,11 +231,15 @@ def build_trainer(cfg: AyumiConfig, dist: DistInfo, resolved: dict, watchdog: Ha
                 "zero_stage": cfg.deepspeed.zero_stage, "precision": cfg.deepspeed.precision,
                 "precision_reason": precision.reason, **tokenizer, "config": resolved,
                 "data": data_identity(cfg.data.root)}
+    kept = kept_tokenizer(tokenizer.get("tokenizer_dir"))
+    if kept is not None:  # the checkpoints record the run's own copy (keep_tokenizer makes it), never a path outside
+        run_meta["tokenizer_dir"] = str(kept)
     trainer = Trainer(cfg, dist, engine, loader, val_sets, logger, checkpointer, total_steps(cfg.train), run_meta,
                       watchdog=watchdog, downstream=downstream)
     decision = settled.resume if settled and resume_step is not None else None
     trainer.resume_if_possible(resumed, decision.lengths if decision else None)
     if dist.is_main:  # every check has passed and the checkpoint is loaded: now the run's record may change
+        keep_tokenizer(run_dir, tokenizer.get("tokenizer_dir"))
         record_config(cfg, resolved, settled.overrides if settled else [], resume_step or 0, decision, logger,
                       trainer.state.tokens)
     return trainer, logger

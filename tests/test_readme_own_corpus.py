@@ -145,3 +145,9 @@ def test_the_own_corpus_path_runs_verbatim(tmp_path):
     config = json.loads((hf / "config.json").read_text())
     assert config["vocab_size"] == padded >= meta["vocab_size"]  # what the run recorded reaches the export
     assert (hf / "model.safetensors").exists() and (hf / "tokenizer.json").exists()
+    # The run keeps its own copy of its tokenizer, and its checkpoints record that copy, never a folder outside the
+    # run (a path recorded in a run is read only inside it: export and eval need no --tokenizer-dir).
+    recorded = json.loads((run / "checkpoints" / latest / "ayumi.json").read_text())["tokenizer_dir"]
+    assert recorded == "tokenizer"  # relative to the run: a copy of the run folder elsewhere finds it too
+    for name in ("tokenizer.model", "tokenizer.json"):
+        assert (run / "tokenizer" / name).read_bytes() == (tokenizer / name).read_bytes() == (hf / name).read_bytes()

@@ -22,6 +22,8 @@ import yaml
 
 CONFIG = "config.yaml"
 HISTORY = "config_history.jsonl"
+TOKENIZER = "tokenizer"
+"""The run's own copy of its tokenizer (`keep_tokenizer`): what its checkpoints record, export copies and eval reads."""
 
 SESSION_KEYS = ("resume", "checkpoint.load_from", "checkpoint.resume", "train.max_steps", "stability.inject",
                 "hang.inject_delay_s", "hang.inject_rank", "checkpoint.inject_write_delay_s")
@@ -160,6 +162,44 @@ def is_new_version(previous: ConfigVersion | None, config: dict[str, Any], overr
     """Whether `config` composed from `overrides` differs from `previous` in anything but a session's settings."""
     return previous is None or run_settings(previous.config) != run_settings(config) or \
         run_overrides(previous.overrides) != run_overrides(overrides)
+
+
+def kept_tokenizer(tokenizer_dir: str | None) -> Path | None:
+    """Where the run keeps its copy of `tokenizer_dir` (keep_tokenizer), relative to the run dir, as its checkpoints
+    record it (a run copied or moved elsewhere still finds it): `tokenizer`, or the file's name in it for a bare
+    SentencePiece .model; None when the run names no tokenizer."""
+    if not tokenizer_dir:
+        return None
+    source = Path(tokenizer_dir)
+    return Path(TOKENIZER) / source.name if source.is_file() else Path(TOKENIZER)
+
+
+def keep_tokenizer(run_dir: str | Path, tokenizer_dir: str | None) -> None:
+    """Copy the run's tokenizer (its folder's files, not its subfolders; or the one file) into RUN_DIR/tokenizer.
+
+    A checkpoint records this copy, never a path outside its run: a path recorded in a run folder is read only inside
+    it (pretrain/checkpoint/recorded.py), and the run then exports and evaluates with its own tokenizer wherever the
+    original lives. Written once, atomically; a copy that already holds the same files is left as it is.
+    """
+    import filecmp
+    import shutil
+    import tempfile
+
+    if not tokenizer_dir:
+        return
+    source = Path(tokenizer_dir)
+    files = [source] if source.is_file() else sorted(p for p in source.iterdir() if p.is_file())
+    target = Path(run_dir) / TOKENIZER
+    if target.is_dir() and all((target / f.name).is_file() and filecmp.cmp(f, target / f.name, shallow=False)
+                               for f in files):
+        return
+    staged = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=run_dir))
+    for file in files:
+        shutil.copyfile(file, staged / file.name)
+    staged.chmod(0o755)
+    if target.exists():
+        shutil.rmtree(target)
+    staged.rename(target)
 
 
 def commit(run_dir: str | Path, version: ConfigVersion, config_yaml: str) -> None:
