@@ -216,8 +216,9 @@ def main(argv: list[str]) -> int:
     try:
         state_dict, cfg, extra = load_for_export(args.checkpoint)
         # A recorded tokenizer is copied only from inside the run: ayumi.json could name any folder of this machine.
-        tokenizer_dir = args.tokenizer_dir or recorded_tokenizer(Path(*resolve_checkpoint(args.checkpoint)),
-                                                                 extra.get("tokenizer_dir"))
+        recorded = extra.get("tokenizer_dir")
+        tokenizer_dir = args.tokenizer_dir or (
+            recorded_tokenizer(Path(*resolve_checkpoint(args.checkpoint)), recorded) if recorded else None)
         out = export_hf(
             state_dict, cfg, args.out_dir,
             bos_id=extra.get("bos_id"), eos_id=extra.get("eos_id"), pad_id=extra.get("pad_id"),
