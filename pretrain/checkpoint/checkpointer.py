@@ -397,7 +397,7 @@ class Checkpointer:
         """(data-parallel, tensor-parallel) sizes the checkpoint's optimizer states are cut for when DeepSpeed cannot
         load them directly on this run's ranks, else None. Decided from DeepSpeed's per-rank files in the folder
         (pretrain.engine.checkpoint_formats.optimizer_layout), never from ayumi.json alone: a record that does not
-        describe its files is refused (_check_record)."""
+        describe its files is refused (check_record)."""
         saved_stage = meta.get("zero_stage", self.zero_stage)
         saved_tp = meta.get("tensor_parallel", 1)  # checkpoints from before tensor parallelism: 1
         if saved_stage != self.zero_stage:
@@ -417,7 +417,7 @@ class Checkpointer:
         cut_for = optimizer_layout(tag_dir)
         if cut_for is None:  # no shards to convert: DeepSpeed's own load says what is missing
             return None
-        _check_record(tag_dir, meta, cut_for)
+        check_record(tag_dir, meta, cut_for)
         # ZeRO 1-3 cut the optimizer state by the data-parallel size and the tensor-parallel size.
         here = (self.world_size // self.tensor_parallel, self.tensor_parallel)
         return None if cut_for == here else cut_for
@@ -433,7 +433,7 @@ class Checkpointer:
             from pretrain.engine.checkpoint_formats import foreign_name  # the DeepSpeed room
 
             foreign = foreign_name(tag_dir, engine.own_names())
-        problem = self.first_problem(_foreign_line(*foreign) if foreign else None)
+        problem = self.first_problem(foreign_line(*foreign) if foreign else None)
         if problem:
             raise CheckpointError(problem)
         private, failure = None, None
@@ -458,14 +458,14 @@ class Checkpointer:
                 _remove_if_empty(self.root / UNIVERSAL_DIR)
 
 
-def _foreign_line(path: Path, name: object) -> str:
+def foreign_line(path: Path, name: object) -> str:
     """The refusal of a checkpoint file naming a parameter the model does not have."""
     return (f"{path} names a parameter this model does not have ({name!r}): DeepSpeed's conversion for another "
             "number of ranks would make a path of it, so nothing was converted or loaded. Fix: load a checkpoint of "
             "this model from a source you trust")
 
 
-def _check_record(tag_dir: Path, meta: dict[str, Any], cut_for: tuple[int, int]) -> None:
+def check_record(tag_dir: Path, meta: dict[str, Any], cut_for: tuple[int, int]) -> None:
     """Refuse a checkpoint whose ayumi.json says another number of ranks than its DeepSpeed files hold: ayumi never
     writes one, so it was edited or files of another save were mixed in."""
     world, tp = meta.get("world_size"), meta.get("tensor_parallel", 1)

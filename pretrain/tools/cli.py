@@ -7,6 +7,7 @@ common/status.py (`ayumi --help` lists them).
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import textwrap
 
@@ -55,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ayumi: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return BAD_INPUT
     module_name, func_name, _ = COMMANDS[name]
+    # Every process a command starts (ranks, converters, data-preparation workers) keeps the working folder off its
+    # import path: a folder there named like one of ayumi's packages would be imported instead ("" means off to
+    # Python, so the value is set, not defaulted).
+    os.environ["PYTHONSAFEPATH"] = "1"
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:

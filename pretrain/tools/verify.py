@@ -88,9 +88,59 @@ def check(folder: Path) -> Row:
         name, found = unsafe
         return Row(folder, step, files, UNSAFE, f"{name} holds objects other than tensors and plain data: loading it "
                    "could run code", safety.problem_line(folder, name, found))
+    planted = planted_problem(folder) if verdict.status != integrity.DAMAGED else None
+    if planted:  # intact and safe to unpickle, but a resume would refuse it: a writer of the folder planted it
+        return Row(folder, step, files, UNSAFE, "a resume refuses it (see the line below)", planted)
     if verdict.status == integrity.UNVERIFIABLE:
         return Row(folder, step, None, verdict.status, "no checksums (saved before ayumi recorded them)")
     return Row(folder, step, verdict.files, verdict.status, verdict.problem)
+
+
+def planted_problem(folder: Path) -> str | None:
+    """What a resume refuses in a folder whose files are intact and hold only tensors and plain data (one line), or
+    None: a link where ayumi writes or deletes (checkpoints/, universal/, the folder itself), an ayumi.json that
+    records another number of ranks than DeepSpeed's files hold, a parameter name that is not the model's own (the
+    universal conversion would make a path of it). Reads the files weights-only; imports no DeepSpeed."""
+    import json
+
+    from pretrain.checkpoint import paths
+    from pretrain.checkpoint.checkpointer import CheckpointError, check_record, foreign_line
+    from pretrain.checkpoint.layout import META
+    from pretrain.engine.checkpoint_formats import foreign_name, optimizer_layout
+
+    root = folder.parent
+    problem = paths.links_problem(root, [root, folder, root / "universal"])
+    if problem:
+        return problem
+    meta = json.loads((folder / META).read_text(encoding="utf-8"))
+    layout = optimizer_layout(folder)
+    try:
+        if layout is not None:
+            check_record(folder, meta, layout)
+    except CheckpointError as err:
+        return str(err)
+    if "model" not in meta:  # no model recorded to hold the names against (a resume holds them against its config)
+        return None
+    try:
+        own = model_names(meta)
+    except (TypeError, ValueError) as err:
+        return f"{folder / META} records a model ayumi cannot build ({err}): a resume or an export would refuse it"
+    foreign = foreign_name(folder, own)
+    return foreign_line(*foreign) if foreign else None
+
+
+def model_names(meta: dict) -> set[str]:
+    """The parameter and buffer names of the model ayumi.json records (built on the meta device: no memory, no init),
+    the only names the folder's DeepSpeed files may use."""
+    import torch
+
+    from pretrain.checkpoint.checkpointer import model_config_from_meta
+    from pretrain.model.llama import Llama
+
+    with torch.device("meta"):
+        model = Llama(model_config_from_meta(meta), init_weights=False)
+    return {name for name, _ in model.named_parameters(remove_duplicate=False)} | \
+        {name for name, _ in model.named_buffers(remove_duplicate=False)}
 
 
 def table(rows: list[Row], base: Path) -> str:

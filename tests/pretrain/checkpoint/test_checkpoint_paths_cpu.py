@@ -71,6 +71,17 @@ def plant_name(tag_dir: Path, where: str, name: str) -> Path:
     return path
 
 
+def verify_calls_it_unsafe(run: Path, starts: str) -> None:
+    """`ayumi checkpoint verify` on the run: the planted folder is `unsafe` (never "verified"), exit 2, and its line
+    on stderr is the one a resume refuses it with."""
+    proc = ayumi("checkpoint", "verify", run)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    [row] = [line for line in proc.stdout.splitlines() if line.startswith(f"checkpoints/{TAG}")]
+    assert "unsafe" in row and "verified" not in row, row
+    [said] = [line for line in proc.stderr.splitlines() if line.startswith("ayumi checkpoint verify: ")]
+    assert said.removeprefix("ayumi checkpoint verify: ").startswith(starts), said
+
+
 def resume_on_two(corpus, root: Path):
     proc = ayumi("train", *tiny_overrides(corpus, root, *BASE, "train.max_steps=4"))
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-4000:]
@@ -90,6 +101,7 @@ def test_a_parameter_name_that_is_a_path_is_refused_before_any_conversion(one_ra
     sentinel.mkdir()
     name = str(sentinel / "abs") if name == "ABSOLUTE" else name
     path = plant_name(run / "checkpoints" / TAG, where, name)
+    verify_calls_it_unsafe(run, f"{path} names a parameter this model does not have ({name!r}): ")
     before = outside(tmp_path, run)
     line = resume_on_two(corpus, root)
     assert line.startswith(f"{path} names a parameter this model does not have ({name!r}): "
@@ -112,6 +124,7 @@ def test_an_edited_world_size_forces_no_conversion(two_ranks, corpus, tmp_path):
     meta = json.loads((tag_dir / META).read_text())
     meta["world_size"] = 1
     (tag_dir / META).write_text(json.dumps(meta))
+    verify_calls_it_unsafe(run, f"{tag_dir / META} records world_size 1 (tensor-parallel 1), but the folder holds ")
     before = outside(tmp_path, run)
     line = resume_on_two(corpus, root)
     assert line.startswith(f"{tag_dir / META} records world_size 1 (tensor-parallel 1), but the folder holds "
@@ -131,6 +144,7 @@ def test_a_linked_universal_folder_is_refused_and_what_it_points_at_untouched(on
     (sentinel / "keep.txt").write_text("someone else's\n")
     link = run / "checkpoints" / "universal"
     link.symlink_to(sentinel, target_is_directory=True)
+    verify_calls_it_unsafe(run, f"{link} is a symbolic link (to {sentinel}): ")
     before = outside(tmp_path, run)
     line = resume_on_two(corpus, root)
     assert line.startswith(f"{link} is a symbolic link (to {sentinel}): ayumi writes under a checkpoint root only "
