@@ -293,7 +293,7 @@ class Checkpointer:
         for leftover in tag_dir.glob(".*.tmp*"):
             leftover.unlink(missing_ok=True)
         if self.rank == 0:
-            shutil.rmtree(tag_dir, ignore_errors=True)
+            paths.discard(self.root, tag_dir)
         if full:
             return CheckpointWriteFailed(
                 f"the disk at {self.root} is full ({human_bytes(_free_bytes(self.root))} free) while saving step {step} "
@@ -310,11 +310,11 @@ class Checkpointer:
         kept = self.protect(step, [step_of(tag) for tag in tags])
         for tag in tags[:-self.keep_last] if self.keep_last > 0 else []:
             if tag != newest and step_of(tag) not in kept:
-                shutil.rmtree(self.root / tag, ignore_errors=True)
+                paths.discard(self.root, self.root / tag)  # a link is left as it is, never followed
         for path in self.root.iterdir():
             if path.is_dir() and is_tag(path.name) and not is_complete(path):
                 if newest is None or step_of(path.name) < step_of(newest):
-                    shutil.rmtree(path, ignore_errors=True)
+                    paths.discard(self.root, path)
 
     def load(self, engine, tag: str, root: Path | None = None,
              verdict: integrity.Verdict | None = None) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -69,6 +69,16 @@ def remove_tree(root: Path, path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def discard(root: Path, path: Path) -> bool:
+    """Delete the folder `path` under `root` when write_problem allows it; a link (or a path resolving outside the
+    root) is left as it is, never followed. Whether it was deleted. For the clean-ups (pruning, the rollback ring,
+    a failed save), which must never fail a run nor delete elsewhere."""
+    if write_problem(root, path, "deletes"):
+        return False
+    shutil.rmtree(path, ignore_errors=True)
+    return True
+
+
 def private_folder(root: Path, parent: Path, prefix: str) -> Path:
     """A fresh folder under `parent` (itself under `root`, made if missing, mode 0700), made by mkdtemp: mode 0700,
     a name nobody chose, inside the root once resolved. ValueError with a one-line problem otherwise."""

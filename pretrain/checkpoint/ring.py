@@ -12,12 +12,12 @@ resumed from, keep_last deletes nothing, and such a stop keeps nothing of the st
 """
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from common.files import write_text_atomic
+from pretrain.checkpoint import paths
 from pretrain.checkpoint.checkpointer import LATEST, Checkpointer, complete_tags, step_of, tag_for
 from pretrain.checkpoint.layout import RING_DIR
 from pretrain.checkpoint.trust import OWN_FIX, Loaded, load_trusted
@@ -71,7 +71,7 @@ class RunCheckpoints:
         self.ring.save(engine, step, shared, meta)
         if self._is_main:
             for old in to_delete([step_of(tag) for tag in complete_tags(self.ring.root)]):
-                shutil.rmtree(self.ring.root / tag_for(old), ignore_errors=True)
+                paths.discard(self.ring.root, self.ring.root / tag_for(old))
         self._barrier()
         self.refresh()
 
@@ -135,6 +135,6 @@ class RunCheckpoints:
             for root in self.roots:
                 for tag in complete_tags(root):
                     if step_of(tag) > step:
-                        shutil.rmtree(root / tag, ignore_errors=True)
+                        paths.discard(root, root / tag)
         self._barrier()
         self.refresh()

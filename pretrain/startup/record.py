@@ -75,10 +75,11 @@ class ConfigVersion:
 
 def absolute_paths(cfg: Any) -> None:
     """The run dir, the checkpoint dir and the data root made absolute, in place: every rank of a job, and every
-    later resume, names the same folders whatever its working directory."""
-    cfg.run_dir = str(Path(cfg.run_dir).resolve())
-    cfg.checkpoint.dir = str(Path(cfg.checkpoint.dir).resolve())
-    cfg.data.root = str(Path(cfg.data.root).resolve())
+    later resume, names the same folders whatever its working directory. Links are kept, not resolved: the
+    checkpointer must see a `checkpoints/` that is a link to refuse it (pretrain/checkpoint/paths.py)."""
+    cfg.run_dir = os.path.abspath(cfg.run_dir)
+    cfg.checkpoint.dir = os.path.abspath(cfg.checkpoint.dir)
+    cfg.data.root = os.path.abspath(cfg.data.root)
 
 
 def resolved_config(cfg: Any) -> dict[str, Any]:

@@ -179,3 +179,37 @@ def test_a_save_never_goes_through_a_link(tmp_path, linked):
     with pytest.raises(CheckpointError, match=f"^{link} is a symbolic link"):
         Checkpointer(root, keep_last=2, rank=0, barrier=lambda: None).save(FakeEngine(), 10, {}, {})
     assert sorted(p.name for p in elsewhere.iterdir()) == ["keep"] and link.is_symlink()
+
+
+def test_pruning_leaves_a_linked_tag_folder_and_what_it_points_at(tmp_path):
+    """The clean-ups delete only real folders inside the checkpoint root: an old checkpoint that is a link to a folder
+    elsewhere is past keep_last, yet neither it nor the folder it points at is deleted. (A guard: shutil.rmtree
+    already refused a link at the top; pretrain/checkpoint/paths.py's discard now says so for every clean-up.)"""
+    root, elsewhere = tmp_path / "checkpoints", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / META).write_text("{}")
+    (elsewhere / "keep").write_text("someone else's\n")
+    root.mkdir()
+    (root / "step_0000001").symlink_to(elsewhere, target_is_directory=True)
+    for step in (2, 3):
+        (root / f"step_000000{step}").mkdir()
+        (root / f"step_000000{step}" / META).write_text("{}")
+    Checkpointer(root, keep_last=1, rank=0, barrier=lambda: None)._prune(3)
+    assert sorted(p.name for p in root.iterdir()) == ["step_0000001", "step_0000003"]
+    assert sorted(p.name for p in elsewhere.iterdir()) == sorted(["keep", META])
+
+
+@pytest.mark.slow
+def test_a_linked_checkpoints_folder_is_refused_before_anything_is_loaded(one_rank, corpus, tmp_path):
+    """`checkpoints/` itself a link to a folder elsewhere (every save, prune and conversion would land there): the
+    ranks refuse it at start, one line naming the link and the fix, and the folder it points at stays as it was."""
+    root = Path(shutil.copytree(one_rank, tmp_path / "runs"))
+    run = root / "cpu_tiny"
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(run / "checkpoints", elsewhere)
+    (run / "checkpoints").symlink_to(elsewhere, target_is_directory=True)
+    before = outside(tmp_path, run)
+    line = resume_on_two(corpus, root)
+    assert line.startswith(f"{run / 'checkpoints'} is a symbolic link (to {elsewhere}): "), line
+    assert "Fix: replace the link with a real folder (or point checkpoint.dir at the folder you meant)" in line
+    assert outside(tmp_path, run) == before
