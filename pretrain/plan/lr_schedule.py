@@ -107,9 +107,7 @@ def scheduled_lr(step: float, cfg: Any, history: LengthHistory) -> float:
 def stretched_step(step: float, start: int, old_last: int, new_last: int) -> float:
     """The step of the old schedule that step `step` of the new one stands for: [start, new_last] drawn onto
     [start, old_last]; at or past a finished schedule's end (old_last <= start), the old schedule's last step."""
-    if old_last <= start:
-        return float(old_last)
-    if new_last <= start:
+    if old_last <= start or new_last <= start:
         return float(old_last)
     return start + (step - start) * (old_last - start) / (new_last - start)
 

@@ -36,19 +36,10 @@ def session_only(key: str) -> bool:
     return any(key == name or key.startswith(name + ".") for name in SESSION_KEYS)
 
 
-def run_settings(config: dict[str, Any]) -> dict[str, Any]:
+def run_settings(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """`config` without its session settings: what makes two versions of the run differ."""
-    out: dict[str, Any] = {}
-    for key, value in config.items():
-        if session_only(key):
-            continue
-        if isinstance(value, dict):
-            nested = {f"{key}.{inner}": v for inner, v in value.items()}
-            kept = run_settings(nested)
-            out[key] = {name.split(".", 1)[1]: v for name, v in kept.items()}
-        else:
-            out[key] = value
-    return out
+    return {key: run_settings(value, f"{prefix}{key}.") if isinstance(value, dict) else value
+            for key, value in config.items() if not session_only(f"{prefix}{key}")}
 
 
 def run_overrides(overrides: list[str]) -> list[str]:

@@ -71,6 +71,15 @@ def plant_name(tag_dir: Path, where: str, name: str) -> Path:
     return path
 
 
+def planted_copy(trained_root: Path, tmp_path: Path) -> tuple[Path, Path, Path]:
+    """(a copy of a module's run root to plant into, its run dir, an empty sentinel folder outside the run that
+    nothing may write into)."""
+    root = Path(shutil.copytree(trained_root, tmp_path / "runs"))
+    sentinel = tmp_path / "sentinel"
+    sentinel.mkdir()
+    return root, root / "cpu_tiny", sentinel
+
+
 def verify_calls_it_unsafe(run: Path, starts: str) -> None:
     """`ayumi checkpoint verify` on the run: the planted folder is `unsafe` (never "verified"), exit 2, and its line
     on stderr is the one a resume refuses it with."""
@@ -95,10 +104,7 @@ def resume_on_two(corpus, root: Path):
 def test_a_parameter_name_that_is_a_path_is_refused_before_any_conversion(one_rank, corpus, tmp_path, where, name):
     """A 1-rank checkpoint resumed on 2 ranks goes through DeepSpeed's converter, which joins each name to its output
     folder: the name is refused first, naming the file, and nothing appears outside the run."""
-    root = Path(shutil.copytree(one_rank, tmp_path / "runs"))
-    run = root / "cpu_tiny"
-    sentinel = tmp_path / "sentinel"
-    sentinel.mkdir()
+    root, run, sentinel = planted_copy(one_rank, tmp_path)
     name = str(sentinel / "abs") if name == "ABSOLUTE" else name
     path = plant_name(run / "checkpoints" / TAG, where, name)
     verify_calls_it_unsafe(run, f"{path} names a parameter this model does not have ({name!r}): ")
@@ -115,11 +121,8 @@ def test_an_edited_world_size_forces_no_conversion(two_ranks, corpus, tmp_path):
     """ayumi.json's world_size once decided the conversion: edited to 1 on a 2-rank checkpoint (with an absolute name
     planted), it is now checked against DeepSpeed's files, which hold 2 ranks' optimizer shards: refused, nothing
     converted, nothing written elsewhere."""
-    root = Path(shutil.copytree(two_ranks, tmp_path / "runs"))
-    run = root / "cpu_tiny"
+    root, run, sentinel = planted_copy(two_ranks, tmp_path)
     tag_dir = run / "checkpoints" / TAG
-    sentinel = tmp_path / "sentinel"
-    sentinel.mkdir()
     plant_name(tag_dir, "module", str(sentinel / "abs"))
     meta = json.loads((tag_dir / META).read_text())
     meta["world_size"] = 1
