@@ -153,9 +153,19 @@ class Mixer:
     # -- the stream (SampleSource) ------------------------------------------------------------------
     def get(self, global_index: int) -> tuple[np.ndarray, int]:
         """Sample `global_index`: (its stage's seq_len + 1 tokens, domain index); a pure function of the index."""
-        stream, cursor = self.schedule.locate(global_index)
-        _, sample = self._orders[stream](cursor)
+        stream, _, sample = self._locate(global_index)
         return self._samples[stream].sample(sample), self._stream_domain[stream]
+
+    def origin(self, global_index: int) -> tuple[str, int, int, PackedSamples]:
+        """Where sample `global_index` comes from: (stream name, epoch, sample id, the stream's samples); `get`
+        reads it from there, and `ayumi batch` names its documents from it."""
+        stream, epoch, sample = self._locate(global_index)
+        return self.streams[stream].name, epoch, sample, self._samples[stream]
+
+    def _locate(self, global_index: int) -> tuple[int, int, int]:
+        stream, cursor = self.schedule.locate(global_index)
+        epoch, sample = self._orders[stream](cursor)
+        return stream, epoch, sample
 
     def sample_slots(self, global_index: int) -> int:
         """Global indices one sample spans at `global_index`: its stage's seq_len / train.seq_len."""

@@ -283,7 +283,17 @@ class ShuffledDomains:
         return 1
 
     def get(self, global_index: int) -> tuple[np.ndarray, int]:
-        _, flat = self.order(global_index)
+        domain, _, sample = self._locate(global_index)
+        return self.domains[self.domain_names[domain]].sample(sample), domain
+
+    def origin(self, global_index: int) -> tuple[str, int, int, PackedSamples]:
+        """Where sample `global_index` comes from: (domain name, epoch, sample id in the domain, its samples); `get`
+        reads it from there, and `ayumi batch` names its documents from it."""
+        domain, epoch, sample = self._locate(global_index)
+        name = self.domain_names[domain]
+        return name, epoch, sample, self.domains[name]
+
+    def _locate(self, global_index: int) -> tuple[int, int, int]:
+        epoch, flat = self.order(global_index)
         domain = int(np.searchsorted(self._starts, flat, side="right")) - 1
-        samples = self.domains[self.domain_names[domain]]
-        return samples.sample(flat - int(self._starts[domain])), domain
+        return domain, epoch, flat - int(self._starts[domain])

@@ -19,6 +19,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from pretrain.stream import micro_batch_firsts, micro_batch_samples
+
 
 class SampleSource(Protocol):
     """A global, deterministic sample stream (data.packed.ShuffledDomains, the curriculum's mixer)."""
@@ -61,19 +63,15 @@ class BatchLoader:
         self._pending: dict[int, Future] = {}
 
     # -- assembly -------------------------------------------------------------------------------
-    def _rank_start(self, consumed: int) -> int:
-        return consumed + self.rank * self.micro_batch * self.grad_accum
-
+    # The layout (which global indices each micro batch holds) is pretrain/stream.py's, which `ayumi batch` reads too.
     def _assemble(self, first: int) -> tuple[np.ndarray, np.ndarray]:
-        stride = self.source.sample_slots(first)
-        samples, domains = zip(*(self.source.get(first + i) for i in range(0, self.micro_batch, stride)))
+        indices = micro_batch_samples(self.source, first, self.micro_batch)
+        samples, domains = zip(*(self.source.get(index) for index in indices))
         return np.stack(samples).astype(np.int64, copy=False), np.asarray(domains, dtype=np.int64)
 
     def _step_arrays(self, consumed: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
-        start = self._rank_start(consumed)
         out = []
-        for micro in range(self.grad_accum):
-            first = start + micro * self.micro_batch
+        for first in micro_batch_firsts(consumed, self.rank, self.micro_batch, self.grad_accum):
             tokens, domains = self._assemble(first)
             out.append((first, tokens, domains))
         return out

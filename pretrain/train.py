@@ -46,11 +46,9 @@ import torch
 from omegaconf import OmegaConf
 
 from curriculum.config import CurriculumError
-from curriculum.config import enabled as curriculum_enabled
 from curriculum.declared import register_curriculum_domains
-from curriculum.mixer import Mixer, open_streams
+from curriculum.mixer import Mixer
 from curriculum.plan import PlanRefused, checkpoint_shape, raise_if_refused
-from data.domains import open_run_data
 from data.manifest import MANIFEST_NAME, ManifestError, load_manifest
 from data.packed import CorruptShardError, DataChangedError, PackedSamples, ShuffledDomains
 from data.shards import ShardFormatError, TokenizerMismatchError
@@ -81,6 +79,7 @@ from pretrain.startup.record import (
     ConfigVersion, absolute_paths, commit, keep_tokenizer, kept_tokenizer, resolved_config,
 )
 from pretrain.startup.resume import ResumeDecision, Settled, data_identity
+from pretrain.stream import open_training_data, sample_source
 from pretrain.metrics import MetricsLogger, NullLogger
 from pretrain.model.flops import count_parameters
 from pretrain.model.fp8 import convert_to_fp8
@@ -125,18 +124,13 @@ def build_data(cfg: AyumiConfig, tokenizer: dict,
     manifest = load_manifest(root)
     check_vocabulary(cfg, manifest, tokenizer, root)
     settle_document_end(cfg, manifest, root)
-    _, train, val = open_run_data(root, cfg.data.domains or None, cfg.train.seq_len, cfg.model.vocab_size,
-                                  cfg.data.verify, cfg.data.validation)
-    if curriculum_enabled(cfg.curriculum):  # stages at their own seq_len or document filter read streams of their own
-        train.update(open_streams(cfg.curriculum, root, cfg.train.seq_len, cfg.model.vocab_size))
+    train, val = open_training_data(cfg)
     # The same checks as `ayumi plan`: budgets vs run length, repetition, disk, GPU memory. Refuse before step 1.
     plan = run_plan(cfg, count_parameters(cfg.model), hardware, domains=train)
     raise_if_refused(plan.plan)
     if hardware.gpu_bytes and int(os.environ.get("RANK", 0)) == 0:
         print(format_memory(plan.memory, hardware.gpu_bytes, hardware.where), flush=True)
-    if curriculum_enabled(cfg.curriculum):
-        return Mixer(cfg.curriculum, train, cfg.train.seq_len, cfg.train.global_batch_size, cfg.train.seed), val
-    return ShuffledDomains(train, seed=cfg.train.seed), val
+    return sample_source(cfg, train), val
 
 
 def register_declared_data(cfg: AyumiConfig, dist: DistInfo) -> None:

@@ -245,8 +245,10 @@ class Trainer:
         start_step = self.state.step
         if start_step >= self.total_steps:
             self.logger.info(f"run {self.cfg.name} is already complete ({start_step} steps); nothing to do")
-        elif start_step == 0 and self.cfg.checkpoint.save_initial and 0 not in self.checkpoints.steps:
-            self.save("initial")
+        else:
+            self.note_session()
+            if start_step == 0 and self.cfg.checkpoint.save_initial and 0 not in self.checkpoints.steps:
+                self.save("initial")
         if self.downstream.at_start(start_step):
             self.downstream.run(0, 0)
         try:
@@ -307,6 +309,17 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         return self.evaluator.run(self.state.step, self.state.tokens)
+
+    def note_session(self) -> None:
+        """The `session` event: the batch layout and stream position this session trains from, which
+        pretrain/step_samples.py reads to say which samples each step trained on (and on which rank)."""
+        loader = self.loader
+        self.logger.event("session", self.state.step, self.state.tokens,
+                          f"training from step {self.state.step + 1:,} on {loader.world_size} data-parallel rank(s) x "
+                          f"{loader.grad_accum} micro batch(es) of {loader.micro_batch}, from global sample "
+                          f"{loader.consumed_samples:,}", world_size=self.dist.world_size, dp_size=loader.world_size,
+                          micro_batch=loader.micro_batch, grad_accum=loader.grad_accum,
+                          global_batch=loader.global_batch, first_sample=loader.consumed_samples)
 
     def announce(self) -> None:
         self.logger.info(start_line(self.cfg, self.dist, self.total_steps, self.figures, self.engine.grad_accum,
@@ -475,7 +488,7 @@ class Trainer:
                           f"rolled back to step {to_step} ({loaded.root.name}), skipped {action.skip_batches} batches, "
                           f"LR x{action.lr_factor:g} cooling over {action.cooldown_steps} steps; "
                           f"training again after {latency:.1f}s", latency_s=latency, to_step=to_step,
-                          skip_batches=action.skip_batches)
+                          skip_batches=action.skip_batches, first_sample=self.loader.consumed_samples)
         self.logger.set_progress(self.total_steps, self.state.step)
 
     def apply_optimizer_overrides(self) -> None:

@@ -1,0 +1,256 @@
+"""Which samples a step trained on: every sample of step N as trained, named down to its documents.
+
+The stream is a pure function of the global sample index (pretrain/stream.py, curriculum/mixer.py), so a step's
+samples follow from three things the run records:
+
+- where the step's global batch began in the stream: each session's first position and batch layout (the
+  `session` event the trainer logs before its first step, and the `recovered` event after a rollback), then
+  one global batch per step, jumping over the skip ledger's ranges (`skipped_samples.json`) exactly as the
+  trainer does (`curriculum.mixer.batches_due`, checked before each step);
+- the config that trained the step (`config_history.jsonl`, pretrain/startup/record.py): the curriculum, the
+  seed, the sequence length and the data root, from which the stream is rebuilt with the same functions
+  training uses (pretrain/stream.py);
+- how the batch was cut over ranks: each data-parallel rank a contiguous slice, micro batch by micro batch
+  (pretrain/stream.py's layout, which the loader itself calls).
+
+Step numbers are 1-based, as the progress line and events.jsonl count them. A step trained twice (before and
+after a rollback, or a resume from an older checkpoint) is the one on the run's present timeline. Imports no
+torch: the trainer names a spike's documents with it, and `ayumi batch` (pretrain/tools/batch.py) prints it.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from curriculum.mixer import Mixer, SkipLedger, batches_due
+from data.provenance import Piece, sample_pieces
+from pretrain.metrics import EVENTS_FILE, METRICS_FILE
+from pretrain.skips import LEDGER_FILE
+from pretrain.stream import micro_batch_firsts, micro_batch_samples, open_training_data, sample_source
+
+
+class StepSamplesError(ValueError):
+    """A step's samples cannot be named; the message says which file or argument and what to do."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a stretch of the run cut its global batches (a session, or what follows a rollback)."""
+
+    from_step: int
+    """0-based index of the first step this layout trained."""
+    first_sample: int
+    """The stream position (global sample index) before that step."""
+    dp_size: int
+    """Data-parallel ranks."""
+    micro_batch: int
+    """Samples of train.seq_len slots per micro batch."""
+    grad_accum: int
+    """Micro batches per rank per step."""
+    global_batch: int
+    """Global sample slots per step."""
+
+
+@dataclass
+class TrainedSample:
+    """One sample of a step, where it came from and what it held."""
+
+    rank: int
+    """Data-parallel rank that trained it (every rank of a tensor- or sequence-parallel group read it)."""
+    micro: int
+    """Its micro batch on that rank (0-based)."""
+    row: int
+    """Its row in that micro batch (0-based)."""
+    index: int
+    """Its global sample index (the slot it begins at)."""
+    domain: str
+    stream: str
+    """The stream it was read from: the domain, or a stage's own length or document filter of it."""
+    stage: int | None
+    """The curriculum stage (1-based) holding it; None without a curriculum."""
+    epoch: int
+    """How many times its stream had been read through before it."""
+    sample: int
+    """Its sample id within the stream."""
+    pieces: list[Piece]
+    """The documents it holds (data/provenance.py)."""
+    tokens: np.ndarray
+    """Its seq_len + 1 token ids: the model's inputs are all but the last, its labels all but the first."""
+
+    def as_dict(self, with_tokens: bool = True) -> dict[str, Any]:
+        out = {"rank": self.rank, "micro": self.micro, "row": self.row, "index": self.index, "domain": self.domain,
+               "stream": self.stream, "stage": self.stage, "epoch": self.epoch, "sample": self.sample,
+               "documents": [piece.as_dict() for piece in self.pieces]}
+        if with_tokens:
+            out["tokens"] = self.tokens.tolist()
+        return out
+
+
+@dataclass
+class StepBatch:
+    """Every sample of one step, in rank, micro batch and row order."""
+
+    step: int
+    """1-based."""
+    first_sample: int
+    """The stream position the step's global batch began at."""
+    layout: Layout
+    samples: list[TrainedSample] = field(default_factory=list)
+    stage_weights: dict[str, float] = field(default_factory=dict)
+    """The weights of the curriculum stage the step began in (empty without a curriculum)."""
+
+
+# -- the record: where each step began -----------------------------------------------------------------------
+def read_events(run_dir: Path) -> list[dict[str, Any]]:
+    """events.jsonl's records in the order written; a line cut by a crash is skipped."""
+    path = Path(run_dir) / EVENTS_FILE
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def layouts(events: list[dict[str, Any]]) -> list[Layout]:
+    """The layouts of the run's present timeline, by first step: a session, or a rollback within one, replaces
+    every layout recorded from its first step on (that stretch was trained again)."""
+    kept: list[Layout] = []
+    current: Layout | None = None
+    for event in events:
+        kind = event.get("event")
+        if kind == "session":
+            new = Layout(int(event["step"]), int(event["first_sample"]), int(event["dp_size"]),
+                         int(event["micro_batch"]), int(event["grad_accum"]), int(event["global_batch"]))
+        elif kind == "recovered" and current is not None and "first_sample" in event:
+            new = replace(current, from_step=int(event["step"]), first_sample=int(event["first_sample"]))
+        else:
+            continue
+        current = new
+        kept = [old for old in kept if old.from_step < new.from_step] + [new]
+    return kept
+
+
+def position_after(first_sample: int, steps: int, skips: list[tuple[int, int]], global_batch: int) -> int:
+    """The stream position before the step `steps` steps after one that began at `first_sample`: each step takes
+    one global batch, and before each the trainer jumps a recorded skip range it has reached (batches_due)."""
+    position = first_sample
+    for start, stop in skips:
+        if stop <= position:
+            continue
+        if start > position:
+            reach = -(-(start - position) // global_batch)  # steps until the stream is inside the range
+            if reach > steps:
+                break
+            position += reach * global_batch
+            steps -= reach
+        position += batches_due([(start, stop)], position, global_batch) * global_batch
+    return position + steps * global_batch
+
+
+def last_trained_step(run_dir: Path) -> int:
+    """The step of metrics.jsonl's last training record (the run's progress); 0 when it has none."""
+    path = Path(run_dir) / METRICS_FILE
+    last = 0
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if "train/loss" in record:
+                last = int(record["step"])
+    return last
+
+
+def step_start(run_dir: Path, step: int) -> tuple[Layout, int]:
+    """(the layout that trained 1-based `step`, the stream position its global batch began at)."""
+    index = step - 1
+    found = [layout for layout in layouts(read_events(run_dir)) if layout.from_step <= index]
+    if not found:
+        raise StepSamplesError(f"{Path(run_dir) / EVENTS_FILE} records no session that trained step {step:,} (a run "
+                               "trained before ayumi logged `session` events): its batches cannot be placed")
+    layout = found[-1]
+    skips = SkipLedger(Path(run_dir) / LEDGER_FILE).load()
+    return layout, position_after(layout.first_sample, index - layout.from_step, skips, layout.global_batch)
+
+
+# -- the stream: what those positions held -------------------------------------------------------------------
+def step_config(run_dir: Path, step: int):
+    """The config (AyumiConfig) that trained `step`, from the run's record."""
+    from pretrain.config import ConfigError
+    from pretrain.startup.record import HISTORY, config_for_step, last_version, run_settings
+    from pretrain.startup.resume import config_of
+
+    try:
+        version = config_for_step(run_dir, step) or last_version(run_dir)
+    except ConfigError as err:
+        raise StepSamplesError(str(err)) from None
+    if version is None:
+        raise StepSamplesError(f"{run_dir} holds no {HISTORY} nor config.yaml: is it a run folder (RUN_DIR)?")
+    cfg = config_of(run_settings(version.config))  # a session's own settings (a fire drill's) shape no data
+    if cfg is None:
+        raise StepSamplesError(f"{Path(run_dir) / HISTORY}: the config that trained step {step:,} does not fit this "
+                               "version of ayumi's schema; read it with the version that trained the run")
+    return cfg
+
+
+def open_source(cfg):
+    """The run's training stream rebuilt from its config (sizes checked, no checksums: nothing is trained)."""
+    try:
+        train, _ = open_training_data(cfg, verify="sizes", validation=False)
+        return sample_source(cfg, train)
+    except (ValueError, OSError) as err:
+        raise StepSamplesError(f"the run's data (data.root={cfg.data.root}) cannot be read as it was trained: "
+                               f"{err}") from None
+
+
+def trained_sample(source, index: int, rank: int, micro: int, row: int) -> TrainedSample:
+    """Sample `index` of `source` as the loader reads it (`get`), with where it came from (`origin`)."""
+    stream, epoch, sample, samples = source.origin(index)
+    tokens, domain = source.get(index)
+    stage = source.stage_at_sample(index) + 1 if isinstance(source, Mixer) else None
+    return TrainedSample(rank, micro, row, index, source.domain_names[domain], stream, stage, epoch, sample,
+                         sample_pieces(samples, sample), np.asarray(tokens, dtype=np.int64))
+
+
+def batch_samples(source, position: int, layout: Layout) -> list[TrainedSample]:
+    """Every sample of the global batch that begins at `position`, cut over ranks and micro batches as the loader
+    cuts it."""
+    out = []
+    for rank in range(layout.dp_size):
+        for micro, first in enumerate(micro_batch_firsts(position, rank, layout.micro_batch, layout.grad_accum)):
+            for row, index in enumerate(micro_batch_samples(source, first, layout.micro_batch)):
+                out.append(trained_sample(source, index, rank, micro, row))
+    return out
+
+
+def stage_weights(source, position: int) -> dict[str, float]:
+    """The weights of the curriculum stage holding `position` (empty without a curriculum)."""
+    if not isinstance(source, Mixer):
+        return {}
+    stage = source.cfg.stages[source.stage_at_sample(position)]
+    return {name: float(weight) for name, weight in stage.weights.items() if weight > 0}
+
+
+def step_batch(run_dir: str | Path, step: int) -> StepBatch:
+    """Every sample 1-based `step` of the run in `run_dir` trained on (see the module doc)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise StepSamplesError(f"run folder {run_dir} does not exist: give the RUN_DIR a training run wrote")
+    if step < 1:
+        raise StepSamplesError(f"--step {step}: steps count from 1, as the progress line and events.jsonl do")
+    last = last_trained_step(run_dir)
+    if step > last:
+        raise StepSamplesError(f"--step {step:,}: {run_dir / METRICS_FILE} records training up to step {last:,} "
+                               "only; give a step it has trained")
+    layout, position = step_start(run_dir, step)
+    source = open_source(step_config(run_dir, step))
+    return StepBatch(step, position, layout, batch_samples(source, position, layout), stage_weights(source, position))
