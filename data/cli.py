@@ -1,6 +1,7 @@
 """`ayumi data prepare|inspect|verify`: corpus files to token shards, a look at what was made, a full check.
 
     ayumi data prepare data=NAME tokenizer_dir=DIR [key=value ...] [--cfg job]
+    ayumi data prepare ... --tasks N [--task I | --local | --finish]
     ayumi data inspect DATA_ROOT [--samples N] [--chars N] [--tokenizer-dir DIR]
     ayumi data verify DATA_ROOT
 
@@ -33,7 +34,9 @@ def prepare_help() -> str:
     about = command_help(
         "ayumi data prepare data=NAME tokenizer_dir=DIR [key=value ...] [--cfg job]",
         "Clean, tokenize and pack each domain's corpus files into .bin/.idx shards with a validation split and\n"
-        "manifest.json (fields: data/config.py: DataPrepareConfig, DomainConfig, CleanConfig).",
+        "manifest.json (fields: data/config.py: DataPrepareConfig, DomainConfig, CleanConfig).\n"
+        "--tasks N --task I runs task I of N (an array job's variable stands for --task: data/tasks.py);\n"
+        "--tasks N --finish merges them; --tasks N --local runs all N here, then finishes (docs/data.md).",
         composed_from("data_prepare", "data"))
     # data.domains is dict[str, Any] in the schema (a domain is merged with DomainConfig when read): name it here.
     fields = fields_help(DataPrepareConfig, "data/config.py", entries={"data.domains": DomainConfig})
@@ -102,7 +105,10 @@ def prepare_main(argv: list[str]) -> int:
     from common.conf import ConfigCompositionError, error_lines
     from common.corpus import CorpusError
 
+    from data.tasks import split_task_flags
+
     try:
+        task_args, argv = split_task_flags(argv)
         show_cfg, overrides = _split_cfg_flag(argv)
         cfg = compose(overrides)
         # Checked before `--cfg job` prints: every value it shows is one prepare accepts (tokenizer_dir may be unset).
@@ -111,6 +117,8 @@ def prepare_main(argv: list[str]) -> int:
             print(resolved_yaml(cfg), end="")
             return 0
         with _console_logging():
+            if task_args.given:
+                return _prepare_tasks(task_args, job, argv)
             manifest = prepare(job)
     except (ConfigCompositionError, HydraException, OmegaConfBaseException, ConfigError, CorpusError, PrepareError,
             ManifestError, ShardFormatError, TokenizerNotFoundError) as err:
@@ -118,13 +126,42 @@ def prepare_main(argv: list[str]) -> int:
         print(error_lines("ayumi data prepare: error: ", err), file=sys.stderr)
         return BAD_INPUT
     except KeyboardInterrupt:
-        print("ayumi data prepare: interrupted; finished domains are kept, re-run to continue", file=sys.stderr)
+        print("ayumi data prepare: interrupted; finished domains (and tasks' shares) are kept, re-run to continue",
+              file=sys.stderr)
         return INTERRUPTED
     totals = manifest["totals"]
     count = len(manifest["domains"])
     print(f"prepared {count} domain{'s' * (count != 1)} under {cfg.data.root}: {totals['docs_kept']:,} docs, "
           f"{totals['tokens']:,} tokens, {totals['shards']} shards (see `ayumi data inspect {cfg.data.root}`)")
     return 0
+
+
+def _prepare_tasks(task_args, job, overrides: list[str]) -> int:
+    """`--tasks N` with `--task I` (or an array variable), `--local` or `--finish` (data/tasks.py, data/finish.py)."""
+    import os
+
+    from data.finish import finish, task_table
+    from data.tasks import resolve_task, run_local, run_task
+
+    index, tasks = resolve_task(task_args, dict(os.environ))
+    if task_args.local:
+        failed = run_local(overrides, tasks)
+        if failed:
+            print(f"ayumi data prepare: {len(failed)} of {tasks} tasks failed ({', '.join(map(str, failed[:20]))}; "
+                  "their lines are above); nothing was finished. Fix the cause and run the same command again: "
+                  "completed tasks are skipped", file=sys.stderr)
+            return BAD_INPUT
+    elif not task_args.finish:
+        units = run_task(job, index, tasks)
+        print(f"task {index} of {tasks} complete: {sum(unit['docs_kept'] for unit in units.values()):,} docs kept "
+              f"in {len(units)} domain(s) under {job.data.root}/.tasks; when all tasks are, run it with --finish")
+        return DONE
+    manifest, summary = finish(job, tasks)
+    print("\n".join(task_table(summary)))
+    totals = manifest["totals"]
+    print(f"finished {tasks} tasks into {job.data.root}: {totals['docs_kept']:,} docs, {totals['tokens']:,} tokens, "
+          f"{totals['shards']} shards (see `ayumi data inspect {job.data.root}`)")
+    return DONE
 
 
 def inspect_main(argv: list[str]) -> int:
@@ -201,3 +238,7 @@ def main(argv: list[str]) -> int:
         return verify_main(rest)
     print(f"ayumi data: unknown command {command!r}\nusage:\n{USAGE}", file=sys.stderr)
     return BAD_INPUT
+
+
+if __name__ == "__main__":  # `python -m data.cli prepare ...`: how `--local` starts its tasks (data/tasks.py)
+    sys.exit(main(sys.argv[1:]))

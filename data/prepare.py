@@ -417,20 +417,29 @@ class DomainWriter:
     def __init__(self, job: DomainJob, root: Path, cfg: DataPrepareConfig, tokenizer):
         self.job = job
         self.tokenizer = tokenizer
-        self.out = root / job.name
-        self.partial = root / PARTIAL_DIR / job.name
+        self.out, self.partial = self._places(root)
         shutil.rmtree(self.partial, ignore_errors=True)
         self.partial.mkdir(parents=True)
-        cap = max(1, int(job.domain.shard_max_mb * 2**20))
-        self.train = ShardSequence(self.partial / "train", cap, tokenizer.vocab_size)
-        self.val = ShardSequence(self.partial / "val", cap, tokenizer.vocab_size)
-        self.router = SplitRouter(self.train, self.val, job.domain)
+        self._open_outputs(max(1, int(job.domain.shard_max_mb * 2**20)))
         self.deduper, self.drops = Deduper(job.domain.clean.dedup), DropCounts()
         self.docs, self.text_bytes, self.started = 0, 0, time.monotonic()
         self.file_docs: dict[Path, int] = {}  # documents so far of jsonl files read in blocks (empty_file check)
         self.strict = cfg.strict
-        log.info("%s: %d input files", job.name, len(job.files))
+        self._announce()
         self.bar = _progress(cfg, job.name)  # after the log line: a bar left open would share its line
+
+    def _places(self, root: Path) -> tuple[Path, Path]:
+        """(where the finished domain goes, where it is written meanwhile); a task's writer (data/tasks.py) differs."""
+        return root / self.job.name, root / PARTIAL_DIR / self.job.name
+
+    def _announce(self) -> None:
+        log.info("%s: %d input files", self.job.name, len(self.job.files))
+
+    def _open_outputs(self, cap: int) -> None:
+        """The train and val shard sequences and the router that fills them."""
+        self.train = ShardSequence(self.partial / "train", cap, self.tokenizer.vocab_size)
+        self.val = ShardSequence(self.partial / "val", cap, self.tokenizer.vocab_size)
+        self.router = SplitRouter(self.train, self.val, self.job.domain)
 
     def route(self, meta: list[str] | JsonlBatch | FileEnd, result: ChunkResult | None) -> None:
         """Take one stream item of this domain: a chunk's result, or the end of a jsonl file."""
@@ -496,12 +505,15 @@ class DomainWriter:
             self.bar = None
 
 
-def prepare_domains(jobs: list[DomainJob], pool: ChunkPool, root: Path, cfg: DataPrepareConfig, tokenizer) -> dict[str, dict]:
+def prepare_domains(jobs: list[DomainJob], pool: ChunkPool, root: Path, cfg: DataPrepareConfig, tokenizer,
+                    writer_class: type | None = None) -> dict[str, dict]:
     """Write every job's domain from one stream of chunks; returns their records by name.
 
     Results arrive in stream order, so a domain's end marker comes after all its chunks and
-    before any chunk of the next domain: one DomainWriter is open at a time.
+    before any chunk of the next domain: one DomainWriter is open at a time. `writer_class`
+    (default DomainWriter) is what an array task writes its share with (data/tasks.py).
     """
+    writer_class = writer_class or DomainWriter
     by_name = {job.name: job for job in jobs}
     records: dict[str, dict] = {}
     writer: DomainWriter | None = None
@@ -509,7 +521,7 @@ def prepare_domains(jobs: list[DomainJob], pool: ChunkPool, root: Path, cfg: Dat
     try:
         for (name, meta), result in pool.map_ordered(work_stream(jobs, cfg.strict, chunk_bytes)):
             if writer is None:
-                writer = DomainWriter(by_name[name], root, cfg, tokenizer)
+                writer = writer_class(by_name[name], root, cfg, tokenizer)
             if isinstance(meta, Exception):
                 raise meta
             if meta is None:
