@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "data": ("data.cli", "main", "prepare | inspect | verify: corpus to Megatron .bin/.idx token shards"),
     "plan": ("pretrain.tools.plan", "main", "stage table, repetition, steps, disk and per-GPU memory for an experiment"),
     "report": ("pretrain.tools.report.build", "main", "plots and a summary of a run dir"),
+    "batch": ("pretrain.tools.batch", "main", "batch RUN_DIR --step N: every sample a step trained on, with its documents"),
     "doctor": ("pretrain.tools.doctor", "main", "versions, devices, DeepSpeed ops, disk and W&B mode"),
 }
 
