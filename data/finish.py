@@ -16,6 +16,7 @@ one-task run's record: the example locations of duplicates found across tasks na
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -67,19 +68,23 @@ def finish(cfg: DataPrepareConfig, tasks: int) -> tuple[dict, dict]:
     summary = {}
     records = {}
     quiet = dataclasses.replace(cfg, progress=False)
-    for name, (files, inputs, fingerprint, record) in plan.items():
-        if record is not None:
-            records[name] = record
-            old = previous.get("domains", {}).get(name)
-            if old and old.get("fingerprint") == fingerprint:
-                summary[name] = old
-            continue
-        (root / MANIFEST_NAME).unlink(missing_ok=True)  # from here on, the root is not complete
-        if cfg.data.domains[name].megatron:
-            records[name] = register_megatron_domain(root, name, cfg.data.domains[name], info, fingerprint)
-            continue
-        job = DomainJob(name, cfg.data.domains[name], files, inputs, fingerprint)
-        records[name], summary[name] = merge_domain(job, root, tasks, quiet, info)
+    try:
+        for name, (files, inputs, fingerprint, record) in plan.items():
+            if record is not None:
+                records[name] = record
+                old = previous.get("domains", {}).get(name)
+                if old and old.get("fingerprint") == fingerprint:
+                    summary[name] = old
+                continue
+            (root / MANIFEST_NAME).unlink(missing_ok=True)  # from here on, the root is not complete
+            if cfg.data.domains[name].megatron:
+                records[name] = register_megatron_domain(root, name, cfg.data.domains[name], info, fingerprint)
+                continue
+            job = DomainJob(name, cfg.data.domains[name], files, inputs, fingerprint)
+            records[name], summary[name] = merge_domain(job, root, tasks, quiet, info)
+    finally:
+        with contextlib.suppress(OSError):
+            (root / PARTIAL_DIR).rmdir()  # only when empty: a domain that failed has removed its own folder
     shutil.rmtree(root / PARTIAL_DIR, ignore_errors=True)
     overlap = check_overlap(root, records)
     summary_record = seal({"tasks": tasks, "domains": summary})
@@ -166,7 +171,7 @@ def unit_documents(folder: Path, unit: dict, index: int, tasks: int) -> Iterator
     split = unit["splits"].get(KEPT_SPLIT)
     if not split:
         return
-    first = 0
+    first, keys_digest = 0, hashlib.sha256()
     with open(folder / KEPT_SPLIT / KEYS_NAME, "rb") as keys_file:
         for shard in split["shards"]:
             reader = ShardReader(folder / KEPT_SPLIT / shard["name"])
@@ -175,13 +180,20 @@ def unit_documents(folder: Path, unit: dict, index: int, tasks: int) -> Iterator
                 stop = min(start + CHUNK_DOCS, reader.num_docs)
                 tokens = reader.tokens[offsets[start]:offsets[stop]]
                 digest.update(tokens.tobytes())
-                keys = np.frombuffer(keys_file.read((stop - start) * KEY_BYTES), dtype=np.uint8).reshape(-1, KEY_BYTES)
+                raw_keys = keys_file.read((stop - start) * KEY_BYTES)
+                keys_digest.update(raw_keys)
+                keys = np.frombuffer(raw_keys, dtype=np.uint8).reshape(-1, KEY_BYTES)
                 yield first, keys, np.diff(offsets[start:stop + 1]), tokens
                 first += stop - start
             if digest.hexdigest() != shard["sha256"]:
-                raise PrepareError(
-                    f"{reader.bin_path}: its sha256 is not the one task {index} recorded (changed or damaged after the "
-                    f"task wrote it). Fix: remove {folder} and run task {index} again (--tasks {tasks} --task {index}).")
+                raise _damaged(reader.bin_path, folder, index, tasks)
+    if keys_digest.hexdigest() != unit.get("keys_sha256"):
+        raise _damaged(folder / KEPT_SPLIT / KEYS_NAME, folder, index, tasks)
+
+
+def _damaged(path: Path, folder: Path, index: int, tasks: int) -> PrepareError:
+    return PrepareError(f"{path}: its sha256 is not the one task {index} recorded (changed or damaged after the task "
+                        f"wrote it). Fix: remove {folder} and run task {index} again (--tasks {tasks} --task {index}).")
 
 
 def task_table(summary: dict, limit: int = TABLE_TASKS) -> list[str]:

@@ -30,7 +30,7 @@ import numpy as np
 
 from common.files import replace_dir
 from data.config import ConfigError, DataPrepareConfig, check_prepare_config
-from data.manifest import seal, write_json_atomic
+from data.manifest import KEYS_NAME, seal, write_json_atomic
 from data.prepare import (
     PARTIAL_DIR, PIPELINE_VERSION, DomainJob, DomainWriter, ShardSequence, _encoder_path, _load_tokenizer, _plan,
     _select, prepare_domains,
@@ -39,6 +39,7 @@ from data.task_plan import (
     KEPT_SPLIT, UNIT_NAME, DONE_NAME, domain_payload, finished_unit, plan_cut, task_dir, task_name, task_share,
     unit_fingerprint, write_marker,
 )
+from data.shards import file_sha256
 from data.workers import ChunkPool
 
 log = logging.getLogger("ayumi.data")
@@ -190,6 +191,8 @@ class TaskDomainWriter(DomainWriter):
             "drop_examples": {reason: list(where) for reason, where in sorted(self.drops.examples.items())},
             "seconds": round(time.monotonic() - self.started, 3),
             "splits": {KEPT_SPLIT: kept} if kept["docs"] else {},
+            # The keys decide de-duplication and the split at the finish: checked there like the shards.
+            "keys_sha256": file_sha256(self.partial / KEPT_SPLIT / KEYS_NAME) if kept["docs"] else None,
         })
         write_json_atomic(self.partial / UNIT_NAME, record)
         replace_dir(self.partial, self.out)

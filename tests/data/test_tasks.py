@@ -19,7 +19,7 @@ from data.cli import compose
 from data.config import prepare_config
 from data.finish import TasksIncompleteError, finish
 from data.manifest import MANIFEST_NAME, load_manifest
-from data.prepare import prepare
+from data.prepare import PrepareError, prepare
 from data.task_plan import DONE_NAME, TASKS_DIR, balanced_starts, task_dir
 from data.tasks import TaskArgs, resolve_task, run_task, split_task_flags
 from data.config import ConfigError
@@ -112,3 +112,128 @@ def test_five_parallel_tasks_train_exactly_like_one_machine(tmp_path, tokenizer_
         assert proc.returncode == 0, proc.stdout[-4000:]
         losses[name] = train_losses(tmp_path / f"run_{name}" / "cpu_tiny")
     assert len(losses["one"]) == 4 and losses["five"] == losses["one"]
+
+
+KILLER = """
+import os, signal, sys
+from pathlib import Path
+import data.prepare as prepare_module
+from data.tasks import run_task
+from data.cli import compose
+from data.config import prepare_config
+
+written = 0
+original = prepare_module.ShardSequence._write
+def write_then_die(self, writer, keys, lengths, tokens):
+    global written
+    written += len(lengths)
+    if written >= {kill_after}:
+        os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no finally: like a crash or the OOM killer
+    return original(self, writer, keys, lengths, tokens)
+prepare_module.ShardSequence._write = write_then_die
+run_task(prepare_config(compose({overrides!r})), {index}, {tasks})
+"""
+
+
+def test_a_task_killed_mid_write_leaves_nothing_finish_accepts(tmp_path, tokenizer_dir, corpus):
+    root = tmp_path / "root"
+    cfg = config(root, tokenizer_dir, corpus)
+    for index in (0, 2, 3, 4):
+        run_task(cfg, index, TASKS)
+    script = KILLER.format(kill_after=30, overrides=overrides(root, tokenizer_dir, corpus), index=1, tasks=TASKS)
+    killed = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    folder = task_dir(root, 1, TASKS)
+    assert list((folder / ".partial").rglob("*.bin*")), "the kill came while the task was writing"
+    assert not (folder / DONE_NAME).exists()
+    with pytest.raises(TasksIncompleteError) as refused:
+        finish(cfg, TASKS)
+    assert "1 of 5 tasks are not ready" in str(refused.value) and "missing 1:" in str(refused.value)
+    assert not (root / MANIFEST_NAME).exists() and not (root / "en").exists(), "nothing was merged"
+    run_task(cfg, 1, TASKS)  # the rerun redoes what the kill cut off
+    assert not (folder / ".partial").exists()
+    finish(cfg, TASKS)
+    plain = tmp_path / "plain"
+    prepare(config(plain, tokenizer_dir, corpus))
+    assert domain_folders(root) == domain_folders(plain)
+
+
+def unit_times(root: Path, name: str) -> dict[int, int]:
+    return {index: (task_dir(root, index, TASKS) / name / "unit.json").stat().st_mtime_ns for index in range(TASKS)}
+
+
+def test_an_edited_input_redoes_only_the_task_that_reads_it(tmp_path, tokenizer_dir, corpus, caplog):
+    root = tmp_path / "root"
+    cfg = config(root, tokenizer_dir, corpus)
+    run_all_tasks(cfg)
+    finish(cfg, TASKS)
+    before = {name: unit_times(root, name) for name in ("en", "web", "ja")}
+    edited = corpus["en"] / "part_3.jsonl"
+    with open(edited, "a", encoding="utf-8") as handle:
+        handle.write(json.dumps({"text": "A new document appended to one input file, long enough to be kept."}) + "\n")
+    reader = [index for index in range(TASKS)
+              if str(edited) in json.loads((task_dir(root, index, TASKS) / "en" / "unit.json").read_text())["files"]]
+    assert len(reader) == 1
+    with pytest.raises(TasksIncompleteError) as refused:
+        finish(cfg, TASKS)
+    assert f"stale {reader[0]} (en): inputs or config changed since it ran" in str(refused.value)
+    caplog.set_level("INFO", logger="ayumi.data")
+    run_all_tasks(cfg)  # the whole array again: only the edited share is redone
+    after = {name: unit_times(root, name) for name in ("en", "web", "ja")}
+    assert after["web"] == before["web"] and after["ja"] == before["ja"]
+    assert [index for index in range(TASKS) if after["en"][index] != before["en"][index]] == reader
+    assert caplog.text.count("finished domain is up to date, skipped") == 2 * TASKS, "web and ja were not even read"
+    manifest, _ = finish(cfg, TASKS)
+    plain = tmp_path / "plain"
+    assert without_examples(prepare(config(plain, tokenizer_dir, corpus))["domains"]["en"]) == \
+        without_examples(manifest["domains"]["en"])
+    assert domain_folders(root) == domain_folders(plain)
+    # A finished root is up to date: a task rerun reads nothing and finish rewrites the same manifest.
+    manifest_bytes = (root / MANIFEST_NAME).read_bytes()
+    run_task(cfg, 0, TASKS)
+    finish(cfg, TASKS)
+    assert (root / MANIFEST_NAME).read_bytes() == manifest_bytes
+
+
+def test_task_flags_and_array_variables():
+    args, rest = split_task_flags(["data=tiny", "--tasks", "8", "--task=3", "x=1"])
+    assert (args.tasks, args.task, args.finish, args.local, rest) == (8, 3, False, False, ["data=tiny", "x=1"])
+    assert resolve_task(args, {"SLURM_ARRAY_TASK_ID": "5"}) == (3, 8), "a flag wins over a variable"
+    assert resolve_task(TaskArgs(), {"SLURM_ARRAY_TASK_ID": "4", "SLURM_ARRAY_TASK_COUNT": "10"}) == (4, 10)
+    assert resolve_task(TaskArgs(tasks=2000), {"SLURM_ARRAY_TASK_ID": "4", "AYUMI_TASK_OFFSET": "1000"}) == (1004, 2000)
+    assert resolve_task(TaskArgs(tasks=6), {"PBS_ARRAY_INDEX": "5"}) == (5, 6)
+    assert resolve_task(TaskArgs(), {"SGE_TASK_ID": "1", "SGE_TASK_FIRST": "1", "SGE_TASK_LAST": "4"}) == (0, 4)
+    assert resolve_task(TaskArgs(tasks=3, finish=True), {}) == (-1, 3)
+    for args, environ, says in (
+            (TaskArgs(), {"PBS_ARRAY_INDEX": "2"}, "--tasks N is not given"),
+            (TaskArgs(tasks=4), {"SGE_TASK_ID": "undefined"}, "needs --task I"),
+            (TaskArgs(tasks=4, task=4), {}, "task 4 (from --task) is not one of 0..3"),
+            (TaskArgs(tasks=4), {"SGE_TASK_ID": "0"}, "task -1 (from SGE_TASK_ID)")):
+        with pytest.raises(ConfigError, match=says.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+            resolve_task(args, environ)
+    with pytest.raises(ConfigError, match="--tasks needs a whole number"):
+        split_task_flags(["--tasks", "many"])
+
+
+def test_the_cut_is_contiguous_and_balanced_by_size():
+    assert balanced_starts([10] * 10, 5) == [0, 2, 4, 6, 8, 10]
+    assert balanced_starts([100, 1, 1, 1, 1], 2) == [0, 1, 5], "a large file is a task's alone"
+    assert balanced_starts([5, 5], 4) in ([0, 0, 1, 1, 2], [0, 1, 1, 2, 2]), "more tasks than files: some idle"
+
+
+def test_damaged_task_output_is_named_and_nothing_is_published(tmp_path, tokenizer_dir, corpus):
+    root = tmp_path / "root"
+    cfg = config(root, tokenizer_dir, corpus)
+    run_all_tasks(cfg)
+    kept = task_dir(root, 2, TASKS) / "en" / "kept"
+    for damaged in (kept / "part_00000.bin", kept / "keys.bin"):  # token ids; the keys that dedup and split
+        original = damaged.read_bytes()
+        damaged.write_bytes(bytes([original[0] ^ 1]) + original[1:])  # the same size: only a checksum sees it
+        with pytest.raises(PrepareError, match=f"{damaged}: its sha256 is not the one task 2 recorded"):
+            finish(cfg, TASKS)
+        assert not (root / MANIFEST_NAME).exists() and not (root / "en").exists() and not (root / ".partial").exists()
+        damaged.write_bytes(original)
+    shard = kept / "part_00000.bin"
+    shard.unlink()
+    with pytest.raises(TasksIncompleteError, match=r"damaged 2 \(en\): its output was changed or is incomplete"):
+        finish(cfg, TASKS)
