@@ -47,6 +47,19 @@ def drop_lines(manifest: dict) -> list[str]:
     return lines
 
 
+def task_lines(root: Path, manifest: dict) -> list[str]:
+    """The per-task table of a root made by `--tasks N --finish`, for the domains it still describes."""
+    from data.finish import task_table
+    from data.task_plan import SUMMARY_NAME, TASKS_DIR, read_sealed
+
+    summary = read_sealed(root / TASKS_DIR / SUMMARY_NAME)
+    if summary is None:
+        return []
+    current = {name: entry for name, entry in summary["domains"].items()
+               if manifest["domains"].get(name, {}).get("fingerprint") == entry["fingerprint"]}
+    return task_table({"domains": current})
+
+
 def _decoder(manifest: dict, tokenizer_dir: str | None):
     """A decode function for the manifest's tokenizer (any declared kind), or (None, reason) when it is not available."""
     from tokenizer.declared import load_declared_tokenizer
@@ -112,6 +125,9 @@ def inspect_root(root: str | os.PathLike, samples: int = 2, chars: int = 160, to
     dropped = drop_lines(manifest)
     if dropped:
         lines += ["", "dropped:", *dropped]
+    tasks = task_lines(root, manifest)
+    if tasks:
+        lines += ["", "per task (prepared as array tasks):", *tasks]
     if samples > 0:
         lines += ["", "samples:", *sample_lines(root, manifest, samples, chars, tokenizer_dir)]
     return "\n".join(lines)

@@ -237,3 +237,27 @@ def test_damaged_task_output_is_named_and_nothing_is_published(tmp_path, tokeniz
     shard.unlink()
     with pytest.raises(TasksIncompleteError, match=r"damaged 2 \(en\): its output was changed or is incomplete"):
         finish(cfg, TASKS)
+
+
+def test_inspect_shows_the_per_task_table_while_it_describes_the_root(tmp_path, tokenizer_dir, corpus):
+    from data.inspect import inspect_root
+
+    root = tmp_path / "root"
+    cfg = config(root, tokenizer_dir, corpus)
+    run_all_tasks(cfg)
+    manifest, summary = finish(cfg, TASKS)
+    shown = inspect_root(root, samples=0)
+    rows = [line.split() for line in shown.splitlines() if line.startswith("  ")]
+    en = summary["domains"]["en"]["tasks"]
+    for row in en:
+        assert [str(row["task"]), f"{row['docs_read']:,}", f"{row['docs_kept']:,}", f"{row['tokens']:,}"] in \
+            [words[:4] for words in rows]
+    total = next(words for words in rows if words[0] == "all" and words[2] == f"{manifest['domains']['en']['docs_kept']:,}")
+    assert total[1] == f"{manifest['domains']['en']['docs_read']:,}" and \
+        total[3] == f"{manifest['domains']['en']['tokens']:,}", "the tasks add up to the domain"
+    assert f"duplicate={manifest['domains']['en']['dropped']['duplicate']:,}" in total
+    # A plain prepare that redoes en: the table no longer describes it, and is not shown for it.
+    cfg.data.domains["en"].clean.min_chars = 200
+    prepare(cfg)
+    shown = inspect_root(root, samples=0)
+    assert "en: 5 tasks" not in shown and "web: 5 tasks" in shown
