@@ -254,3 +254,46 @@ def step_batch(run_dir: str | Path, step: int) -> StepBatch:
     layout, position = step_start(run_dir, step)
     source = open_source(step_config(run_dir, step))
     return StepBatch(step, position, layout, batch_samples(source, position, layout), stage_weights(source, position))
+
+
+# -- a spike's batch ---------------------------------------------------------------------------------------------
+SPIKE_TOP = 5
+"""Samples a spike event names with their documents: the step's highest losses."""
+
+
+def spike_batch_record(source, layout: Layout, first_sample: int, losses: dict[int, float],
+                       top: int = SPIKE_TOP) -> dict[str, Any]:
+    """What a spike event records of the step that confirmed it (the trainer hands the samples' losses, gathered
+    from every rank, by global index): every sample's domain and loss, the `top` highest with their rank, micro
+    batch and documents, and the batch's domain mix (its share of the step's tokens) against the stage's weights."""
+    per_rank = layout.micro_batch * layout.grad_accum
+    tokens: dict[str, int] = {}
+    samples, named = [], []
+    for index in sorted(losses):
+        stream, epoch, sample, samples_of = source.origin(index)
+        domain = stream_domain(source, stream)
+        slots = source.sample_slots(index)
+        tokens[domain] = tokens.get(domain, 0) + slots
+        samples.append([index, domain, round(float(losses[index]), 4)])
+        offset = index - first_sample
+        named.append({"index": index, "domain": domain, "stream": stream, "loss": round(float(losses[index]), 4),
+                      "rank": offset // per_rank, "micro": offset % per_rank // layout.micro_batch,
+                      "row": offset % layout.micro_batch // slots, "epoch": epoch, "sample": sample,
+                      "_samples": samples_of})
+    named.sort(key=lambda item: -item["loss"])
+    highest = []
+    for item in named[:top]:
+        item["documents"] = [piece.as_dict() for piece in sample_pieces(item.pop("_samples"), item["sample"])]
+        highest.append(item)
+    total = sum(tokens.values()) or 1
+    weights = stage_weights(source, first_sample)
+    mix = {name: {"share": round(tokens.get(name, 0) / total, 4), "weight": weights.get(name)}
+           for name in sorted({*tokens, *weights})}
+    return {"batch_first_sample": first_sample, "batch_samples": samples, "top_samples": highest, "domain_mix": mix}
+
+
+def stream_domain(source, stream: str) -> str:
+    """The domain a stream reads (the stream's own name without a curriculum)."""
+    if isinstance(source, Mixer):
+        return next(s.domain for s in source.streams if s.name == stream)
+    return stream

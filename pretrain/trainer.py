@@ -130,6 +130,7 @@ class Trainer:
                                       StragglerHook(stragglers, logger), *(hooks or [])]
         self._pending: tuple[int, float, dict] | None = None  # (step, all-reduced loss, domain losses) for the gate
         self._stage: int | None = None  # the curriculum stage the last step began in (follow_stage)
+        self._batch_losses: tuple[int, list] = (0, [])  # (the step's first sample, [(micro batch's first, losses)])
         if stab.enabled:
             engine.set_update_gate(self._update_gate)
             if not engine.can_withhold_updates:
@@ -381,6 +382,7 @@ class Trainer:
         self.watchdog.beat(step, "train step")
         lr = self.begin_step(step)
         start = time.perf_counter()
+        self._batch_losses = (self.loader.consumed_samples, [])  # a spike event names the step's samples from these
         batches = self.loader.next_step()
         own = time.perf_counter() - start  # this rank's own work: its batch, then its forward passes (below)
         if self.mixer is not None:
@@ -403,6 +405,7 @@ class Trainer:
             # The reported loss is the cross-entropy (no z-loss); an injected NaN shows in it too.
             sums[0] += (out.ce_loss * float("nan") if math.isnan(fault) else out.ce_loss).double()
             sample_loss, domains = out.sample_loss.double(), batch.domains.to(device, non_blocking=True)
+            self._batch_losses[1].append((batch.first_sample, sample_loss.detach()))
             sums[1:1 + num_domains].index_add_(0, domains, sample_loss)
             sums[1 + num_domains:1 + 2 * num_domains].index_add_(0, domains, torch.ones_like(sample_loss))
             if self.figures.document_end is not None:  # the attention's FLOPs follow the documents
@@ -451,8 +454,31 @@ class Trainer:
         if reset_scale is not None:
             self.engine.reset_loss_scale(reset_scale)
         for event in events:
+            if event["event"] == "spike":  # every rank has the same events: the gather below is collective
+                event.update(self.spike_batch())
             self.log_stability_event(event)
         return applied, action
+
+    def spike_batch(self) -> dict[str, Any]:
+        """The step's samples with their losses, its highest-loss samples with their documents and its domain mix
+        against the stage's weights (pretrain/step_samples.py), for the spike event. One all-reduce of the global
+        batch's per-sample losses; only when the detector calls a spike."""
+        from pretrain.step_samples import Layout, spike_batch_record
+
+        first, micro_losses = self._batch_losses
+        loader = self.loader
+        slots = torch.zeros(2, loader.global_batch, dtype=torch.float64, device=self.dist.device)
+        for micro_first, losses in micro_losses:
+            stride = loader.source.sample_slots(micro_first)
+            at = micro_first - first + stride * torch.arange(len(losses), device=self.dist.device)
+            slots[0, at] += losses
+            slots[1, at] += 1.0
+        slots = all_reduce_tensor(slots)  # the ranks of a tensor- or sequence-parallel group add the same samples
+        present = torch.nonzero(slots[1] > 0).flatten().tolist()
+        losses = {first + offset: float(slots[0, offset] / slots[1, offset]) for offset in present}
+        layout = Layout(self.state.step, first, loader.world_size, loader.micro_batch, loader.grad_accum,
+                        loader.global_batch)
+        return spike_batch_record(loader.source, layout, first, losses)
 
     def log_stability_event(self, event: dict[str, Any]) -> None:
         """Stability components count steps from 0 (step k runs on checkpoint k's weights); events and

@@ -126,3 +126,36 @@ def test_the_table_and_bad_input(run_dir, tmp_path):
         assert len(proc.stderr.splitlines()) == 1 and says in proc.stderr
     proc = ayumi_batch(str(tmp_path / "no_run"), "--step", "1")
     assert proc.returncode == 2 and "no_run does not exist" in proc.stderr and len(proc.stderr.splitlines()) == 1
+
+
+def test_the_spike_event_records_its_batch_and_the_report_shows_it(run_dir, corpus, tmp_path):
+    """The spike (called at step 28, on the stretch the rollback replaced) records every sample of its step with
+    its loss, gathered from both ranks, the highest-loss samples with their documents, and the domain mix."""
+    from pretrain.step_samples import open_source, step_config
+    from pretrain.tools.report import build as report
+
+    [spike] = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "spike"]
+    assert spike["step"] == 28 and spike["batch_first_sample"] == 27 * 8
+    samples = spike["batch_samples"]
+    assert [index for index, _, _ in samples] == [216, 218, 220, 222]  # 128-token samples: two slots each
+    # The per-sample losses are the step's: their mean is the all-reduced loss the detector judged.
+    assert np.mean([loss for _, _, loss in samples]) == pytest.approx(spike["loss"], rel=1e-3)
+    assert {m["weight"] for m in spike["domain_mix"].values()} == {0.3, 0.7}
+    shares = {domain: sum(d == domain for _, d, _ in samples) / 4 for domain in ("ja", "en")}
+    assert {name: m["share"] for name, m in spike["domain_mix"].items()} == shares
+    top = spike["top_samples"]
+    assert [t["loss"] for t in top] == sorted((loss for _, _, loss in samples), reverse=True)
+    source = open_source(step_config(run_dir, 28))
+    for item in top:
+        assert (item["rank"], item["micro"], item["row"]) == ((item["index"] - 216) // 4, 0, (item["index"] % 4) // 2)
+        tokens = np.concatenate([ShardReader(corpus / item["domain"] / "train" / d["shard"]).document(d["document"])
+                                 [d["start"]:d["stop"]] for d in item["documents"]])
+        assert tokens.tolist() == source.get(item["index"])[0].tolist()
+
+    out = tmp_path / "report"
+    assert report.main([str(run_dir), "--out", str(out), "--smooth", "0"]) == 0
+    summary = (out / "summary.md").read_text()
+    assert "## Spike batches" in summary and "Spike at step 28 (rolled back)" in summary
+    first = top[0]
+    row = f"| {first['loss']:.4f} | {first['domain']} | {first['stream']} | {first['index']:,} | {first['rank']} |"
+    assert row in summary

@@ -116,6 +116,37 @@ def event_blocks(events: list[dict[str, Any]], max_events: int) -> list[Block]:
     return blocks
 
 
+def spike_blocks(events: list[dict[str, Any]]) -> list[Block]:
+    """Per spike whose event recorded its batch (pretrain/step_samples.py's spike_batch_record): the batch's domain
+    mix against the stage's weights, each domain's sample losses, and the highest-loss samples with their documents."""
+    spikes = [e for e in events if e.get("event") == "spike" and e.get("batch_samples")]
+    if not spikes:
+        return []
+    blocks: list[Block] = [("h2", "Spike batches"),
+                           ("p", "The batch of the step each spike was called on. A rolled-back step was trained "
+                                 "again on other data: `ayumi batch RUN_DIR --step N` shows the present one.")]
+    for event in spikes:
+        step, samples = int(event.get("step", 0)), event["batch_samples"]
+        mix = ", ".join(f"{name} {100 * m['share']:.0f}%" + (f" (stage weight {100 * m['weight']:.0f}%)"
+                                                              if m.get("weight") is not None else "")
+                        for name, m in event.get("domain_mix", {}).items())
+        first = int(event.get("batch_first_sample", 0))
+        blocks.append(("p", f"Spike at step {step:,}{' (rolled back)' if event.get('_abandoned') else ''}: loss "
+                            f"{fmt_loss(event.get('loss'))}; global samples from {first:,}; tokens by domain: {mix}."))
+        by_domain: dict[str, list[float]] = {}
+        for _, domain, loss in samples:
+            by_domain.setdefault(str(domain), []).append(float(loss))
+        blocks.append(("table", (["domain", "samples", "mean loss", "max loss"],
+                                 [[name, str(len(losses)), fmt_loss(float(np.mean(losses))), fmt_loss(max(losses))]
+                                  for name, losses in sorted(by_domain.items())])))
+        rows = [[fmt_loss(s["loss"]), s["domain"], s["stream"], f"{s['index']:,}", str(s["rank"]), str(s["micro"]),
+                 "; ".join(f"{d['shard']}:{d['document']}[{d['start']}:{d['stop']}]" for d in s["documents"])]
+                for s in event.get("top_samples", [])]
+        blocks.append(("table", (["loss", "domain", "stream", "sample", "rank", "micro", "documents (shard:doc[span])"],
+                                 rows)))
+    return blocks
+
+
 def downstream_rows(timeline: Timeline, tasks: dict[str, list[str]]) -> list[list[str]]:
     """First, last and best value of every `eval/<task>/<metric>` on the continued timeline (all higher-better)."""
     rows = []
@@ -272,7 +303,7 @@ def summary_blocks(run_dir: Path, config: dict[str, Any], timeline: Timeline, ev
     blocks += config_history_blocks(run_dir)
     blocks += [("h2", "Optimizer"), ("img", ("optim.png", "learning rate, grad norm, loss scale")),
                ("h2", "Throughput"), ("img", ("throughput.png", "tokens per second and step time")),
-               ("h2", "Events"), *event_blocks(events, max_events),
+               ("h2", "Events"), *event_blocks(events, max_events), *spike_blocks(events),
                ("h2", "Files"), ("table", (["file", "size", "what"], file_rows(run_dir))),
                ("h2", "W&B"), *wandb_blocks(run_dir)]
     return blocks
