@@ -13,8 +13,10 @@ its checksum too). Two gates, both closed unless a file passes:
   given state once); BUILD applies only to an object the pickle has just made. The checkpointer checks a whole
   folder with it (ranks sharing the files) before any rank reads one, and `ayumi checkpoint verify` with it;
 - `load(path, allowed)`: the same check, then `torch.load(weights_only=True)` with exactly `allowed` on torch's own
-  allow-list (`torch.serialization.safe_globals`) for this one load. Third-party readers that pass
-  `weights_only=False` themselves (DeepSpeed's converters) run under `forced_weights_only`.
+  allow-list (`torch.serialization.safe_globals`) for this one load, both from one open file (what replaces the
+  path after the check is never loaded). Third-party readers that call `torch.load` themselves with
+  `weights_only=False` (DeepSpeed's loaders and converter) run under `forced_weights_only`: torch.load is then this
+  `load`, so every file they read passes the same gate at the moment it is read.
 
 What torch's allow-list holds for DeepSpeed's objects is never their class but a stand-in (`constructor`): torch's
 unpickler applies BUILD to an allow-listed type with `__dict__.update`, which on an enum member would rewrite a
@@ -107,29 +109,60 @@ class UnsafeFile(ValueError):
 
 
 def describe(path: Path | str, found: list[str]) -> str:
-    """The one line saying why `path` is refused (`found`: the globals or opcodes beyond tensors and plain data)."""
+    """The one line saying why `path` is refused (`found`: what the gates found beyond tensors and plain data)."""
     shown = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
-    return f"{path} holds objects other than tensors and plain data ({shown}): loading it could run code"
+    return f"{path} {what_is_wrong(found)} ({shown}): {what_it_risks(found)}"
+
+
+_FORMAT = ("not a zip archive", "not one ", "not a torch zip file", "an unreadable pickle")
+_MISUSE = ("pickle BUILD on ", "pickle REDUCE of ", "pickle NEWOBJ of ", " given ")
+
+
+def what_is_wrong(found: list[str]) -> str:
+    """What a refused file is, by the worst of what was found: not a file the check can read, objects beyond
+    tensors and plain data, or allowed objects used otherwise than checkpoint files use them."""
+    if any(item.startswith(_FORMAT) for item in found):
+        return "is not a torch file ayumi can check"
+    if found and all(item.startswith(_MISUSE[:3]) or _MISUSE[3] in item or item.endswith("made without its state")
+                     for item in found):
+        return "uses allowed objects otherwise than checkpoint files do"
+    return "holds objects other than tensors and plain data"
+
+
+def what_it_risks(found: list[str]) -> str:
+    """What loading the file anyway could do (the end of `describe`'s line)."""
+    wrong = what_is_wrong(found)
+    if wrong.startswith("is not"):
+        return "torch would read a pickle that was never checked"
+    if wrong.startswith("uses"):
+        return "loading it could change objects the whole process shares"
+    return "loading it could run code"
 
 
 def pickle_bytes(path: Path) -> bytes:
-    """The pickle torch.load would unpickle from `path`, read through torch's own zip reader (the one torch.load
+    """The pickle torch.load would unpickle from `path` (`pickle_record` of the open file)."""
+    with open(path, "rb") as handle:
+        return pickle_record(handle)
+
+
+def pickle_record(handle) -> bytes:
+    """The pickle torch.load would unpickle from an open file, read through torch's own zip reader (the one torch.load
     opens), not Python's zipfile: zipfile accepts data before an archive and matches names by case, torch does
     neither. ValueError when the file is not a zip archive (torch would read it as a legacy pickle stream), or when it
     has not exactly one `data.pkl` record, whatever the case of the name (two could be read differently)."""
     import torch
 
-    with open(path, "rb") as handle:
-        if not torch.serialization._is_zipfile(handle):  # torch.load's own test: a legacy stream otherwise
-            raise ValueError("not a zip archive (torch would unpickle it as a legacy stream)")
-        try:
-            reader = torch._C.PyTorchFileReader(handle)
-            records = sorted(name for name in reader.get_all_records() if name.lower() == _PICKLE)
-            if len(records) != 1:
-                raise ValueError(f"not one {_PICKLE} record but {len(records)} ({', '.join(records) or 'none'})")
-            return reader.get_record(_PICKLE)  # what torch.load reads: its lookup, whatever the name's case
-        except RuntimeError as err:  # torch's reader: not a zip it can read
-            raise ValueError(f"not a torch zip file ({str(err).splitlines()[0][:200]})") from None
+    handle.seek(0)
+    if not torch.serialization._is_zipfile(handle):  # torch.load's own test: a legacy stream otherwise
+        raise ValueError("not a zip archive (torch would unpickle it as a legacy stream)")
+    try:
+        reader = torch._C.PyTorchFileReader(handle)
+        records = sorted(name for name in reader.get_all_records() if name.lower() == _PICKLE)
+        if len(records) != 1:
+            raise ValueError(f"not one {_PICKLE} record but {len(records)} ({', '.join(records) or 'none'})")
+        return reader.get_record(_PICKLE)  # what torch.load reads: its lookup, whatever the name's case
+    except RuntimeError as err:  # torch's reader: not a zip it can read
+        raise ValueError(f"not a torch zip file ({str(err).splitlines()[0][:200]})") from None
 
 
 def pickle_problems(data: bytes, allowed: frozenset[str]) -> list[str]:
@@ -227,11 +260,17 @@ def _build(item: _Item, uses: dict[str, frozenset[str]], found: list[str]) -> No
 
 def unsafe_globals(path: Path, allowed: Iterable[str] = ()) -> list[str]:
     """What makes `path` unsafe to load (sorted; empty when it holds only tensors, plain data and `allowed`)."""
+    with open(path, "rb") as handle:
+        return _problems_of(handle, frozenset(allowed))
+
+
+def _problems_of(handle, allowed: frozenset[str]) -> list[str]:
+    """What makes the open file `handle` unsafe to load (sorted; empty when it is safe)."""
     try:
-        data = pickle_bytes(Path(path))
+        data = pickle_record(handle)
     except ValueError as err:
         return [str(err)]
-    return sorted(set(pickle_problems(data, frozenset(allowed))))
+    return sorted(set(pickle_problems(data, allowed)))
 
 
 def check(path: Path, allowed: Iterable[str] = ()) -> None:
@@ -321,18 +360,32 @@ def _bad_state(cls: type, state: object) -> str | None:
     return None
 
 
-def load(path: Path, allowed: Iterable[str] = (), map_location="cpu"):
+def load(path: Path, allowed: Iterable[str] = (), map_location="cpu", mapped: bool = False):
     """`torch.load(path, weights_only=True)` with `allowed` globals on torch's allow-list for this load (DeepSpeed's as
-    their stand-ins), after the static check; UnsafeFile (naming the file) from either."""
+    their stand-ins), after the static check; UnsafeFile (naming the file) from either. The file is opened once and
+    both read that one open file: a file put in `path`'s place after the check is never what torch loads.
+    `mapped`: the tensors are mapped from the file, not read (torch's mmap), for a caller that only looks at names
+    and shapes; torch maps the same open file (/dev/fd), never the path again."""
+    with open(path, "rb") as handle:
+        return _load_checked(handle, path, tuple(allowed), map_location, mapped)
+
+
+def _load_checked(handle, name, allowed: tuple[str, ...], map_location, mapped: bool = False):
+    """The static check of the open file `handle`, then torch's weights-only load of the same file object."""
     import torch
 
-    allowed = tuple(allowed)
-    check(path, allowed)
+    found = _problems_of(handle, frozenset(allowed))
+    if found:
+        raise UnsafeFile(name, found)
+    handle.seek(0)
+    same_file = f"/dev/fd/{handle.fileno()}" if mapped and os.path.isdir("/dev/fd") else None
     try:
-        with _allowing(allowed):
-            return torch.load(path, map_location=map_location, weights_only=True)
+        with _allowing(allowed):  # torch.serialization.load: torch.load itself may be the gate (forced_weights_only)
+            if same_file:
+                return torch.serialization.load(same_file, map_location=map_location, weights_only=True, mmap=True)
+            return torch.serialization.load(handle, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:  # torch's unpickler saw what the check did not: refused all the same
-        raise UnsafeFile(path, refused_by_torch(err)) from None
+        raise UnsafeFile(name, refused_by_torch(err)) from None
 
 
 def refused_by_torch(err: Exception) -> list[str]:
@@ -341,7 +394,7 @@ def refused_by_torch(err: Exception) -> list[str]:
     named = re.search(r"GLOBAL (\S+) (?:was not an allowed global|whose module \S+ is blocked)", text)
     if named:
         return [named.group(1)]
-    reason = re.search(r"WeightsUnpickler error: (.+)", text)
+    reason = re.search(r"WeightsUnpickler error:\s*(.+)", text)  # the reason may start on a later line
     return [(reason.group(1) if reason else text.splitlines()[0])[:200]]
 
 
@@ -357,16 +410,51 @@ def _allowing(names: Iterable[str]):
 
 @contextlib.contextmanager
 def forced_weights_only(allowed: Iterable[str] = ()) -> Iterator[None]:
-    """Every torch.load in this process is weights-only while inside (FORCE_ENV), with `allowed` on the allow-list:
-    for readers that are not ours and pass `weights_only=False` (DeepSpeed's checkpoint loading and consolidation)."""
+    """Every torch.load in this process goes through the gate while inside (`gate_torch_load`), is weights-only
+    (FORCE_ENV, for processes it starts) and has `allowed` on the allow-list: for readers that are not ours and pass
+    `weights_only=False` (DeepSpeed's checkpoint loading and consolidation)."""
+    import torch
+
     kept = {key: os.environ.get(key) for key in FORCE_ENV}
     os.environ.update(FORCE_ENV)
+    ungated = torch.load
+    gate_torch_load(allowed)
     try:
         with _allowing(allowed):
             yield
     finally:
+        torch.load = ungated
         for key, value in kept.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def gate_torch_load(allowed: Iterable[str] = (), then=None, refused=None) -> None:
+    """Make `torch.load` this module's `load`: whatever a reader passes (`weights_only=False`, a pickle module), the
+    file is opened once, checked, and loaded weights-only with `allowed` from that open file; UnsafeFile names it.
+    `then(path, loaded)`, when given, looks at what was loaded before the reader gets it; `refused(line)`, when given,
+    is called with UnsafeFile's line instead of raising (a process whose workers' exceptions may not survive the way
+    back). A process that only converts (DeepSpeed's universal converter, a child of its own) calls this once at
+    start; forked workers inherit it."""
+    import torch
+
+    allowed = tuple(allowed)
+
+    def gated_load(f, map_location=None, pickle_module=None, *, weights_only=None, mmap=None, **pickle_load_args):
+        name = Path(f) if isinstance(f, (str, os.PathLike)) else Path(getattr(f, "name", "an open file"))
+        try:
+            loaded = load(name, allowed, map_location) if isinstance(f, (str, os.PathLike)) else \
+                _load_checked(f, name, allowed, map_location)
+        except UnsafeFile as err:
+            if refused is None:
+                raise
+            refused(str(err))
+            raise
+        if then is not None:
+            then(name, loaded)
+        return loaded
+
+    gated_load.__doc__ = f"torch.load through common.safe_load's gate ({len(allowed)} globals allowed beyond tensors)"
+    torch.load = gated_load

@@ -347,7 +347,7 @@ class Checkpointer:
             rank_file = tag_dir / rank_state_name(self.rank)
             if rank_file.exists():
                 restore_rng(load_plain(rank_file))
-        except UnsafeFile as err:  # a file changed since the folder was checked: torch's own unpickler refused it
+        except UnsafeFile as err:  # a file changed since the folder was checked: the gate refused it as it was read
             raise CheckpointUnsafe(f"{err}; nothing of it was loaded") from None
         return shared, meta
 
@@ -443,7 +443,7 @@ class Checkpointer:
                 _check_room_for_universal(tag_dir, private)
                 from pretrain.engine.checkpoint_formats import convert_to_universal  # the DeepSpeed room
 
-                convert_to_universal(tag_dir, private / tag_dir.name)
+                convert_to_universal(tag_dir, private / tag_dir.name, engine.own_names())
             except Exception as err:  # every rank must hear of it, or they would wait forever below
                 failure = err
         private = self.first_problem(str(private) if private else None)  # its name, for the other ranks

@@ -26,15 +26,55 @@ from common.safe_load import DEEPSPEED_GLOBALS, FORCE_ENV, UnsafeFile, forced_we
 from common.safe_load import load as load_plain
 from pretrain.model.tensor_parallel import merge_shards
 
-_CONVERTER = ("import runpy, torch; from common.safe_load import DEEPSPEED_GLOBALS, resolve; "
-              "torch.serialization.add_safe_globals(resolve(DEEPSPEED_GLOBALS)); "
+_CONVERTER = ("import json, runpy, sys; from pretrain.engine.checkpoint_formats import gate_for_conversion; "
+              "gate_for_conversion(json.load(sys.stdin)); "
               "runpy.run_module('deepspeed.checkpoint.ds_to_universal', run_name='__main__')")
-"""DeepSpeed's converter (`python -m deepspeed.checkpoint.ds_to_universal`) with DeepSpeed's objects on torch's
-allow-list; FORCE_ENV makes its loads weights-only. Its worker processes are forked and inherit both."""
+"""DeepSpeed's converter (`python -m deepspeed.checkpoint.ds_to_universal`) behind `gate_for_conversion`, given the
+model's own parameter names on stdin. Its worker processes are forked and inherit the gate."""
+
+REFUSED = "ayumi refused: "
+"""How the converter's process says why it stopped (one line on its output, read back by `convert_to_universal`)."""
 
 
-def convert_to_universal(tag_dir: Path, out_dir: Path) -> None:
-    """Write DeepSpeed's universal form of a ZeRO 1-3 checkpoint folder to `out_dir` (atomically).
+class ConversionRefused(ValueError):
+    """The converter's process refused a file as it read it (one line naming the file and why)."""
+
+
+def gate_for_conversion(own_names: list[str]) -> None:
+    """Set up the converter's process: every torch.load goes through ayumi's gate (checked and loaded from one open
+    file, weights-only, DeepSpeed's few objects allowed; FORCE_ENV too, for a load that would bypass it), and every
+    parameter name in a DeepSpeed file it reads must be one of `own_names`, checked as the file is read, in the process
+    that makes paths of them: a file put in place after the resume's own check is refused all the same."""
+    import torch
+
+    from common.safe_load import gate_torch_load, resolve
+
+    os.environ.update(FORCE_ENV)
+    torch.serialization.add_safe_globals(resolve(DEEPSPEED_GLOBALS))
+    own = set(own_names)
+
+    def names_checked(path: Path, state) -> None:
+        kind = "model" if path.name.endswith("model_states.pt") else "optim" if path.name.endswith(
+            "optim_states.pt") else None
+        if kind is None or not isinstance(state, dict):
+            return
+        for name in _names_in(state, kind):
+            if not isinstance(name, str) or name not in own:
+                _refuse(f"{path} names a parameter this model does not have ({name!r})")
+
+    gate_torch_load(DEEPSPEED_GLOBALS, then=names_checked, refused=_refuse)
+
+
+def _refuse(line: str):
+    """Say why on the converter's output, then stop its process (a worker's exception may not survive pickling)."""
+    print("\n" + REFUSED + line, flush=True)
+    os._exit(2)
+
+
+def convert_to_universal(tag_dir: Path, out_dir: Path, own_names: set[str]) -> None:
+    """Write DeepSpeed's universal form of a ZeRO 1-3 checkpoint folder to `out_dir` (atomically). `own_names`: the
+    model's parameter names, the only ones a file may hold (the converter makes paths of them); ConversionRefused,
+    one line, when a file it reads holds another or holds more than tensors and plain data.
 
     A ZeRO checkpoint's optimizer state is cut for the data-parallel size that saved it; the
     universal form holds every parameter's fp32 weights and Adam moments whole, so any number of
@@ -42,6 +82,7 @@ def convert_to_universal(tag_dir: Path, out_dir: Path) -> None:
     it starts worker pools of its own, which a process holding threads and a process group
     should not fork.
     """
+    import json
     import subprocess
     import sys
 
@@ -55,9 +96,15 @@ def convert_to_universal(tag_dir: Path, out_dir: Path) -> None:
                "--num_merge_workers", "1"]
     # The converter works on the CPU; keep it off the GPUs this job's ranks already fill.
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu", **FORCE_ENV, "PYTHONSAFEPATH": "1"}
-    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    done = subprocess.run(command, input=json.dumps(sorted(own_names)), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, env=env)
     if done.returncode != 0:
         shutil.rmtree(partial, ignore_errors=True)
+        # A progress bar may share the line (tqdm ends its lines with \r): the reason is what follows the marker.
+        refused = [line.split(REFUSED, 1)[1] for line in done.stdout.splitlines() if REFUSED in line]
+        if refused:
+            raise ConversionRefused(f"{refused[0]}: DeepSpeed's conversion stopped as it read the file, nothing of it "
+                                    "was loaded. Fix: load a checkpoint of this model from a source you trust")
         raise RuntimeError(f"converting {tag_dir} to a universal checkpoint failed (exit {done.returncode}):\n"
                            f"{done.stdout[-3000:]}")
     partial.rename(out_dir)
@@ -100,10 +147,11 @@ def foreign_name(tag_dir: Path, own: set[str]) -> tuple[Path, object] | None:
     """(file, name) for the first parameter name in a checkpoint folder's DeepSpeed files (the model states' weights,
     `param_shapes` and the rest, each optimizer shard's `param_slice_mappings`) that is not one of `own` (the model's
     own names); None when every name is. DeepSpeed's universal converter joins these names to its output folder
-    (`os.path.join(output, name)`), so `../x` or `/abs` would write outside it. Files are read weights-only."""
+    (`os.path.join(output, name)`), so `../x` or `/abs` would write outside it. Files are read weights-only, their
+    tensors mapped, never read (the names cost the pickles only)."""
     files = sorted(Path(tag_dir).glob("*model_states.pt")) + sorted(Path(tag_dir).glob("*optim_states.pt"))
     for path in files:
-        state = load_plain(path, DEEPSPEED_GLOBALS)
+        state = load_plain(path, DEEPSPEED_GLOBALS, mapped=True)
         for name in _names_in(state, "model" if path.name.endswith("model_states.pt") else "optim"):
             if not isinstance(name, str) or name not in own:
                 return path, name

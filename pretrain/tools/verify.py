@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.conf import config_help
+from common.safe_load import what_is_wrong, what_it_risks
 from common.status import BAD_INPUT, DONE, REFUSED
 from pretrain.checkpoint import integrity, safety
 from pretrain.checkpoint.layout import RING_DIR, is_complete, is_tag, quarantined, step_of
@@ -86,8 +87,8 @@ def check(folder: Path) -> Row:
     unsafe = safety.first_unsafe(folder) if verdict.status != integrity.DAMAGED else None
     if unsafe:  # its bytes may be intact: whoever could write the file could write its checksum
         name, found = unsafe
-        return Row(folder, step, files, UNSAFE, f"{name} holds objects other than tensors and plain data: loading it "
-                   "could run code", safety.problem_line(folder, name, found))
+        return Row(folder, step, files, UNSAFE, f"{name} {what_is_wrong(found)}: {what_it_risks(found)}",
+                   safety.problem_line(folder, name, found))
     planted = planted_problem(folder) if verdict.status != integrity.DAMAGED else None
     if planted:  # intact and safe to unpickle, but a resume would refuse it: a writer of the folder planted it
         return Row(folder, step, files, UNSAFE, "a resume refuses it (see the line below)", planted)

@@ -147,20 +147,51 @@ def test_ayumi_train_refuses_a_planted_file_on_every_rank_before_reading_it(plan
     assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step_")) == ["step_0000002", TAG]  # none set aside
 
 
-def test_deepspeeds_own_readers_run_weights_only_under_ayumi(base_root, tmp_path):
-    """The second gate: were a file to reach DeepSpeed's readers unchecked (they pass weights_only=False), its fp32
-    consolidation and its universal conversion refuse the payload all the same."""
-    from pretrain.engine.checkpoint_formats import _fp32_weights, convert_to_universal
+def own_names(tag_dir: Path) -> set[str]:
+    """The parameter names of the model the folder's ayumi.json records."""
+    from pretrain.checkpoint.layout import META
+    from pretrain.tools.verify import model_names
+
+    return model_names(json.loads((tag_dir / META).read_text()))
+
+
+def test_deepspeeds_own_readers_go_through_ayumis_gate(base_root, tmp_path):
+    """Were a file to reach DeepSpeed's readers unchecked (they call torch.load with weights_only=False), its fp32
+    consolidation and its universal conversion refuse the payload all the same, naming the file, as they read it."""
+    from pretrain.engine.checkpoint_formats import ConversionRefused, _fp32_weights, convert_to_universal
     from common.safe_load import UnsafeFile
 
     tag_dir = Path(shutil.copytree(base_root / "cpu_tiny" / "checkpoints" / TAG, tmp_path / TAG))
     marker = tmp_path / "marker"
-    plant(tag_dir, KINDS["optimizer states"], marker)
-    with pytest.raises(UnsafeFile, match="posix.mkdir"):
+    name = KINDS["optimizer states"]
+    plant(tag_dir, name, marker)
+    with pytest.raises(UnsafeFile, match=f"^{tag_dir / name} holds objects other than tensors and plain data "
+                                         r"\(posix.mkdir\)"):
         _fp32_weights(tag_dir)
-    with pytest.raises(RuntimeError, match="posix.mkdir"):
-        convert_to_universal(tag_dir, tmp_path / "universal")
+    with pytest.raises(ConversionRefused, match=f"^{tag_dir / name} holds objects other than tensors and plain data "
+                                                r"\(posix.mkdir\)"):
+        convert_to_universal(tag_dir, tmp_path / "universal", own_names(tag_dir))
     assert not marker.exists() and not (tmp_path / "universal").exists()
+
+
+def test_the_converter_checks_each_files_names_as_it_reads_it(base_root, tmp_path):
+    """A file put in place after the resume's own check of the names (here: no check at all) is refused by the
+    converter's process as it reads the file, before DeepSpeed makes a path of the name: nothing appears outside."""
+    from pretrain.engine.checkpoint_formats import ConversionRefused, convert_to_universal
+
+    tag_dir = Path(shutil.copytree(base_root / "cpu_tiny" / "checkpoints" / TAG, tmp_path / TAG))
+    sentinel = tmp_path / "sentinel"
+    sentinel.mkdir()
+    name = KINDS["optimizer states"]
+    state = load(tag_dir / name, DEEPSPEED_GLOBALS)
+    mappings = state["optimizer_state_dict"]["param_slice_mappings"][0]
+    mappings[str(sentinel / "abs")] = next(iter(mappings.values()))
+    torch.save(state, tag_dir / name)
+    with pytest.raises(ConversionRefused, match=f"^{tag_dir / name} names a parameter this model does not have "
+                                                f"\\('{sentinel / 'abs'}'\\): DeepSpeed's conversion stopped"):
+        convert_to_universal(tag_dir, tmp_path / "universal", own_names(tag_dir))
+    assert not any(sentinel.iterdir()) and not (tmp_path / "universal").exists()
+    assert not (tmp_path / "universal.partial").exists()
 
 
 def as_older_ayumi(tag_dir: Path, extra=None) -> None:
@@ -246,12 +277,16 @@ def plant_build_on_the_enum(tag_dir: Path, name: str) -> None:
     torch.save(state, tag_dir / name)
 
 
-BYPASSES = {  # issue 49, findings 3a, 3b and 4: how the file is built -> the reason its line gives
+BYPASSES = {  # issue 49, findings 3a, 3b and 4: how the file is built -> what its line says of it
     "legacy stream before a zip": (plant_legacy_before_zip,
-                                   "not a zip archive (torch would unpickle it as a legacy stream)"),
-    "DATA.PKL beside data.pkl": (plant_pickle_in_capitals, "collections.Counter"),
+                                   "is not a torch file ayumi can check (not a zip archive (torch would unpickle it as "
+                                   "a legacy stream)): torch would read a pickle that was never checked"),
+    "DATA.PKL beside data.pkl": (plant_pickle_in_capitals, "holds objects other than tensors and plain data "
+                                                           "(collections.Counter): loading it could run code"),
     "BUILD onto ZeroStageEnum": (plant_build_on_the_enum,
-                                 "pickle BUILD on deepspeed.runtime.zero.config.ZeroStageEnum"),
+                                 "uses allowed objects otherwise than checkpoint files do (pickle BUILD on "
+                                 "deepspeed.runtime.zero.config.ZeroStageEnum): loading it could change objects the "
+                                 "whole process shares"),
 }
 
 
@@ -261,7 +296,7 @@ def test_a_file_built_to_show_the_static_check_another_pickle_or_to_build_on_a_s
     """What the static check reads is what torch reads (torch's own zip reader), and a BUILD onto DeepSpeed's enum
     member is refused: `ayumi checkpoint verify` says unsafe, a resume stops with status 2 and one line naming the
     file and the reason, and a load of the file (in a child process) leaves the enum member as it was."""
-    build, reason = BYPASSES[bypass]
+    build, description = BYPASSES[bypass]
     root = Path(shutil.copytree(base_root, tmp_path / "runs"))
     run = root / "cpu_tiny"
     tag_dir = run / "checkpoints" / TAG
@@ -270,7 +305,7 @@ def test_a_file_built_to_show_the_static_check_another_pickle_or_to_build_on_a_s
     rerecord(tag_dir, name)
     assert integrity.verify(tag_dir).status == integrity.VERIFIED  # the checksums are no defence
     path = tag_dir / name
-    said = f"{path} holds objects other than tensors and plain data ({reason}): loading it could run code"
+    said = f"{path} {description}"
     assert main(["checkpoint", "verify", str(run)]) == 2
     captured = capsys.readouterr()
     assert f"checkpoints/{TAG}  " in captured.out and "unsafe: " in captured.out, captured.out

@@ -39,19 +39,79 @@ def test_a_payload_is_refused_in_every_form_and_never_runs(tmp_path, form):
         assert found == ["posix.mkdir"]
     else:  # protocol 4 names it by STACK_GLOBAL (an opcode torch refuses too); the legacy format is no zip at all
         assert found
-    with pytest.raises(UnsafeFile, match=f"^{path} holds objects other than tensors and plain data"):
+    said = "is not a torch file ayumi can check" if form == "legacy format" else \
+        "holds objects other than tensors and plain data"
+    with pytest.raises(UnsafeFile, match=f"^{path} {said}"):
         load(path)
     assert not marker.exists()
 
 
 def test_torchs_unpickler_refuses_what_the_static_check_might_miss(tmp_path):
-    """The second gate alone (the static check passed over by calling torch the way DeepSpeed's readers are run)."""
+    """The second gate alone: torch's own load, not the gated torch.load, asked for what DeepSpeed's readers pass."""
     path, marker = tmp_path / "x.pt", tmp_path / "marker"
     torch.save({"planted": Payload(marker)}, path)
     with forced_weights_only(DEEPSPEED_GLOBALS), pytest.raises(Exception, match="posix.mkdir"):
-        torch.load(path, weights_only=False)  # what DeepSpeed's readers pass
+        torch.serialization.load(path, weights_only=False)
     assert not marker.exists()
     assert "TORCH_FORCE_WEIGHTS_ONLY_LOAD" not in os.environ  # switched back on the way out
+
+
+def test_a_third_party_torch_load_passes_ayumis_gate_not_torchs_defaults(tmp_path):
+    """What DeepSpeed's readers call (torch.load, weights_only=False) is ayumi's check then load: a Counter, which
+    torch's own defaults admit, is refused naming the file; torch.load is torch's again on the way out."""
+    import collections
+
+    path = tmp_path / "optim.pt"
+    torch.save({"weights": torch.ones(2), "planted": collections.Counter(a=1)}, path)
+    ungated = torch.load
+    with forced_weights_only(DEEPSPEED_GLOBALS):
+        with pytest.raises(UnsafeFile, match=f"^{path} holds objects other than tensors and plain data "
+                                             r"\(collections.Counter\)"):
+            torch.load(str(path), map_location="cpu", weights_only=False)
+        with open(path, "rb") as handle, pytest.raises(UnsafeFile, match="collections.Counter"):
+            torch.load(handle, weights_only=False)  # an open file: checked and loaded from that same object
+    assert torch.load is ungated
+    assert type(torch.load(path, weights_only=True)["planted"]) is collections.Counter  # torch's defaults alone
+
+
+def test_a_file_put_in_place_after_the_check_is_never_loaded(tmp_path):
+    """One open file for the check and the load: a writer swapping a plain file and one holding a Counter (admitted
+    by torch's defaults, refused by ayumi's list) under the same name, as fast as it can, never gets the Counter
+    into the process. Each load gives the plain file or refuses the other."""
+    import collections
+    import threading
+
+    path = tmp_path / "model.pt"
+    plain, planted = tmp_path / "plain.pt", tmp_path / "planted.pt"
+    torch.save({"weights": torch.ones(2)}, plain)
+    torch.save({"weights": torch.ones(2), "planted": collections.Counter(a=1)}, planted)
+    stop = threading.Event()
+
+    def swap():
+        sources = [plain.read_bytes(), planted.read_bytes()]
+        turn = 0
+        while not stop.is_set():
+            spare = tmp_path / f"spare{turn % 2}.pt"
+            spare.write_bytes(sources[turn % 2])
+            os.replace(spare, path)
+            turn += 1
+
+    path.write_bytes(plain.read_bytes())
+    writer = threading.Thread(target=swap)
+    writer.start()
+    loaded = refused = 0
+    try:
+        for _ in range(300):
+            try:
+                assert set(load(path)) == {"weights"}
+                loaded += 1
+            except UnsafeFile as err:
+                assert "collections.Counter" in str(err)
+                refused += 1
+    finally:
+        stop.set()
+        writer.join()
+    assert loaded and refused  # the swaps really interleaved with the loads
 
 
 def test_plain_data_passes_and_the_opcodes_are_checked_not_run():
@@ -157,7 +217,9 @@ def test_the_static_check_reads_the_pickle_torch_reads(tmp_path, build):
     assert "planted" in torch.load(path, weights_only=True)  # torch itself reads the planted pickle
     found = unsafe_globals(path)
     assert found and all("Counter" in item or "zip archive" in item for item in found), found
-    with pytest.raises(UnsafeFile, match=f"^{path} holds objects other than tensors and plain data"):
+    said = "is not a torch file ayumi can check" if build is legacy_before_zip else \
+        "holds objects other than tensors and plain data"
+    with pytest.raises(UnsafeFile, match=f"^{path} {said}"):
         load(path)
 
 
@@ -201,7 +263,7 @@ except UnsafeFile as err:
     print("REFUSED", err)
 try:
     with forced_weights_only(DEEPSPEED_GLOBALS):
-        torch.load({str(path)!r}, weights_only=False)
+        torch.serialization.load({str(path)!r}, weights_only=False)  # torch's gate alone
 except Exception as err:
     print("TORCH REFUSED", type(err).__name__)
 member = ZeroStageEnum.optimizer_states
@@ -210,8 +272,9 @@ print("MEMBER", member.value, member.name, ZeroStageEnum(1) is member)
     proc = subprocess.run([sys.executable, "-c", child], cwd=REPO, env=cpu_env(), capture_output=True, text=True,
                           timeout=120)
     lines = proc.stdout.splitlines()
-    assert lines[0].startswith(f"REFUSED {path} holds objects other than tensors and plain data (pickle BUILD on "
-                               "deepspeed.runtime.zero.config.ZeroStageEnum)"), proc.stdout + proc.stderr
+    assert lines[0] == (f"REFUSED {path} uses allowed objects otherwise than checkpoint files do (pickle BUILD on "
+                        "deepspeed.runtime.zero.config.ZeroStageEnum): loading it could change objects the whole "
+                        "process shares"), proc.stdout + proc.stderr
     assert lines[1:] == ["TORCH REFUSED UnpicklingError", "MEMBER 1 optimizer_states True"], proc.stdout + proc.stderr
 
 
@@ -241,6 +304,6 @@ def test_a_deepspeed_object_takes_only_plain_values_under_names_its_class_does_n
     scaler.update_scale = 3  # pickled in its state: an attribute that would shadow the method
     torch.save({"loss_scaler": scaler}, tmp_path / "optim.pt")
     assert unsafe_globals(tmp_path / "optim.pt", DEEPSPEED_GLOBALS) == []  # statically plain data
-    with forced_weights_only(DEEPSPEED_GLOBALS), pytest.raises(Exception, match="LossScaler given the attribute "
-                                                                                "'update_scale'"):
-        torch.load(tmp_path / "optim.pt", weights_only=False)
+    with forced_weights_only(DEEPSPEED_GLOBALS), pytest.raises(UnsafeFile, match="LossScaler given the attribute "
+                                                                                 "'update_scale'"):
+        torch.load(tmp_path / "optim.pt", weights_only=False)  # DeepSpeed's call: the gate, then torch refuses
