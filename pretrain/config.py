@@ -34,7 +34,7 @@ from pretrain.stability.config import StabilityConfig, StabilityConfigError, che
 from common.status import BAD_INPUT
 from common.conf import (
     CONF_DIR, ConfigCompositionError, compose, composed_from, conf_label, config_help, fields_help, group_options,
-    unset_environment,
+    override_key, unset_environment,
 )
 
 
@@ -662,7 +662,7 @@ def shape_from_hf_folder(composed: DictConfig, overrides: list[str]) -> None:
         raise ConfigError(str(err)) from None
     explicit = {}
     for override in overrides:
-        key, _, value = override.lstrip("+~").partition("=")
+        key, value = override_key(override), override.partition("=")[2]
         if key.startswith("model."):
             explicit[key.removeprefix("model.")] = value
     problems = contradictions(fields, explicit)
@@ -704,7 +704,7 @@ def training_config_help(cfg_job: bool = True) -> str:
 
 def experiment_given(overrides: list[str] | tuple[str, ...]) -> bool:
     """Whether the overrides pick a named run (experiment=NAME, also with + or ++)."""
-    return any(override.split("=", 1)[0].lstrip("+~") == "experiment" for override in overrides)
+    return any(override_key(override) == "experiment" for override in overrides)
 
 
 def default_run_notice(prog: str, overrides: list[str] | tuple[str, ...], cfg: AyumiConfig) -> str | None:

@@ -20,6 +20,8 @@ from typing import Any
 
 import yaml
 
+from common.conf import override_key
+
 CONFIG = "config.yaml"
 HISTORY = "config_history.jsonl"
 TOKENIZER = "tokenizer"
@@ -44,7 +46,7 @@ def run_settings(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def run_overrides(overrides: list[str]) -> list[str]:
     """The overrides that are the run's (a session's own left out)."""
-    return [override for override in overrides if not session_only(override.split("=", 1)[0].lstrip("+~"))]
+    return [override for override in overrides if not session_only(override_key(override))]
 
 
 @dataclass

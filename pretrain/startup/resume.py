@@ -31,7 +31,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from common.conf import absolute_file_overrides
+from common.conf import absolute_file_overrides, override_key
 
 from pretrain.checkpoint.layout import META, latest_tag
 from pretrain.config import AyumiConfig, ConfigError, checked_config, composed_from_args, split_cli_args, total_steps
@@ -197,11 +197,6 @@ def resume_point(cfg: AyumiConfig) -> tuple[Path, dict] | None:
     except (OSError, ValueError):
         return None
     return (root / tag, meta) if isinstance(meta, dict) else None
-
-
-def override_key(override: str) -> str:
-    """`+a.b=1` -> `a.b`; `~a` -> `a`."""
-    return override.split("=", 1)[0].lstrip("+~")
 
 
 def left_out(recorded: list[str], given: list[str]) -> list[str]:
