@@ -247,6 +247,7 @@ class Trainer:
         if start_step >= self.total_steps:
             self.logger.info(f"run {self.cfg.name} is already complete ({start_step} steps); nothing to do")
         else:
+            self.feed_from(self.cfg.stability.inject.feed_sample)
             self.note_session()
             if start_step == 0 and self.cfg.checkpoint.save_initial and 0 not in self.checkpoints.steps:
                 self.save("initial")
@@ -311,6 +312,20 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         return self.evaluator.run(self.state.step, self.state.tokens)
 
+    def feed_from(self, position: int) -> None:
+        """A replay arm (`ayumi replay`): this session's first step reads from stream `position`, not from the
+        checkpoint's; the mixer's stage follows it. -1: the checkpoint's position."""
+        if position < 0:
+            return
+        self.loader.load_state_dict({"consumed_samples": position})
+        # The spike's batches may lie in a range a later rollback skipped (a checkpoint saved after it holds it):
+        # a replay trains what it is fed, so no range from here on is jumped.
+        self.skipped.ranges = [r for r in self.skipped.ranges if r[1] <= position]
+        if self.mixer is not None:
+            self.mixer.position = position
+            self.mixer.skips = list(self.skipped.ranges)
+        self.logger.info(f"replay: training from global sample {position:,} (stability.inject.feed_sample)")
+
     def note_session(self) -> None:
         """The `session` event: the batch layout and stream position this session trains from, which
         pretrain/step_samples.py reads to say which samples each step trained on (and on which rank)."""
@@ -337,6 +352,8 @@ class Trainer:
         if self.mixer is not None:
             lr = self.mixer.lr(lr, self.cfg.optim.min_lr)
         lr *= self.stability.lr_factor(step)
+        replayed = self.stability.injector.lr_set_at(step)  # a replay arm trains at the LR the spike's step had
+        lr = lr if replayed is None else replayed
         self.engine.set_lr(lr)
         if self.cfg.stability.clip.enabled:
             self.engine.set_grad_clip(self.stability.clip_threshold())

@@ -237,6 +237,12 @@ class InjectConfig:
     """Fire again when a rollback replays a step; false = only the first time the run reaches it."""
     seed: int = 0
     """Seed of the random tokens (with the step and rank)."""
+    feed_sample: int = -1
+    """REPLAY: the stream position (global sample index) this session's first step reads from, instead of the
+    checkpoint's; -1 = the checkpoint's. `ayumi replay` sets it to feed a checkpoint a spike's batches."""
+    lr_set: dict[int, float] = field(default_factory=dict)
+    """REPLAY: step -> the LR that step trains at, whatever the schedule, cool-down or stage policy would give;
+    `ayumi replay` sets the LRs the spike's steps had."""
 
 
 @dataclass
@@ -308,6 +314,8 @@ def check_stability_config(cfg: StabilityConfig, min_loss_scale: float = 1.0) ->
            f"stability.recovery.loss_scale_reset_power={rec.loss_scale_reset_power}: 2**it must exceed {floor:g}")
     _check(all(factor > 0 for factor in cfg.inject.lr_multiply.values()),
            f"stability.inject.lr_multiply={dict(cfg.inject.lr_multiply)}: factors must be > 0")
+    _check(all(lr >= 0 for lr in cfg.inject.lr_set.values()),
+           f"stability.inject.lr_set={dict(cfg.inject.lr_set)}: LRs must be >= 0")
 
 
 def _check(ok: bool, message: str) -> None:

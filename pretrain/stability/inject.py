@@ -8,6 +8,10 @@ step is listed. The trainer asks, per step:
     should_randomize_batch(step) replace the batch with random tokens (random_tokens helps)
     should_nan_loss(step)        make the loss NaN before backward
     should_force_overflow(step)  fp16: make the gradients overflow (loss x inf)
+    lr_set_at(step)              the LR a replay trains this step at (`ayumi replay`), else None
+
+`feed_sample` and `lr_set` are not faults but a replay's feed (pretrain/stability/replay.py): they apply on
+every pass, a rollback's replay included, and fire no `fault_injected` event.
 
 A fault fires the first time the run reaches its step. When a rollback replays the step it does
 not fire again unless `replay` is set: PaLM found that a spike did not recur once the batches
@@ -33,6 +37,7 @@ class FaultInjector:
         self._random = frozenset(int(s) for s in cfg.random_batch_steps)
         self._nan = frozenset(int(s) for s in cfg.nan_loss_steps)
         self._overflow = frozenset(int(s) for s in cfg.fp16_overflow_steps)
+        self._lr_set = {int(step): float(lr) for step, lr in cfg.lr_set.items()}
         self.highest_step = -1  # the furthest step run so far; lower steps are replays
 
     def describe(self) -> str:
@@ -61,6 +66,10 @@ class FaultInjector:
     def lr_multiplier(self, step: int) -> float:
         """Factor for this step's LR: 1.0 unless lr_multiply lists the step."""
         return self._lr[step] if self._fires(step, self._lr) else 1.0
+
+    def lr_set_at(self, step: int) -> float | None:
+        """The LR a replay trains `step` at (lr_set), else None: the schedule's."""
+        return self._lr_set.get(step)
 
     def should_randomize_batch(self, step: int) -> bool:
         return self._fires(step, self._random)

@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "plan": ("pretrain.tools.plan", "main", "stage table, repetition, steps, disk and per-GPU memory for an experiment"),
     "report": ("pretrain.tools.report.build", "main", "plots and a summary of a run dir"),
     "batch": ("pretrain.tools.batch", "main", "batch RUN_DIR --step N: every sample a step trained on, with its documents"),
+    "replay": ("pretrain.tools.replay", "main", "replay RUN_DIR --spike K: was a spike the data or the state? (PaLM's replay)"),
     "doctor": ("pretrain.tools.doctor", "main", "versions, devices, DeepSpeed ops, disk and W&B mode"),
 }
 

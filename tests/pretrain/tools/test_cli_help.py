@@ -50,6 +50,7 @@ CASES: list[tuple[list[str], str]] = [
     (["plan"], "config: reads conf/config.yaml + experiment=NAME from conf/experiment/"),
     (["report"], NO_CONF + ": RUN_DIR's metrics.jsonl"),
     (["batch"], NO_CONF + ": RUN_DIR's config_history.jsonl"),
+    (["replay"], NO_CONF + ": RUN_DIR's events.jsonl"),
     (["eval"], "config: reads eval.downstream from the run's config.yaml"),
     (["doctor"], "config: reads conf/config.yaml + experiment=NAME from conf/experiment/"),
 ]
