@@ -29,6 +29,13 @@ Writing is atomic: both files are written under temporary names and renamed `.bi
 `.idx`, so an `.idx` on disk always describes a complete `.bin`; a crash leaves only `*.tmp`
 files, which readers never look at.
 
+A reader holds no file open and no memory map once it is built (module functions `_read_index`,
+`ShardReader.slice`): a root of 10,000 shards per domain would otherwise hold two descriptors and
+two maps per shard (Python's mmap keeps a duplicate of the descriptor) and meet the process's limits
+(`ulimit -n`, vm.max_map_count) before training starts. Small indexes are read into memory, large
+ones stay mapped; a sample's tokens are read with one `pread`. `tokens`, the whole stream as an
+array, is mapped on first use by the tools that scan shards (verify, finish, Megatron checks).
+
 A reader's errors say what is wrong with which file, then `Fix: ...`: the reader cannot know who
 made the shard, so its caller says how to remake it (`ShardReader(prefix, fix=...)`: ayumi's own
 shards are remade by `ayumi data prepare`; registered Megatron data only by whoever owns the prefix).
@@ -56,6 +63,9 @@ _DTYPE_CODES = {dtype: code for code, dtype in _DTYPES.items()}
 UINT16_BELOW = 65500
 """Vocabularies smaller than this are written as uint16, larger ones as int32 (megatron-core's rule)."""
 _CHUNK = 1 << 23  # elements per pass when scanning large arrays: bounded memory on 100M-document indices
+_INDEX_IN_MEMORY_BYTES = 1 << 22
+"""Indexes up to this size (about 200,000 documents) are read into memory, larger ones mapped: many small shards
+then hold no descriptor and no map each, and the few large ones cost no more memory than they did."""
 
 
 class ShardFormatError(ValueError):
@@ -191,25 +201,61 @@ class ShardWriter:
 
 
 class ShardReader:
-    """A memory-mapped view of one shard; checks the index and the `.bin` size when opened.
+    """One shard, its index and `.bin` size checked when opened; it keeps its counts, not its files (module doc).
 
     `tokens` is the shard's token stream (every sequence in index order); documents are the
-    index's documents (for ayumi's shards, one sequence each).
+    index's documents (for ayumi's shards, one sequence each). The index arrays are read again when
+    first asked for, unless the index is large (then they stay mapped from the start).
     """
 
     def __init__(self, prefix: str | os.PathLike, fix: str = REMAKE):
         """`fix`: how to remake this shard, the end of every error it raises (module doc)."""
-        self.bin_path, self.idx_path = shard_paths(prefix)
-        self.prefix = self.bin_path.with_suffix("")
+        self.bin_path = shard_paths(prefix)[0]
+        self._fix = fix
         index = _read_index(self.idx_path, fix)
+        if index.mapped:
+            self.__dict__["_index"] = index  # a large index stays mapped: reading it again would cost its size
         self.dtype = index.dtype
-        self.sequence_lengths = index.lengths
-        self.sequence_pointers = index.pointers
-        self.document_indices = index.documents
         self.num_sequences = index.lengths.size
         self.num_docs = index.documents.size - 1
         self.num_tokens = index.num_tokens
-        self.tokens = _map_tokens(self.bin_path, self.dtype, self.num_tokens, fix)
+        _check_bin_size(self.bin_path, self.dtype, self.num_tokens, fix)
+
+    @property
+    def idx_path(self) -> Path:
+        return self.bin_path.with_suffix(".idx")
+
+    @property
+    def prefix(self) -> Path:
+        return self.bin_path.with_suffix("")
+
+    @cached_property
+    def _index(self) -> "_Index":
+        index = _read_index(self.idx_path, self._fix)
+        if (index.num_tokens, index.documents.size - 1) != (self.num_tokens, self.num_docs):
+            raise ShardFormatError(f"{self.idx_path}: changed after it was opened ({self.num_docs} documents and "
+                                   f"{self.num_tokens} tokens then, {index.documents.size - 1} and {index.num_tokens} "
+                                   f"now). Fix: {self._fix}")
+        return index
+
+    @property
+    def sequence_lengths(self) -> np.ndarray:
+        return self._index.lengths
+
+    @property
+    def sequence_pointers(self) -> np.ndarray:
+        return self._index.pointers
+
+    @property
+    def document_indices(self) -> np.ndarray:
+        return self._index.documents
+
+    @cached_property
+    def tokens(self) -> np.ndarray:
+        """The shard's whole token stream, memory-mapped on first use (the map keeps a descriptor open)."""
+        if self.num_tokens == 0:
+            return np.zeros(0, dtype=self.dtype)
+        return np.memmap(self.bin_path, dtype=self.dtype, mode="r", shape=(self.num_tokens,))
 
     @cached_property
     def doc_offsets(self) -> np.ndarray:
@@ -229,8 +275,20 @@ class ShardReader:
         return self.tokens[self.doc_offsets[index]:self.doc_offsets[index + 1]]
 
     def slice(self, start: int, stop: int) -> np.ndarray:
-        """Tokens [start, stop) of the shard's stream (a view into the memory map)."""
-        return self.tokens[start:stop]
+        """Tokens [start, stop) of the shard's stream (0 <= start <= stop <= num_tokens), read with one `pread`, or
+        from the map when `tokens` is mapped already: a training sample keeps no file open (module doc)."""
+        if "tokens" in self.__dict__ or stop <= start:
+            return self.tokens[start:stop]
+        size = self.dtype.itemsize
+        fd = os.open(self.bin_path, os.O_RDONLY)
+        try:
+            data = os.pread(fd, (stop - start) * size, start * size)
+        finally:
+            os.close(fd)
+        if len(data) != (stop - start) * size:
+            raise ShardFormatError(f"{self.bin_path}: ended at byte {start * size + len(data)} while reading tokens "
+                                   f"{start}-{stop}; the file was truncated after it was opened. Fix: {self._fix}")
+        return np.frombuffer(data, dtype=self.dtype)
 
     def __getitem__(self, index: int) -> np.ndarray:
         return self.document(index)
@@ -258,22 +316,27 @@ class ShardReader:
 
 
 class _Index(NamedTuple):
-    """The parsed arrays of an `.idx` (memory-mapped, never copied whole)."""
+    """The parsed arrays of an `.idx` (read into memory when small, memory-mapped when large)."""
 
     dtype: np.dtype
     lengths: np.ndarray
     pointers: np.ndarray
     documents: np.ndarray
     num_tokens: int
+    mapped: bool
 
 
 def _read_index(idx_path: Path, fix: str) -> _Index:
-    if not idx_path.exists():
+    """The checked arrays of an index: one open and one read when it is small (module doc)."""
+    try:
+        handle = open(idx_path, "rb")
+    except FileNotFoundError:
         hint = " (its .bin does: an unfinished or damaged shard)" if idx_path.with_suffix(".bin").exists() else ""
-        raise ShardFormatError(f"shard index {idx_path} does not exist{hint}. Fix: {fix}")
-    size = idx_path.stat().st_size
-    with open(idx_path, "rb") as handle:
-        head = handle.read(HEADER_SIZE)
+        raise ShardFormatError(f"shard index {idx_path} does not exist{hint}. Fix: {fix}") from None
+    with handle:
+        size = os.fstat(handle.fileno()).st_size
+        whole = handle.read(size if size <= _INDEX_IN_MEMORY_BYTES else HEADER_SIZE)
+    head = whole[:HEADER_SIZE]
     if head.startswith(LEGACY_MAGIC):  # only ayumi ever wrote these: its own fix, whoever asks
         raise ShardFormatError(
             f"{idx_path}: written by an older ayumi in its own index format (AYUMIIDX); shards are now "
@@ -299,13 +362,14 @@ def _read_index(idx_path: Path, fix: str) -> _Index:
                                f"indices need {expected}{extra}; the file is truncated or corrupt. Fix: {fix}")
     if documents < 1:
         raise ShardFormatError(f"{idx_path}: no document indices (a valid index has at least one). Fix: {fix}")
-    mapped = np.memmap(idx_path, mode="r", dtype=np.uint8)
+    in_memory = len(whole) == size  # no descriptor or map kept (module doc)
+    mapped = np.frombuffer(whole, dtype=np.uint8) if in_memory else np.memmap(idx_path, mode="r", dtype=np.uint8)
     lengths = mapped[HEADER_SIZE:HEADER_SIZE + 4 * sequences].view("<i4")
     pointers = mapped[HEADER_SIZE + 4 * sequences:HEADER_SIZE + 12 * sequences].view("<i8")
     document_indices = mapped[HEADER_SIZE + 12 * sequences:expected].view("<i8")
     dtype = _DTYPES[code]
     num_tokens = _check_layout(idx_path, dtype, lengths, pointers, document_indices, fix)
-    return _Index(dtype, lengths, pointers, document_indices, num_tokens)
+    return _Index(dtype, lengths, pointers, document_indices, num_tokens, not in_memory)
 
 
 def _check_layout(idx_path: Path, dtype: np.dtype, lengths: np.ndarray, pointers: np.ndarray, documents: np.ndarray,
@@ -333,18 +397,16 @@ def _check_layout(idx_path: Path, dtype: np.dtype, lengths: np.ndarray, pointers
     return expected_pointer // dtype.itemsize
 
 
-def _map_tokens(bin_path: Path, dtype: np.dtype, num_tokens: int, fix: str) -> np.ndarray:
-    if not bin_path.exists():
-        raise ShardFormatError(f"shard data {bin_path} does not exist (its .idx does). Fix: {fix}")
-    size = bin_path.stat().st_size
+def _check_bin_size(bin_path: Path, dtype: np.dtype, num_tokens: int, fix: str) -> None:
+    try:
+        size = os.stat(bin_path).st_size
+    except FileNotFoundError:
+        raise ShardFormatError(f"shard data {bin_path} does not exist (its .idx does). Fix: {fix}") from None
     if size != num_tokens * dtype.itemsize:
         raise ShardFormatError(
             f"{bin_path}: {size} bytes, but its index says {num_tokens} tokens of {dtype.itemsize} bytes "
             f"({num_tokens * dtype.itemsize} bytes); the file is truncated or corrupt. Fix: {fix}"
         )
-    if num_tokens == 0:
-        return np.zeros(0, dtype=dtype)
-    return np.memmap(bin_path, dtype=dtype, mode="r", shape=(num_tokens,))
 
 
 def file_sha256(path: str | os.PathLike) -> str:

@@ -1,0 +1,147 @@
+"""Benchmark: opening a data root of 10, 1,000 and 10,000 shards per domain at training start.
+
+    .venv/bin/python bench/data_shard_count.py [--work /tmp/ayumi_bench_shards] [--repeat 3]
+
+A root made by many tasks (`ayumi data prepare --tasks N`, then shards merged per task) or by
+datatrove-like tools can hold thousands of `.bin/.idx` files per domain. The same tokens are
+cut three ways (2 domains, --tokens per domain, 4 documents per shard at 10,000 shards, as
+`data.token_root.TokenRoot` writes them: the shards, records and manifest `ayumi data prepare`
+writes), then each root is opened in a fresh process exactly as training opens it
+(pretrain/stream.py: `open_training_data` and `sample_source`, the cpu_tiny config with
+data.verify at its default) and a few global batches are drawn. Per root: seconds to open,
+seconds to draw the batches, peak resident memory (the process's ru_maxrss), its growth over the
+imports, and the file descriptors and memory maps the process holds after drawing.
+
+Target (issue 50, item 4): peak memory at 10,000 shards per domain within 2x of 10 shards.
+Start-up time is reported beside it (same bar, a study). Roots are cached under --work.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.result_form import machine_line, result_line  # noqa: E402  (first: it reads the load at the start)
+
+COUNTS = (10, 1000, 10000)
+DOMAINS = ("en", "ja")
+VOCAB = 32000
+DOCS_PER_SHARD_AT_MOST = 4  # at 10,000 shards per domain: the smallest shards a many-task root holds
+STEPS = 16
+
+
+def build_root(root: Path, shards: int, tokens: int) -> None:
+    """A data root of DOMAINS, each `tokens` tokens in `shards` shards (cached: kept when complete)."""
+    import numpy as np
+
+    from data.token_root import TokenRoot
+
+    if (root / "manifest.json").is_file():
+        return
+    docs = max(COUNTS) * DOCS_PER_SHARD_AT_MOST  # the same documents in every cut
+    doc_tokens = tokens // docs
+    rng = np.random.default_rng(0)
+    with TokenRoot(root, vocab_size=VOCAB, eos_id=2, name=f"shards_{shards}") as out:
+        for domain in DOMAINS:
+            ids = rng.integers(3, VOCAB, size=docs * doc_tokens, dtype=np.int64)
+            ids[doc_tokens - 1::doc_tokens] = 2  # every document ends with EOS, as prepared ones do
+            per_shard = docs // shards
+            for shard in range(shards):
+                with out.shard(domain) as writer:
+                    part = slice(shard * per_shard * doc_tokens, (shard + 1) * per_shard * doc_tokens)
+                    writer.add_packed(ids[part], np.full(per_shard, doc_tokens))
+
+
+def measure(root: Path) -> dict:
+    """Open `root` as training does, draw STEPS global batches; runs in its own process (--measure)."""
+    import resource
+
+    from pretrain.config import compose_config
+    from pretrain.stream import micro_batch_samples, open_training_data, sample_source
+
+    cfg = compose_config(["experiment=cpu_tiny", f"data.root={root}", f"model.vocab_size={VOCAB}"])
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    start = time.perf_counter()
+    train, _ = open_training_data(cfg)
+    source = sample_source(cfg, train)
+    opened = time.perf_counter()
+    batch = cfg.train.global_batch_size
+    drawn = 0
+    for step in range(STEPS):
+        for index in micro_batch_samples(source, step * batch, batch):
+            drawn += int(source.get(index)[0].size)
+    done = time.perf_counter()
+    return {"open_s": opened - start, "draw_s": done - opened, "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "rss_imports_mb": before, "fds": len(os.listdir("/proc/self/fd")),
+            "maps": sum(1 for _ in open("/proc/self/maps")), "tokens_drawn": drawn,
+            "shards": sum(len(samples.readers) for samples in train.values())}
+
+
+def measure_fresh(root: Path) -> dict:
+    """`measure` in a fresh interpreter; its last stdout line is the JSON."""
+    result = subprocess.run([sys.executable, __file__, "--measure", str(root)], capture_output=True, text=True,
+                            cwd=REPO)
+    if result.returncode != 0:
+        return {"error": (result.stderr.strip().splitlines() or ["?"])[-1]}
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "ayumi_bench_shards"),
+                        help="scratch folder (the roots are cached there)")
+    parser.add_argument("--repeat", type=int, default=3, help="fresh processes per root; medians count")
+    parser.add_argument("--tokens", type=int, default=4_000_000, help="tokens per domain, in every cut")
+    parser.add_argument("--measure", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.measure:
+        print(json.dumps(measure(Path(args.measure))))
+        return 0
+    print(machine_line())
+    work = Path(args.work)
+    roots = {}
+    for count in COUNTS:
+        roots[count] = work / f"tokens{args.tokens}_shards{count}"
+        start = time.perf_counter()
+        build_root(roots[count], count, args.tokens)
+        print(f"[bench] root of {count:,} shards per domain ({len(DOMAINS)} domains, {args.tokens:,} tokens each): "
+              f"ready in {time.perf_counter() - start:.1f}s")
+    rounds = {count: [] for count in COUNTS}
+    for _ in range(args.repeat):  # interleaved: load from other jobs spreads over every cut
+        for count in COUNTS:
+            rounds[count].append(measure_fresh(roots[count]))
+    failed = {count: r["error"] for count, runs in rounds.items() for r in runs if "error" in r}
+    for count, error in failed.items():
+        print(f"[bench] {count:,} shards per domain: failed: {error}")
+    med = {count: {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+           for count, runs in rounds.items() if count not in failed}
+    print(f"[bench] median of {args.repeat} fresh processes; open = open_training_data + sample_source "
+          f"(data.verify=auto: every .bin's sha256 at this size); draw = {STEPS} global batches")
+    print(f"{'shards/domain':>14} {'shards':>7} {'open s':>8} {'draw s':>8} {'peak RSS MiB':>13} {'over imports':>13} "
+          f"{'fds':>6} {'maps':>6}")
+    for count, m in med.items():
+        print(f"{count:>14,} {int(m['shards']):>7,} {m['open_s']:>8.3f} {m['draw_s']:>8.3f} {m['rss_mb']:>13.1f} "
+              f"{m['rss_mb'] - m['rss_imports_mb']:>13.1f} {int(m['fds']):>6} {int(m['maps']):>6}")
+    low, high = min(COUNTS), max(COUNTS)
+    if low in med and high in med:
+        print(result_line("data_shard_count_peak_rss_10000_vs_10", med[high]["rss_mb"], med[low]["rss_mb"], "<=2",
+                          unit="MiB", spread=[b["rss_mb"] / a["rss_mb"] for a, b in zip(rounds[low], rounds[high])]))
+        print(result_line("data_shard_count_open_s_10000_vs_10", med[high]["open_s"], med[low]["open_s"], "<=2",
+                          unit="s", spread=[b["open_s"] / a["open_s"] for a, b in zip(rounds[low], rounds[high])],
+                          study=True))
+    else:
+        print(result_line("data_shard_count_peak_rss_10000_vs_10", float("nan"), float("nan"), "<=2", unit="MiB"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
