@@ -256,6 +256,8 @@ class ShuffledDomains:
             )
         self.order = EpochPermutation(total, seed)
         self.num_samples = total
+        self.exclusion = None
+        """data.exclude's documents (data/exclude.py), set by `exclude`; None: every sample is trained."""
 
     def state_dict(self) -> dict:
         """What a resume must find unchanged: the samples each domain holds (the stream's shape)."""
@@ -293,7 +295,23 @@ class ShuffledDomains:
         name = self.domain_names[domain]
         return name, epoch, sample, self.domains[name]
 
+    def exclude(self, entries) -> None:
+        """Leave out data.exclude's documents from each entry's position on (data/exclude.py says how)."""
+        from data.exclude import Exclusion
+
+        self.exclusion = Exclusion(list(self.domains.items()), entries) or None
+
     def _locate(self, global_index: int) -> tuple[int, int, int]:
+        found = self._at(global_index)
+        if self.exclusion is None or not self.exclusion.excluded(found[0], found[2], global_index):
+            return found
+        for epochs in range(1, self.exclusion.MAX_EPOCHS + 1):  # the same place of a later epoch's order
+            found = self._at(global_index + epochs * self.num_samples)
+            if not self.exclusion.excluded(found[0], found[2], global_index):
+                return found
+        raise ValueError("data.exclude leaves no sample to train on; exclude fewer documents")
+
+    def _at(self, global_index: int) -> tuple[int, int, int]:
         epoch, flat = self.order(global_index)
         domain = int(np.searchsorted(self._starts, flat, side="right")) - 1
         return domain, epoch, flat - int(self._starts[domain])

@@ -174,6 +174,9 @@ class DataConfig:
     auto (full when the run reads at most 1 GiB of shards, else sizes). Every sample's ids are checked anyway."""
     prefetch_batches: int = 2
     """Micro-batches assembled ahead in a background thread (0 = assemble inline)."""
+    exclude: str | None = None
+    """A file of documents (`domain shard document` a line, as `ayumi batch` names them) the run stops training on
+    from the step this session starts at; kept in the checkpoints, so later resumes honour it (data/exclude.py)."""
 
     RANGES: ClassVar[dict[str, Range]] = {"prefetch_batches": at_least(0, "0 = assemble inline")}
     """Allowed values, checked before any rank starts (pretrain/ranges.py)."""

@@ -202,11 +202,17 @@ def step_config(run_dir: Path, step: int):
     return cfg
 
 
-def open_source(cfg):
-    """The run's training stream rebuilt from its config (sizes checked, no checksums: nothing is trained)."""
+def open_source(cfg, run_dir: Path | None = None):
+    """The run's training stream rebuilt from its config (sizes checked, no checksums: nothing is trained), with the
+    documents the run in `run_dir` excluded (data.exclude, pretrain/excluded.py) left out as it left them out."""
+    from pretrain.excluded import apply_ledger
+
     try:
         train, _ = open_training_data(cfg, verify="sizes", validation=False)
-        return sample_source(cfg, train)
+        source = sample_source(cfg, train)
+        if run_dir is not None:
+            apply_ledger(source, run_dir)
+        return source
     except (ValueError, OSError) as err:
         raise StepSamplesError(f"the run's data (data.root={cfg.data.root}) cannot be read as it was trained: "
                                f"{err}") from None
@@ -252,7 +258,7 @@ def step_batch(run_dir: str | Path, step: int) -> StepBatch:
         raise StepSamplesError(f"--step {step:,}: {run_dir / METRICS_FILE} records training up to step {last:,} "
                                "only; give a step it has trained")
     layout, position = step_start(run_dir, step)
-    source = open_source(step_config(run_dir, step))
+    source = open_source(step_config(run_dir, step), run_dir)
     return StepBatch(step, position, layout, batch_samples(source, position, layout), stage_weights(source, position))
 
 

@@ -49,6 +49,7 @@ from curriculum.config import CurriculumError
 from curriculum.declared import register_curriculum_domains
 from curriculum.mixer import Mixer
 from curriculum.plan import PlanRefused, checkpoint_shape, raise_if_refused
+from data.exclude import ExcludeError
 from data.manifest import MANIFEST_NAME, ManifestError, load_manifest
 from data.packed import CorruptShardError, DataChangedError, PackedSamples, ShuffledDomains
 from data.shards import ShardFormatError, TokenizerMismatchError
@@ -96,7 +97,7 @@ from tokenizer.info import TokenizerNotFoundError
 warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
 
 INPUT_ERRORS = (ConfigError, PlanRefused, CurriculumError, ShardFormatError, TokenizerMismatchError, ManifestError,
-                TokenizerNotFoundError, CheckpointError, DataChangedError, HFImportError, RunDirLocked, TaskError)
+                TokenizerNotFoundError, CheckpointError, DataChangedError, HFImportError, RunDirLocked, TaskError, ExcludeError)
 """Mistakes in what the run was given (config, plan, shards, tokenizer, checkpoint): a clear line and status 2."""
 
 EXIT_STABILITY_STOP = STABILITY_STOP

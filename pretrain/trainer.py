@@ -40,6 +40,7 @@ from pretrain.model.flops import flops_per_token
 from pretrain.plan.lr_schedule import LengthHistory, history_as_record, history_from_record, scheduled_lr, with_length
 from pretrain.progress import StepFigures, start_line, step_metrics
 from pretrain.stability.policy import Action, ring_checkpoints_to_delete
+from pretrain.excluded import ExcludedData
 from pretrain.skips import SkippedData
 from pretrain.stages import model_in_stage, rope_fields
 from pretrain.stability.recovery import StabilityMonitor
@@ -113,6 +114,7 @@ class Trainer:
         self.stop = StopSignal()
         self.mixer = loader.source if isinstance(loader.source, Mixer) else None
         self.skipped = SkippedData(Path(cfg.run_dir), loader, self.mixer, dist.is_main)
+        self.excluded = ExcludedData(Path(cfg.run_dir), loader.source, dist.is_main)
         stab = cfg.stability
         if cfg.deepspeed.precision != "fp16":  # there is no loss scale to reset (or to mention)
             stab = replace(stab, recovery=replace(stab.recovery, reset_loss_scale=False))
@@ -140,7 +142,8 @@ class Trainer:
     # -- state ----------------------------------------------------------------------------------
     def shared_state(self) -> dict[str, Any]:
         shared = {"train": asdict(self.state), "loader": self.loader.state_dict(),
-                  "stability": self.stability.state_dict(), "skips": self.skipped.state()}
+                  "stability": self.stability.state_dict(), "skips": self.skipped.state(),
+                  "excluded": self.excluded.state()}
         if self.mixer is not None:
             shared["mixer"] = self.mixer.state_dict()
         else:  # all domains shuffled: the data's shape, so a resume notices changed data as the mixer does
@@ -156,6 +159,7 @@ class Trainer:
             self.state.lengths = lengths
         self.loader.load_state_dict(shared["loader"])
         self.skipped.add(shared.get("skips", []))
+        self.excluded.add(shared.get("excluded", []))
         if self.mixer is not None and "mixer" in shared:
             self.mixer.load_state_dict(shared["mixer"])
             self.skipped.add([])  # the mixer's state holds its own ranges: the run's join them
@@ -247,6 +251,7 @@ class Trainer:
         if start_step >= self.total_steps:
             self.logger.info(f"run {self.cfg.name} is already complete ({start_step} steps); nothing to do")
         else:
+            self.exclude_documents()
             self.feed_from(self.cfg.stability.inject.feed_sample)
             self.note_session()
             if start_step == 0 and self.cfg.checkpoint.save_initial and 0 not in self.checkpoints.steps:
@@ -311,6 +316,16 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         return self.evaluator.run(self.state.step, self.state.tokens)
+
+    def exclude_documents(self) -> None:
+        """data.exclude's new documents leave the stream from this session's first sample on; the run's earlier
+        exclusions (its checkpoint's, its ledger's) stay (pretrain/excluded.py)."""
+        position = self.loader.consumed_samples
+        new = self.excluded.begin(self.cfg.data.exclude, position)
+        if new is not None:
+            self.logger.event("data_excluded", self.state.step, self.state.tokens,
+                              f"data.exclude: {len(new.documents)} document(s) left out from global sample "
+                              f"{position:,} on", from_sample=position, documents=[list(d) for d in new.documents])
 
     def feed_from(self, position: int) -> None:
         """A replay arm (`ayumi replay`): this session's first step reads from stream `position`, not from the

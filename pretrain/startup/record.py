@@ -73,6 +73,8 @@ def absolute_paths(cfg: Any) -> None:
     cfg.run_dir = os.path.abspath(cfg.run_dir)
     cfg.checkpoint.dir = os.path.abspath(cfg.checkpoint.dir)
     cfg.data.root = os.path.abspath(cfg.data.root)
+    if getattr(cfg.data, "exclude", None):
+        cfg.data.exclude = os.path.abspath(cfg.data.exclude)
 
 
 def resolved_config(cfg: Any) -> dict[str, Any]:

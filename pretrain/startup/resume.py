@@ -56,6 +56,7 @@ RULES: dict[str, str] = {
     "deepspeed.bf16_skip_nonfinite": "future", "deepspeed.grad_accum_dtype": "future",
     "parallel": "harmless",
     "data": "past", "data.validation": "future", "data.verify": "harmless", "data.prefetch_batches": "harmless",
+    "data.exclude": "future",
     "train": "harmless", "train.tokens": "ack", "train.seq_len": "past", "train.global_batch_size": "past",
     "train.seed": "past", "train.max_steps": "future",
     "checkpoint": "future", "checkpoint.resume": "harmless", "checkpoint.load_from": "harmless",

@@ -205,6 +205,8 @@ def main(argv: list[str]) -> int:
         default_run_notice, print_config_error,
     )
     from data.domains import validation_notice
+    from data.exclude import ExcludeError
+    from pretrain.excluded import plan_lines
     from pretrain.startup.checks import settled_before_launch
 
     args, overrides = parse_args(argv)
@@ -226,11 +228,12 @@ def main(argv: list[str]) -> int:
         data_parallel_grad_accum(cfg.train, data_parallel_size(cfg.parallel, nproc))
         if not args.dry_run:  # a dry run shows the command; its data may live elsewhere
             preflight_plan(cfg, nproc, gpus)
+            plan_lines(cfg)  # a data.exclude file the ranks could not honour, said before any starts
             preflight_init_from(cfg)
             in_use = check_unlocked(cfg.run_dir)  # the ranks lock it; say it here once, before any starts
             if in_use:
                 raise ConfigError(in_use)
-    except (ConfigError, PlanRefused, CurriculumError, HFImportError, *DATA_ERRORS) as err:
+    except (ConfigError, PlanRefused, CurriculumError, HFImportError, ExcludeError, *DATA_ERRORS) as err:
         # The ranks' INPUT_ERRORS, said once before any of them starts.
         print_config_error(PROG, err)
         return EXIT_CONFIG_ERROR

@@ -72,7 +72,17 @@ def main(argv: list[str] | None = None) -> int:
     free = options.get("free_bytes")
     run = run_plan(cfg, count_parameters(cfg.model), planned_hardware(cfg), tokens_per_s=options.get("tokens_per_s"),
                    free_bytes=int(free) if free is not None else None)
+    from data.exclude import ExcludeError
+    from pretrain.excluded import plan_lines
+
+    try:
+        excluded = plan_lines(cfg)  # what data.exclude takes out of the stream, checked before anything is printed
+    except ExcludeError as err:
+        print_config_error("ayumi plan", err)
+        return BAD_INPUT
     print(format_run_plan(run))
+    for line in excluded:
+        print(line)
     if run.problems:
         print(f"ayumi plan: refused ({len(run.problems)} problem(s), listed above)", file=sys.stderr)
         return REFUSED
