@@ -13,8 +13,12 @@ the run and trains the spike's window (the steps from the pre-spike checkpoint C
 
 "The state" is everything but the batch: the weights, the optimizer's moments and the step size the run applied.
 So an LR the run multiplied at the spike (stability.inject, a fire drill) stays with arms (a) and (c), and arm (b)
-trains at the LR the schedule and the run's recoveries gave those steps. An arm spikes when the run's own detector
-(its thresholds, its history as the checkpoint holds it) calls a spike within the window. The verdict:
+trains at the LR the schedule and the run's recoveries gave those steps. The spike recurs in an arm when the run's
+own detector (its thresholds, its history as the checkpoint holds it) flags a step of the window: a spike, or an
+outlier (a step it would skip). An outlier counts: a batch judged against an earlier checkpoint's higher baseline
+may rise less than the spike did and still stand far out of the noise. The arms skip a flagged step's update and
+never roll back (stability.action=skip; log_only stays log_only), so up to the spike step arm (a) trains as the run
+did. The verdict:
 
 - not reproducible: (a) does not spike (the spike needs something the record does not hold: nondeterminism,
   hardware, a cause outside the step);
@@ -72,11 +76,12 @@ class Arm:
     spike_steps: list[int] = field(default_factory=list)
     """The steps its detector called a spike at (1-based)."""
     outlier_steps: list[int] = field(default_factory=list)
-    """The steps its detector skipped as outliers (1-based)."""
+    """The steps its detector judged anything but ok (outliers, non-finite, spikes; 1-based)."""
 
     @property
-    def spiked(self) -> bool:
-        return bool(self.spike_steps)
+    def recurred(self) -> bool:
+        """The spike recurred in this arm: its detector flagged a step of the window."""
+        return bool(self.spike_steps or self.outlier_steps)
 
 
 @dataclass
@@ -101,7 +106,7 @@ class ReplayPlan:
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
         for arm, data in zip(self.arms, out["arms"]):
-            data["spiked"] = arm.spiked
+            data["recurred"] = arm.recurred
             data["lr"] = {str(k): v for k, v in arm.lr.items()}
         return out
 
@@ -284,13 +289,14 @@ def read_arm(arm: Arm, arm_dir: Path) -> None:
                   if "train/loss" in r and first <= int(r["step"]) <= last]
     events = read_jsonl(arm_dir / EVENTS_FILE)
     arm.spike_steps = [int(e["step"]) for e in events if e.get("event") == "spike" and first <= e["step"] <= last]
-    arm.outlier_steps = [int(e["step"]) for e in events if e.get("event") == "skip_update" and first <= e["step"] <= last]
+    arm.outlier_steps = [int(r["step"]) for r in read_jsonl(arm_dir / METRICS_FILE)
+                         if r.get("stability/outlier", 0) > 0 and first <= int(r["step"]) <= last]
 
 
 def verdict(a: bool, b: bool, c: bool) -> tuple[str, str]:
     """(verdict, why) from whether arms (a), (b), (c) spiked (the rule in the module doc)."""
     if not a:
-        return "not reproducible", "the same checkpoint on the same batches at the same LR did not spike"
+        return "not reproducible", "the same checkpoint on the same batches at the same LR did not spike again"
     if b and not c:
         return "data-driven", "the spike's batches spiked an earlier checkpoint too; other batches did not spike this one"
     if c and not b:
@@ -301,7 +307,7 @@ def verdict(a: bool, b: bool, c: bool) -> tuple[str, str]:
 
 
 def judge(plan: ReplayPlan) -> None:
-    a, b, c = (arm.spiked for arm in plan.arms)
+    a, b, c = (arm.recurred for arm in plan.arms)
     plan.verdict, plan.why = verdict(a, b, c)
 
 

@@ -56,8 +56,9 @@ def arm_overrides(run_overrides: list[str], arm, scratch: Path, action: str) -> 
 
 
 def arm_action(action: str) -> str:
-    """The arms keep the run's own detector and its calls; a spike is recorded, never rolled back from or stopped
-    at (the window ends there): recover and stop become skip."""
+    """The arms keep the run's own detector and its calls; a flagged step's update is skipped as the run skipped it,
+    and a spike is recorded, never rolled back from or stopped at (the window ends there): recover and stop become
+    skip."""
     return action if action in ("skip", "log_only") else "skip"
 
 
@@ -84,7 +85,7 @@ def cost_lines(plan, nproc: int) -> list[str]:
 
 def curve_table(plan) -> str:
     """Each arm's loss at each step of the window, side by side; `*` marks a step its detector called a spike at,
-    `!` one it skipped as an outlier."""
+    `!` one it flagged as an outlier."""
     head = ["window step", *[f"({arm.name}) step" for arm in plan.arms], *[f"({arm.name}) loss" for arm in plan.arms]]
     rows = []
     for offset in range(1, plan.window + 1):
@@ -148,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ayumi replay: arm ({arm.name}) stopped with status {status}; its output: {log}", file=sys.stderr)
             return status
         read_arm(arm, scratch / f"arm_{arm.name}")
-        print(f"  ({arm.name}) done: {'spiked at step ' + ', '.join(map(str, arm.spike_steps)) if arm.spiked else 'no spike'}",
-              flush=True)
+        flagged = ", ".join(map(str, sorted({*arm.spike_steps, *arm.outlier_steps})))
+        print(f"  ({arm.name}) done: {'flagged step(s) ' + flagged if arm.recurred else 'no step flagged'}", flush=True)
     judge(plan)
     print(curve_table(plan))
     print(f"verdict: {plan.verdict}: {plan.why}")

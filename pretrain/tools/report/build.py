@@ -35,6 +35,7 @@ from typing import Callable
 
 
 from common.files import replace_dir
+from pretrain.stability.replay import read_replays
 from pretrain.tools.report.eval_curve import eval_curve_plot_name, plot_eval_curve, read_eval_curve
 from pretrain.tools.report.plots import (PlotContext, auto_window, downstream_plot_name, plot_downstream, plot_loss,
                                          plot_optim, plot_throughput)
@@ -64,6 +65,15 @@ def write_atomically(out_dir: Path, write: Callable[[Path], None]) -> None:
         raise
 
 
+def note_verdicts(events: list[dict], replays: dict[int, dict]) -> None:
+    """Each replayed spike's event gets its verdict (`_verdict`), for the loss plot to mark (`ayumi replay`)."""
+    verdicts = {record["spike"]: record["verdict"] for record in replays.values()}
+    spikes = [event for event in events if event.get("event") == "spike"]
+    for number, event in enumerate(spikes, 1):
+        if number in verdicts:
+            event["_verdict"] = verdicts[number]
+
+
 def make_report(run_dir: Path, out_dir: Path | None = None, smooth: int | None = None,
                 max_events: int = 200) -> Report:
     """Plots and summaries for `run_dir` into `out_dir` (default RUN_DIR/report); returns what was written."""
@@ -73,6 +83,7 @@ def make_report(run_dir: Path, out_dir: Path | None = None, smooth: int | None =
     run_dir = run_dir.resolve()
     out_dir = (out_dir or run_dir / REPORT_DIR).resolve()
     metrics_file, timeline, events = load_run(run_dir)
+    note_verdicts(events, read_replays(run_dir))
     config = read_config(run_dir)
     stages = stage_boundaries(timeline.records, events)
     num_train = len(timeline.series("train/loss").x)

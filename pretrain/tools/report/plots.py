@@ -320,6 +320,9 @@ def mark_alarms(ax, events: list[dict[str, Any]], total: Series) -> None:
                    transform=ax.get_xaxis_transform(), clip_on=False, alpha=0.55 if event["_abandoned"] else 1.0,
                    label=kind.replace("_", " ") if kind not in labelled else None)
         labelled.add(kind)
+        if event.get("_verdict"):  # `ayumi replay` judged it: data-driven, state-driven, ...
+            ax.annotate(event["_verdict"], (x, y_axes), xycoords=ax.get_xaxis_transform(), xytext=(4, 6),
+                        textcoords="offset points", fontsize=7, color=color, annotation_clip=False)
     if any(e.get("_abandoned") for e in events):
         ax.plot([], [], color="0.4", linestyle="--", alpha=0.6, label="rolled back\n(abandoned)")
 

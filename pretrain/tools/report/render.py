@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 
 from pretrain.metrics import EVAL_CURVE_FILE, EVENTS_FILE, METRICS_FILE, format_count, format_duration
+from pretrain.stability.replay import read_replays
+from pretrain.tools.report.attribution import attribution_blocks, replay_blocks
 from pretrain.tools.report.eval_curve import CurvePoint, EvalCurve, eval_curve_plot_name, newer_checkpoints
 from pretrain.tools.report.plots import downstream_plot_name
 from pretrain.startup.record import HISTORY, read_history
@@ -304,6 +306,7 @@ def summary_blocks(run_dir: Path, config: dict[str, Any], timeline: Timeline, ev
     blocks += [("h2", "Optimizer"), ("img", ("optim.png", "learning rate, grad norm, loss scale")),
                ("h2", "Throughput"), ("img", ("throughput.png", "tokens per second and step time")),
                ("h2", "Events"), *event_blocks(events, max_events), *spike_blocks(events),
+               *replay_blocks(read_replays(run_dir)), *attribution_blocks(run_dir, config, events),
                ("h2", "Files"), ("table", (["file", "size", "what"], file_rows(run_dir))),
                ("h2", "W&B"), *wandb_blocks(run_dir)]
     return blocks
