@@ -1,0 +1,401 @@
+"""Benchmark: `ayumi data prepare` against the field's tools, per worker, on the same corpus and tokenizer.
+
+    .venv/bin/python bench/data_prepare_peers.py [--work /tmp/ayumi_bench_peers] [--repeat 2] [--profile]
+
+Corpus: the demo corpus (.cache/demo_corpus, `ayumi demo` makes it; ~33 MB of jsonl: Japanese man
+pages, Jane Austen, PARI/GP's manual, Python's standard library), its documents in file order
+re-cut into PARTS files of about equal size, so that every tool can share them over 2 workers.
+Tokenizer: the demo's 8k SentencePiece model (.cache/tokenizers/demo_8k), and for datatrove its
+export `tokenizer.json` (Hugging Face `tokenizers`). Cleaning and de-duplication are off, so all
+four must produce the same token ids, which the bench checks:
+
+- ayumi: `data.prepare.prepare`, one domain of the PARTS files, clean off (normalize none, no
+  whitespace tidying, dedup off), no validation split, workers=W (shards, records, keys, manifest);
+- datatrove 0.10: `JsonlReader` + `MegatronDocumentTokenizer` (EOS by its post-processor) under
+  `LocalPipelineExecutor`, tasks=W. Installed on first use with `pip --target .venv/datatrove-site
+  --no-deps` (datatrove, loguru, humanize; the rest is ayumi's environment), never into ayumi's
+  environment. With W=2 it runs as W processes of one task each (`local_tasks=1`,
+  `local_rank_offset=r`): the executor's own pool of 2 workers hung on this 2-CPU machine (see
+  `--datatrove-pool`);
+- Megatron's `tools/preprocess_data.py` design, written here: a `multiprocessing.Pool` of W
+  workers over the lines (`imap`, chunks of 32 lines, `json.loads` and encode in the worker, as
+  its Encoder), megatron-core's `IndexedDatasetBuilder` in the parent, one prefix per input file;
+- bare: one process, `json.loads` and `sp.encode` per line (the floor of any tool).
+
+Each run is a fresh process (its imports not timed), runs interleaved over --repeat rounds, the
+best of each counts. Throughput is input MB (jsonl bytes) per second per worker; CPU seconds
+(the run's process and its children) are printed beside, the figure that does not depend on what
+else runs here. --profile adds a cProfile of ayumi's worker and parent (workers=0: the parent
+encodes in-process, so one profile holds both) with where the time goes beyond the encode.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.result_form import machine_line, result_line  # noqa: E402  (first: it reads the load at the start)
+
+PARTS = 8
+DATATROVE = ("datatrove==0.10.1", "loguru==0.7.3", "humanize==4.17.0")
+SITE = REPO / ".venv" / "datatrove-site"
+TOOLS = ("ayumi", "datatrove", "megatron", "bare")
+MEGATRON_CHUNK_LINES = 32  # preprocess_data.py's imap chunk size
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs
+# ----------------------------------------------------------------------------------------------
+
+
+def recut_corpus(corpus: Path, out: Path) -> list[Path]:
+    """The corpus's documents (its *.jsonl by name, in order) cut into PARTS files of about equal bytes (cached)."""
+    files = sorted(corpus.glob("*.jsonl"))
+    if not files:
+        raise SystemExit(f"bench: no *.jsonl in {corpus}. Fix: run `./ayumi demo` once (it builds the demo corpus), "
+                         "or pass --corpus")
+    parts = [out / f"part_{index:02d}.jsonl" for index in range(PARTS)]
+    if all(path.is_file() for path in parts):
+        return parts
+    out.mkdir(parents=True, exist_ok=True)
+    total = sum(path.stat().st_size for path in files)
+    index, written, handle = 0, 0, open(parts[0].with_suffix(".tmp"), "wb")
+    for path in files:
+        for line in open(path, "rb"):
+            if written >= total * (index + 1) / PARTS and index < PARTS - 1:
+                handle.close()
+                index += 1
+                handle = open(parts[index].with_suffix(".tmp"), "wb")
+            handle.write(line)
+            written += len(line)
+    handle.close()
+    for path in parts:
+        path.with_suffix(".tmp").replace(path)
+    return parts
+
+
+def ensure_datatrove() -> None:
+    """datatrove in .venv/datatrove-site (pip --target, no dependencies: it never touches ayumi's environment)."""
+    if (SITE / "datatrove").is_dir():
+        return
+    print(f"[bench] installing {', '.join(DATATROVE)} into {SITE} (its own folder, no dependencies)", flush=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(SITE), *DATATROVE],
+                   check=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# The four runs (each in a fresh process: `--run TOOL`)
+# ----------------------------------------------------------------------------------------------
+
+
+def run_ayumi(parts: list[Path], tokenizer: Path, out: Path, workers: int) -> float:
+    from data.config import CleanConfig, DataConfig, DataPrepareConfig, DomainConfig
+    from data.prepare import prepare
+
+    off = CleanConfig(normalize="none", tidy_whitespace=False, min_chars=0, dedup="off")
+    domain = DomainConfig(inputs=[str(path) for path in parts], clean=off)
+    cfg = DataPrepareConfig(data=DataConfig(name="peers", root=str(out), domains={"all": domain}),
+                            tokenizer_dir=str(tokenizer), workers=workers, progress=False)
+    start = time.perf_counter()
+    prepare(cfg)
+    return time.perf_counter() - start
+
+
+def run_datatrove(parts: list[Path], tokenizer: Path, out: Path, workers: int, pool: bool) -> float:
+    sys.path.insert(0, str(SITE))
+    from datatrove.executor import LocalPipelineExecutor
+    from datatrove.pipeline.readers import JsonlReader
+    from datatrove.pipeline.tokens import MegatronDocumentTokenizer
+    from tokenizers import Tokenizer
+
+    eos = Tokenizer.from_file(str(tokenizer / "tokenizer.json")).id_to_token(_eos_id(tokenizer))
+
+    def executor(rank_offset: int, local_tasks: int, pool_workers: int) -> LocalPipelineExecutor:
+        steps = [JsonlReader(str(parts[0].parent), glob_pattern="part_*.jsonl"),
+                 MegatronDocumentTokenizer(str(out), tokenizer_name_or_path=str(tokenizer / "tokenizer.json"),
+                                           eos_token=eos)]
+        return LocalPipelineExecutor(steps, tasks=workers, workers=pool_workers, local_tasks=local_tasks,
+                                     local_rank_offset=rank_offset, logging_dir=str(out / "logs"),
+                                     skip_completed=False)
+
+    start = time.perf_counter()
+    if pool or workers == 1:
+        executor(0, workers, workers).run()
+    else:  # one process per task (module doc): what a cluster's array job does too
+        children = []
+        for rank in range(workers):
+            child = os.fork()
+            if child == 0:
+                try:
+                    executor(rank, 1, 1).run()
+                finally:
+                    os._exit(0)
+            children.append(child)
+        for child in children:
+            os.waitpid(child, 0)
+    return time.perf_counter() - start
+
+
+_encoder = {}
+
+
+def _megatron_init(model: str, eos: int) -> None:
+    import sentencepiece as spm
+
+    _encoder["sp"], _encoder["eos"] = spm.SentencePieceProcessor(model_file=model), eos
+
+
+def _megatron_encode(line: bytes) -> tuple[list[int], int]:
+    """preprocess_data.py's Encoder.encode: one json line -> its ids with EOD appended (--append-eod)."""
+    ids = _encoder["sp"].encode(json.loads(line)["text"])
+    ids.append(_encoder["eos"])
+    return ids, len(line)
+
+
+def run_megatron(parts: list[Path], tokenizer: Path, out: Path, workers: int) -> float:
+    import multiprocessing
+
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    out.mkdir(parents=True, exist_ok=True)
+    eos = _eos_id(tokenizer)
+    dtype = DType.optimal_dtype(_vocab_size(tokenizer))
+    start = time.perf_counter()
+    with multiprocessing.get_context("fork").Pool(workers, _megatron_init, (str(tokenizer / "tokenizer.model"), eos)) as pool:
+        for path in parts:
+            builder = IndexedDatasetBuilder(str(out / f"{path.stem}.bin"), dtype=dtype)
+            with open(path, "rb") as lines:
+                for ids, _ in pool.imap(_megatron_encode, lines, MEGATRON_CHUNK_LINES):
+                    builder.add_document(np.array(ids, dtype=dtype), [len(ids)])
+            builder.finalize(str(out / f"{path.stem}.idx"))
+    return time.perf_counter() - start
+
+
+def run_bare(parts: list[Path], tokenizer: Path, out: Path, workers: int) -> float:
+    import numpy as np
+    import sentencepiece as spm
+
+    processor = spm.SentencePieceProcessor(model_file=str(tokenizer / "tokenizer.model"))
+    eos = _eos_id(tokenizer)
+    documents = []
+    start = time.perf_counter()
+    for path in parts:
+        with open(path, encoding="utf-8") as handle:
+            for line in handle:
+                ids = processor.encode(json.loads(line)["text"])
+                ids.append(eos)
+                documents.append(ids)
+    elapsed = time.perf_counter() - start
+    out.mkdir(parents=True, exist_ok=True)  # the ids, for the comparison (not timed)
+    np.array([i for ids in documents for i in ids], dtype=np.uint16).tofile(out / "tokens.u16")
+    return elapsed
+
+
+def _eos_id(tokenizer: Path) -> int:
+    return int(json.loads((tokenizer / "tokenizer_meta.json").read_text())["eos_id"])
+
+
+def _vocab_size(tokenizer: Path) -> int:
+    return int(json.loads((tokenizer / "tokenizer_meta.json").read_text())["vocab_size"])
+
+
+def run_one(tool: str, parts: list[Path], tokenizer: Path, out: Path, workers: int, pool: bool) -> dict:
+    """One run in this (fresh) process: wall seconds of the tool's call, CPU seconds of this process and its children."""
+    shutil.rmtree(out, ignore_errors=True)
+    before = _cpu()
+    if tool == "datatrove":
+        seconds = run_datatrove(parts, tokenizer, out, workers, pool)
+    else:
+        seconds = {"ayumi": run_ayumi, "megatron": run_megatron, "bare": run_bare}[tool](parts, tokenizer, out, workers)
+    return {"seconds": seconds, "cpu": _cpu() - before}
+
+
+def _cpu() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def measure_fresh(tool: str, args, out: Path, workers: int, timeout: float) -> dict:
+    command = [sys.executable, __file__, "--run", tool, "--workers", str(workers), "--out", str(out),
+               "--work", args.work, "--corpus", args.corpus, "--tokenizer", args.tokenizer]
+    if args.datatrove_pool:
+        command.append("--datatrove-pool")
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"no result in {timeout:.0f}s (hung?)"}
+    if result.returncode != 0:
+        return {"error": (result.stderr.strip().splitlines() or ["?"])[-1]}
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+# ----------------------------------------------------------------------------------------------
+# Token ids of each output
+# ----------------------------------------------------------------------------------------------
+
+
+def output_documents(tool: str, out: Path) -> list[bytes]:
+    """Every document's ids (as bytes of uint16) in the order the tool wrote them."""
+    import numpy as np
+
+    from data.shards import ShardReader, find_shards
+
+    if tool == "bare":
+        return [np.fromfile(out / "tokens.u16", dtype=np.uint16).tobytes()]
+    folder = {"ayumi": out / "all" / "train", "datatrove": out, "megatron": out}[tool]
+    documents = []
+    for prefix in find_shards(folder):
+        reader = ShardReader(prefix)
+        documents += [reader.document(index).astype(np.uint16).tobytes() for index in range(reader.num_docs)]
+    return documents
+
+
+def compare_ids(work: Path, workers: tuple[int, ...]) -> list[str]:
+    """Lines saying whether every output holds the bare loop's ids: in order for one worker; for datatrove's W
+    tasks, whose files interleave the inputs (files[rank::W]), as the same documents in another order."""
+    reference = output_documents("bare", work / "out_bare_1")[0]
+    lines = []
+    for tool in ("ayumi", "datatrove", "megatron"):
+        for count in workers:
+            out = work / f"out_{tool}_{count}"
+            if not out.is_dir():
+                continue
+            documents = output_documents(tool, out)
+            same_order = b"".join(documents) == reference
+            if same_order or tool != "datatrove" or count == 1:
+                verdict = "identical" if same_order else "DIFFERENT"
+            else:
+                ordered = sorted(documents)
+                verdict = "the same documents, in task order" if sum(map(len, ordered)) == len(reference) and \
+                    ordered == sorted(output_documents("datatrove", work / "out_datatrove_1")) else "DIFFERENT"
+            lines.append(f"[bench] token ids, {tool} workers={count} vs bare loop: {verdict} "
+                         f"({sum(map(len, documents)) // 2:,} tokens, {len(documents):,} documents)")
+    return lines
+
+
+# ----------------------------------------------------------------------------------------------
+# Profile of ayumi's pipeline
+# ----------------------------------------------------------------------------------------------
+
+
+def profile_ayumi(parts: list[Path], tokenizer: Path, out: Path) -> None:
+    """cProfile of `prepare` with workers=0 (parent and worker work in one process); the top functions by own time."""
+    import cProfile
+    import pstats
+
+    from data.config import CleanConfig, DataConfig, DataPrepareConfig, DomainConfig
+    from data.prepare import prepare
+
+    shutil.rmtree(out, ignore_errors=True)
+    off = CleanConfig(normalize="none", tidy_whitespace=False, min_chars=0, dedup="off")
+    cfg = DataPrepareConfig(data=DataConfig(name="peers", root=str(out), domains={
+        "all": DomainConfig(inputs=[str(path) for path in parts], clean=off)}),
+        tokenizer_dir=str(tokenizer), workers=0, progress=False)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    prepare(cfg)
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    total = stats.total_tt
+    print(f"[profile] ayumi, workers=0 (one process does the workers' and the parent's work): {total:.2f}s")
+    rows = sorted(stats.stats.items(), key=lambda item: item[1][2], reverse=True)[:12]
+    for (path, line, name), (_, calls, own, cumulative, _) in rows:
+        print(f"[profile]   {own:6.2f}s own ({100 * own / total:4.1f}%) {calls:>9,} calls  {Path(path).name}:{line} {name}")
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "ayumi_bench_peers"), help="scratch folder")
+    parser.add_argument("--corpus", default=str(REPO / ".cache" / "demo_corpus"), help="folder of *.jsonl")
+    parser.add_argument("--tokenizer", default=str(REPO / ".cache" / "tokenizers" / "demo_8k"),
+                        help="an `ayumi tokenizer build` folder (tokenizer.model and its tokenizer.json export)")
+    parser.add_argument("--repeat", type=int, default=2, help="rounds; the best run of each tool counts")
+    parser.add_argument("--workers", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--datatrove-pool", action="store_true",
+                        help="run datatrove's W tasks in its executor's own pool (hung here with 2 workers on 2 CPUs)")
+    parser.add_argument("--profile", action="store_true", help="also profile ayumi's pipeline (where the time goes)")
+    parser.add_argument("--run", choices=TOOLS, help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    work, tokenizer = Path(args.work), Path(args.tokenizer)
+    parts = recut_corpus(Path(args.corpus), work / "corpus")
+    if args.run:
+        print(json.dumps(run_one(args.run, parts, tokenizer, Path(args.out), args.workers, args.datatrove_pool)))
+        return 0
+    print(machine_line())
+    if not (tokenizer / "tokenizer.json").is_file() or not (tokenizer / "tokenizer.model").is_file():
+        print(f"bench: {tokenizer} needs tokenizer.model and tokenizer.json. Fix: run `./ayumi demo` once, or pass "
+              "--tokenizer", file=sys.stderr)
+        return 2
+    ensure_datatrove()
+    megabytes = sum(path.stat().st_size for path in parts) / 1e6
+    print(f"[bench] corpus: {args.corpus} cut into {PARTS} files, {megabytes:.1f} MB of jsonl; tokenizer {tokenizer}")
+    plan = [(tool, count) for count in (1, 2) for tool in TOOLS if not (tool == "bare" and count == 2)]
+    rounds: dict[tuple[str, int], list[dict]] = {key: [] for key in plan}
+    for _ in range(args.repeat):
+        for tool, count in plan:
+            rounds[(tool, count)].append(measure_fresh(tool, args, work / f"out_{tool}_{count}", count, timeout=600))
+    best = {}
+    for (tool, count), runs in rounds.items():
+        good = [run for run in runs if "error" not in run]
+        if not good:
+            print(f"[bench] {tool} workers={count}: failed: {runs[0]['error']}")
+            continue
+        best[(tool, count)] = min(good, key=lambda run: run["seconds"])
+    print(f"{'tool':>10} {'workers':>7} {'seconds':>8} {'MB/s':>7} {'MB/s/worker':>12} {'CPU s':>7} {'MB per CPU-s':>13}")
+    for (tool, count), run in best.items():
+        print(f"{tool:>10} {count:>7} {run['seconds']:>8.2f} {megabytes / run['seconds']:>7.2f} "
+              f"{megabytes / run['seconds'] / count:>12.2f} {run['cpu']:>7.2f} {megabytes / run['cpu']:>13.2f}")
+    for line in compare_ids(work, (1, 2)):
+        print(line)
+    if args.profile:
+        profile_ayumi(parts, tokenizer, work / "out_profile")
+    print(machine_line() + " (2-worker figures need 2 free cores)")
+    for line in result_lines(best, rounds, megabytes):
+        print(line)
+    return 0
+
+
+def per_worker(run: dict | None, count: int, megabytes: float) -> float:
+    return megabytes / run["seconds"] / count if run else float("nan")
+
+
+def result_lines(best: dict, rounds: dict, megabytes: float) -> list[str]:
+    """Per-worker throughput of ayumi against each peer at 1 worker (and datatrove and Megatron at 2), and ayumi's
+    scaling from 1 to 2 workers."""
+    def rate(tool: str, count: int) -> float:
+        return per_worker(best.get((tool, count)), count, megabytes)
+
+    def spread(tool: str, peer: str, count: int, peer_count: int | None = None) -> list[float]:
+        peer_count = peer_count or count
+        return [per_worker(a, count, megabytes) / per_worker(b, peer_count, megabytes)
+                for a, b in zip(rounds[(tool, count)], rounds[(peer, peer_count)]) if "error" not in a and "error" not in b]
+
+    lines = []
+    for peer, target in (("datatrove", ">=1.2"), ("megatron", ">=1.2"), ("bare", ">=0.8")):
+        lines.append(result_line(f"data_prepare_vs_{peer}_per_worker", rate("ayumi", 1), rate(peer, 1), target,
+                                 unit="MB/s", spread=spread("ayumi", peer, 1)))
+    for peer in ("datatrove", "megatron"):
+        lines.append(result_line(f"data_prepare_vs_{peer}_per_worker_2_workers", rate("ayumi", 2), rate(peer, 2), ">=1.2",
+                                 unit="MB/s", spread=spread("ayumi", peer, 2)))
+    lines.append(result_line("data_prepare_scaling_1_to_2_workers", rate("ayumi", 2), rate("ayumi", 1), ">=0.9",
+                             unit="MB/s", spread=spread("ayumi", "ayumi", 2, 1)))
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())
