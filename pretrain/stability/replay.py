@@ -239,8 +239,8 @@ def plan_replay(run_dir: Path, spike: int, source=None) -> ReplayPlan:
         raise ReplayError(f"{run_dir / EVENTS_FILE}: spike {spike} (step {event['step']:,}) records no batch (a run "
                           "trained before ayumi recorded a spike's batch): its batches cannot be fed again")
     cfg = run_config(run_dir, int(event["step"]))
-    root = Path(cfg.checkpoint.dir)
-    root = root if root.is_dir() else run_dir / "checkpoints"
+    root = run_dir / "checkpoints"  # the default checkpoint.dir; a run copied elsewhere holds its own
+    root = root if root.is_dir() else Path(cfg.checkpoint.dir)
     have = checkpoint_folders(root)
     step = int(event["step"])
     pre = pre_spike_step(events, at, event, have)
