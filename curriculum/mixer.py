@@ -139,7 +139,9 @@ class Mixer:
         self.position = 0
         self.skips: list[tuple[int, int]] = []
         self.exclusion = None
-        """data.exclude's documents (data/exclude.py), set by `exclude`; None: every sample is trained."""
+        """data.exclude's documents (data/exclude.py's Exclusion over the streams in order, set by
+        pretrain/excluded.py; stages, cursors and every other sample stay where they are); None: every sample is
+        trained."""
 
     @staticmethod
     def _samples_of(stream: Stream, domains: Mapping[str, PackedSamples]) -> PackedSamples:
@@ -170,14 +172,6 @@ class Mixer:
         if self.exclusion is not None and self.exclusion.excluded(stream, sample, global_index):
             epoch, sample = self.exclusion.replacement(stream, cursor, global_index, self._orders[stream])
         return stream, epoch, sample
-
-    def exclude(self, entries) -> None:
-        """Leave out data.exclude's documents from each entry's position on (data/exclude.py says how): stages,
-        cursors and every other sample stay where they are."""
-        from data.exclude import Exclusion
-
-        self.exclusion = Exclusion([(stream.domain, samples) for stream, samples in zip(self.streams, self._samples)],
-                                   entries) or None
 
     def sample_slots(self, global_index: int) -> int:
         """Global indices one sample spans at `global_index`: its stage's seq_len / train.seq_len."""

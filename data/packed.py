@@ -257,7 +257,8 @@ class ShuffledDomains:
         self.order = EpochPermutation(total, seed)
         self.num_samples = total
         self.exclusion = None
-        """data.exclude's documents (data/exclude.py), set by `exclude`; None: every sample is trained."""
+        """data.exclude's documents (data/exclude.py's Exclusion over the domains in order, set by
+        pretrain/excluded.py); None: every sample is trained."""
 
     def state_dict(self) -> dict:
         """What a resume must find unchanged: the samples each domain holds (the stream's shape)."""
@@ -294,12 +295,6 @@ class ShuffledDomains:
         domain, epoch, sample = self._locate(global_index)
         name = self.domain_names[domain]
         return name, epoch, sample, self.domains[name]
-
-    def exclude(self, entries) -> None:
-        """Leave out data.exclude's documents from each entry's position on (data/exclude.py says how)."""
-        from data.exclude import Exclusion
-
-        self.exclusion = Exclusion(list(self.domains.items()), entries) or None
 
     def _locate(self, global_index: int) -> tuple[int, int, int]:
         found = self._at(global_index)

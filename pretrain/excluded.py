@@ -9,9 +9,12 @@ checkpoint too, and `ayumi batch` reads the same file to name what each step tra
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
-from data.exclude import LEDGER, Entry, check_documents, covered, entry_of, merged, read_exclude_file, read_ledger, stream_shards
+from curriculum.mixer import Mixer
+from data.exclude import (
+    LEDGER, Entry, Exclusion, check_documents, covered, entry_of, merged, read_exclude_file, read_ledger, stream_shards,
+)
 from data.manifest import write_json_atomic
 
 
@@ -40,7 +43,7 @@ class ExcludedData:
                 new = Entry(position, fresh)
                 self.entries = merged([*self.entries, new])
         if self.entries:
-            self.source.exclude(self.entries)
+            apply_entries(self.source, self.entries)
             if self.is_main:
                 write_json_atomic(self.path, {"entries": [entry.as_dict() for entry in self.entries]})
         return new
@@ -49,15 +52,27 @@ class ExcludedData:
         return [entry.as_dict() for entry in self.entries]
 
 
+def source_streams(source) -> list[tuple[str, Any]]:
+    """(domain, samples) of each stream of a sample source, in its stream order: the curriculum mixer's streams, or
+    every domain of the shuffled stream."""
+    if isinstance(source, Mixer):
+        return [(stream.domain, samples) for stream, samples in zip(source.streams, source._samples)]
+    return list(source.domains.items())
+
+
+def stream_names(source) -> list[str]:
+    return [stream.name for stream in source.streams] if isinstance(source, Mixer) else list(source.domains)
+
+
+def apply_entries(source, entries: list[Entry]) -> None:
+    """Leave out the entries' documents from each one's position on (data/exclude.py says how)."""
+    source.exclusion = Exclusion(source_streams(source), entries) or None
+
+
 def source_shards(source) -> dict[str, dict[str, int]]:
     """domain -> shard -> documents, over every stream of a sample source (the mixer's, or every domain)."""
     out: dict[str, dict[str, int]] = {}
-    streams = getattr(source, "streams", None)
-    if streams is not None:  # the curriculum's mixer
-        pairs = [(stream.domain, samples) for stream, samples in zip(streams, source._samples)]
-    else:
-        pairs = list(source.domains.items())
-    for domain, samples in pairs:
+    for domain, samples in source_streams(source):
         out.setdefault(domain, {}).update(stream_shards(samples))
     return out
 
@@ -66,13 +81,13 @@ def apply_ledger(source, run_dir: Path) -> None:
     """The run's recorded exclusions on a rebuilt source (`ayumi batch`): the stream as the run trained it."""
     entries = read_ledger(run_dir)
     if entries:
-        source.exclude(entries)
+        apply_entries(source, entries)
 
 
 def plan_lines(cfg) -> list[str]:
     """What `ayumi plan` says of data.exclude: the documents, their tokens and the samples of each stream it takes
     out (ExcludeError for a file it cannot honour). Opens the data as training does, sizes checked only."""
-    from data.exclude import Exclusion, document_span
+    from data.exclude import document_span
     from pretrain.stream import open_training_data, sample_source
 
     if not cfg.data.exclude:
@@ -81,13 +96,11 @@ def plan_lines(cfg) -> list[str]:
     train, _ = open_training_data(cfg, verify="sizes", validation=False)
     source = sample_source(cfg, train)
     check_documents(documents, source_shards(source), str(cfg.data.exclude))
-    streams = [(s.domain, samples) for s, samples in zip(source.streams, source._samples)] \
-        if getattr(source, "streams", None) is not None else list(source.domains.items())
-    names = [s.name for s in source.streams] if getattr(source, "streams", None) is not None else list(source.domains)
+    streams, names = source_streams(source), stream_names(source)
     counts = Exclusion(streams, [Entry(0, tuple(documents))]).counts()
     tokens = 0
-    for domain, shard, index in documents:
-        samples = dict(streams).get(domain) if domain in dict(streams) else None
+    for domain, shard, index in documents:  # the document's tokens, from the first stream of its domain
+        samples = next((samples for name, samples in streams if name == domain), None)
         span = document_span(samples, shard, index) if samples is not None else None
         tokens += span[1] - span[0] if span else 0
     removed = ", ".join(f"{count:,} of {len(samples):,} samples of stream {name}"

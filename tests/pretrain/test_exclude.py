@@ -11,7 +11,7 @@ import pytest
 from data.exclude import Entry, ExcludeError, check_documents, read_exclude_file
 from data.packed import ShuffledDomains
 from data.provenance import sample_pieces
-from pretrain.excluded import source_shards
+from pretrain.excluded import apply_entries, source_shards
 from tests.curriculum.test_stage_lengths import mixer_for, short_to_long, write_mixed_lengths
 
 FROM = 200
@@ -33,7 +33,7 @@ def holds_excluded(source, index: int) -> bool:
 
 def test_the_mixer_leaves_the_documents_out_from_the_position_on(data_root):
     plain, excluding = mixer_for(data_root, short_to_long()), mixer_for(data_root, short_to_long())
-    excluding.exclude([Entry(FROM, DOCUMENTS)])
+    apply_entries(excluding, [Entry(FROM, DOCUMENTS)])
     replaced = 0
     for index in range(0, 800):
         tokens, domain = excluding.get(index)
@@ -56,7 +56,7 @@ def test_shuffled_domains_leave_them_out_too(data_root):
 
     _, train, _ = open_run_data(data_root, None, 16, verify="sizes", validation=False)
     plain, excluding = ShuffledDomains(train, seed=5), ShuffledDomains(train, seed=5)
-    excluding.exclude([Entry(FROM, DOCUMENTS)])
+    apply_entries(excluding, [Entry(FROM, DOCUMENTS)])
     for index in range(0, 600):
         if index < FROM or not holds_excluded(plain, index):
             assert excluding.get(index)[0].tolist() == plain.get(index)[0].tolist(), index
