@@ -19,7 +19,7 @@ from pathlib import Path
 
 ARM_START_S = 15.0
 """Seconds an arm is assumed to take to start (processes, imports, the checkpoint load), for the stated cost."""
-SET_BY_REPLAY = ("run_root", "name", "checkpoint.load_from", "checkpoint.resume", "checkpoint.interval",
+SET_BY_REPLAY = ("run_root", "name", "checkpoint.dir", "checkpoint.load_from", "checkpoint.resume", "checkpoint.interval",
                  "checkpoint.save_final", "checkpoint.save_initial", "stability.recovery.ring_interval",
                  "stability.action", "train.max_steps", "train.eval_interval", "logging", "stability/inject",
                  "stability.inject")
