@@ -210,9 +210,24 @@ def _vocab_size(tokenizer: Path) -> int:
     return int(json.loads((tokenizer / "tokenizer_meta.json").read_text())["vocab_size"])
 
 
+def import_tool(tool: str) -> None:
+    """The tool's modules, imported before the CPU clock starts (megatron-core imports torch: seconds of CPU)."""
+    if tool == "ayumi":
+        import data.prepare  # noqa: F401
+    elif tool == "datatrove":
+        sys.path.insert(0, str(SITE))
+        import datatrove.executor  # noqa: F401
+        import datatrove.pipeline.tokens  # noqa: F401
+    elif tool == "megatron":
+        import megatron.core.datasets.indexed_dataset  # noqa: F401
+    import sentencepiece  # noqa: F401
+
+
 def run_one(tool: str, parts: list[Path], tokenizer: Path, out: Path, workers: int, pool: bool) -> dict:
-    """One run in this (fresh) process: wall seconds of the tool's call, CPU seconds of this process and its children."""
+    """One run in this (fresh) process: wall seconds of the tool's call, CPU seconds of this process and its children
+    (both after the imports)."""
     shutil.rmtree(out, ignore_errors=True)
+    import_tool(tool)
     before = _cpu()
     if tool == "datatrove":
         seconds = run_datatrove(parts, tokenizer, out, workers, pool)
@@ -394,6 +409,20 @@ def result_lines(best: dict, rounds: dict, megabytes: float) -> list[str]:
                                  unit="MB/s", spread=spread("ayumi", peer, 2)))
     lines.append(result_line("data_prepare_scaling_1_to_2_workers", rate("ayumi", 2), rate("ayumi", 1), ">=0.9",
                              unit="MB/s", spread=spread("ayumi", "ayumi", 2, 1)))
+    # The same comparisons per CPU-second (every process of the run, after imports): what a core does, whatever
+    # else runs on the machine. Scaling: the CPU time 2 workers spend on the corpus against 1 worker's.
+    def per_cpu(tool: str, count: int) -> float:
+        run = best.get((tool, count))
+        return megabytes / min(r["cpu"] for r in rounds[(tool, count)] if "error" not in r) if run else float("nan")
+
+    def cpu_spread(ours: tuple, peer: tuple) -> list[float]:
+        return [b["cpu"] / a["cpu"] for a, b in zip(rounds[ours], rounds[peer]) if "error" not in a and "error" not in b]
+
+    for peer, target in (("datatrove", ">=1.2"), ("megatron", ">=1.2"), ("bare", ">=0.8")):
+        lines.append(result_line(f"data_prepare_vs_{peer}_per_cpu_s", per_cpu("ayumi", 1), per_cpu(peer, 1), target,
+                                 unit="MB/cpu-s", spread=cpu_spread(("ayumi", 1), (peer, 1))))
+    lines.append(result_line("data_prepare_scaling_1_to_2_workers_cpu", per_cpu("ayumi", 2), per_cpu("ayumi", 1),
+                             ">=0.9", unit="MB/cpu-s", spread=cpu_spread(("ayumi", 2), ("ayumi", 1))))
     return lines
 
 
