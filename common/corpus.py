@@ -356,23 +356,28 @@ def parse_jsonl_line(line: bytes, text_field: str) -> str | Skip | None:
     return text
 
 
-def read_jsonl_blocks(path: Path, block_bytes: int) -> Iterator[tuple[int, bytes]]:
+def read_jsonl_blocks(path: Path, block_bytes: int, span: tuple[int, int] | None = None) -> Iterator[tuple[int, bytes]]:
     """A jsonl file as (number of its first line, ~block_bytes of whole lines), undecoded.
 
     For pipelines that parse in worker processes (`parse_jsonl_block`): reading stays a few
     system calls per block however small the documents are. Raises one of READ_ERRORS when the
-    file cannot be read to its end.
+    file cannot be read to its end. `span`: only bytes [start, stop) of an uncompressed file, both at
+    line starts (data/task_plan.py cuts them); its lines are numbered from 1 at `start`.
     """
+    start, stop = span or (0, None)
     with _open_binary(path) as raw:
-        number = 1
-        while True:
-            block = raw.read(block_bytes)
+        if start:
+            raw.seek(start)
+        number, position = 1, start
+        while stop is None or position < stop:
+            block = raw.read(block_bytes if stop is None else min(block_bytes, stop - position))
             if not block:
                 return
             if not block.endswith(b"\n"):
-                block += raw.readline()  # finish the line the block cut
+                block += raw.readline()  # finish the line the block cut (a span ends at a line start)
             yield number, block
             number += block.count(b"\n")
+            position += len(block)
 
 
 def parse_jsonl_block(block: bytes, first_line: int, text_field: str) -> tuple[list[str], list[int], list[tuple[int, Skip]]]:

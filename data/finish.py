@@ -38,7 +38,7 @@ from data.prepare import (
 from data.shards import ShardReader
 from data.task_plan import (
     KEPT_SPLIT, SUMMARY_NAME, TASKS_DIR, UNIT_NAME, domain_payload, plan_cut, read_sealed, task_dir, task_name,
-    task_share, unit_fingerprint, unit_problem,
+    task_share, task_units, unit_fingerprint, unit_problem,
 )
 
 log = logging.getLogger("ayumi.data")
@@ -61,9 +61,10 @@ def finish(cfg: DataPrepareConfig, tasks: int) -> tuple[dict, dict]:
     root.mkdir(parents=True, exist_ok=True)
     plan = _plan(cfg, root, info)
     text = [name for name, domain in cfg.data.domains.items() if not domain.megatron]
-    starts = plan_cut(root, tasks, {name: plan[name][1] for name in text})
+    units = {name: task_units(plan[name][1], tasks, cfg.data.domains[name].format) for name in text}
+    starts = plan_cut(root, tasks, units)
     pending = [name for name in text if plan[name][3] is None]
-    check_tasks(cfg, root, tasks, pending, {name: plan[name][1] for name in pending}, starts, info.sha256)
+    check_tasks(cfg, root, tasks, pending, {name: units[name] for name in pending}, starts, info.sha256)
     previous = read_sealed(root / TASKS_DIR / SUMMARY_NAME) or {}
     summary = {}
     records = {}

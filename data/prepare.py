@@ -242,6 +242,9 @@ class DomainJob:
     fingerprint: str
     stats: ReadStats = dataclasses.field(default_factory=ReadStats)
     """Reader counts, filled in as the stream reads the domain's files."""
+    spans: list | None = None
+    """Per file, the byte range (start, stop) to read, or None for all of it: a task's piece of a large jsonl file
+    (data/task_plan.py). A piece is counted as a file read only when it ends the file."""
 
 
 def domain_fingerprint(domain: DomainConfig, files: list[dict], tokenizer_sha256: str, strict: bool) -> str:
@@ -324,8 +327,10 @@ class _ItemBuilder:
         self._reset()
 
 
-def _file_items(builder: _ItemBuilder, path: Path, strict: bool) -> Iterator[tuple]:
-    """One input file into the builder: raw blocks for jsonl (parsed by the workers), documents otherwise."""
+def _file_items(builder: _ItemBuilder, path: Path, strict: bool, span: tuple[int, int] | None = None
+                ) -> Iterator[tuple]:
+    """One input file (or its byte range `span`, jsonl only) into the builder: raw blocks for jsonl (parsed by the
+    workers), documents otherwise."""
     domain, stats = builder.job.domain, builder.job.stats
     fmt = detect_format(path) if domain.format == "auto" else domain.format
     if fmt != "jsonl":
@@ -333,13 +338,23 @@ def _file_items(builder: _ItemBuilder, path: Path, strict: bool) -> Iterator[tup
                                   text_unit=domain.text_unit):
             yield from builder.add_document(document)
         return
+    # A piece from inside a file numbers its lines from its first byte: locations read PATH@BYTE:LINE.
+    label = Path(f"{path}@{span[0]}") if span and span[0] else path
     try:
-        for first_line, block in read_jsonl_blocks(path, builder.chunk_bytes):
-            yield from builder.add_block(path, first_line, block)
+        for first_line, block in read_jsonl_blocks(path, builder.chunk_bytes, span):
+            yield from builder.add_block(label, first_line, block)
     except READ_ERRORS as err:
         Recorder(path, stats, strict).unreadable(err)
         return
-    builder.end_file(path)
+    if span is None or span[1] >= _size(path):
+        builder.end_file(label)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return -1
 
 
 def work_stream(jobs: list[DomainJob], strict: bool, chunk_bytes: int) -> Iterator[tuple]:
@@ -353,8 +368,8 @@ def work_stream(jobs: list[DomainJob], strict: bool, chunk_bytes: int) -> Iterat
     for job in jobs:
         builder = _ItemBuilder(job, chunk_bytes)
         try:
-            for path in job.files:
-                yield from _file_items(builder, path, strict)
+            for path, span in zip(job.files, job.spans or [None] * len(job.files)):
+                yield from _file_items(builder, path, strict, span)
             yield from builder.flush()
         except Exception as err:  # Ctrl-C is not deferred: it stops the run where it is
             # What was read before the error goes first: in strict mode an earlier bad record

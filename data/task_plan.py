@@ -1,11 +1,14 @@
 """How `ayumi data prepare --tasks N` cuts a corpus into N tasks, and what a task leaves behind.
 
-The cut: per domain, its sorted input files are dealt out as N contiguous runs of whole files, balanced by size
-(a file goes to the task whose share of the domain's bytes holds the file's middle byte). Contiguous runs are
-what make the result independent of the cut: task 0's files, then task 1's, ... is the one-machine stream
-order, so the finishing step (data/finish.py) merges the tasks in index order and decides de-duplication and
-the validation split exactly as one machine does. Whole files keep the cut simple and every drop location a
-real `file:line`; a domain with fewer large files than tasks leaves tasks idle (split such files first).
+The cut: per domain, its sorted input files are dealt out as N contiguous runs of units, balanced by size
+(a unit goes to the task whose share of the domain's bytes holds the unit's middle byte). A unit is a whole
+file, or a piece of an uncompressed jsonl file larger than one task's share (the domain's bytes / N): such a
+file is cut into pieces of about a share each, at line starts (`task_units`), so one large file keeps N tasks
+busy. Contiguous runs are what make the result independent of the cut: task 0's units, then task 1's, ... is
+the one-machine stream order, so the finishing step (data/finish.py) merges the tasks in index order and
+decides de-duplication and the validation split exactly as one machine does. A piece numbers its lines from
+its first byte (a drop location reads `file@BYTE:LINE`): counting the lines before it would read the file up to
+there in every task. Compressed and non-jsonl files are never cut; fewer of them than tasks leaves tasks idle.
 
 The cut is recorded in `.tasks/plan.json` and reused while a domain's file list is unchanged, so editing one
 input (a new size) moves no boundary and redoes only the task that reads it. A new or removed file, or another
@@ -67,9 +70,58 @@ def balanced_starts(sizes: list[int], tasks: int) -> list[int]:
     return [sum(1 for task in owner if task < index) for index in range(tasks)] + [len(sizes)]
 
 
+def task_units(inputs: list[dict], tasks: int, fmt: str = "auto") -> list[dict]:
+    """A domain's inputs (file_fingerprints) as the units of the cut: each uncompressed jsonl file larger than one
+    task's share becomes pieces of about a share each, `start` and `stop` added (byte offsets at line starts, a
+    pure function of the file's bytes); every other file stays whole. `fmt`: the domain's `format`."""
+    total = sum(max(0, item["size"]) for item in inputs)
+    share = total / tasks if tasks else 0
+    units = []
+    for item in inputs:
+        if tasks > 1 and item["size"] > share > 0 and _splittable(Path(item["path"]), fmt):
+            cuts = _line_starts(Path(item["path"]), item["size"], -(-item["size"] // int(share)))
+            units += [{**item, "start": start, "stop": stop} for start, stop in zip(cuts, cuts[1:])]
+        else:
+            units.append(item)
+    return units
+
+
+def _splittable(path: Path, fmt: str) -> bool:
+    from common.corpus import CorpusError, detect_format
+
+    if path.name.lower().endswith((".gz", ".zst", ".zstd")) or not path.is_file():
+        return False
+    try:
+        return (detect_format(path) if fmt == "auto" else fmt) == "jsonl"
+    except CorpusError:
+        return False
+
+
+def _line_starts(path: Path, size: int, pieces: int) -> list[int]:
+    """0, the first line start at or after each k * size / pieces (k = 1..pieces-1, repeats dropped), size."""
+    cuts = [0]
+    with open(path, "rb") as handle:
+        for k in range(1, pieces):
+            handle.seek(max(cuts[-1], k * size // pieces - 1))  # from the byte before: a cut already at a line start
+            handle.readline()
+            at = handle.tell()
+            if cuts[-1] < at < size:
+                cuts.append(at)
+    return cuts + [size]
+
+
+def unit_name(item: dict) -> str:
+    """A unit's name in plan.json: the file's path, with `@start` for a piece."""
+    return f"{item['path']}@{item['start']}" if "start" in item else item["path"]
+
+
+def unit_bytes(item: dict) -> int:
+    return item["stop"] - item["start"] if "start" in item else item["size"]
+
+
 def plan_cut(root: Path, tasks: int, inputs_by_domain: dict[str, list[dict]]) -> dict[str, list[int]]:
-    """Each domain's task starts (balanced_starts), reused from plan.json while the domain's file list and N
-    are unchanged; plan.json is (re)written when anything differs. `inputs_by_domain`: file_fingerprints."""
+    """Each domain's task starts (balanced_starts), reused from plan.json while the domain's units and N are
+    unchanged; plan.json is (re)written when anything differs. `inputs_by_domain`: task_units."""
     path = Path(root) / TASKS_DIR / PLAN_NAME
     try:
         recorded = read_json(path) if path.is_file() else {}
@@ -78,12 +130,12 @@ def plan_cut(root: Path, tasks: int, inputs_by_domain: dict[str, list[dict]]) ->
     old = recorded.get("domains", {}) if recorded.get("tasks") == tasks else {}
     cut: dict[str, dict] = {}
     for name, inputs in inputs_by_domain.items():
-        paths = [item["path"] for item in inputs]
+        paths = [unit_name(item) for item in inputs]
         previous = old.get(name)
         if previous and previous.get("files") == paths:
             cut[name] = previous
         else:
-            cut[name] = {"files": paths, "starts": balanced_starts([item["size"] for item in inputs], tasks)}
+            cut[name] = {"files": paths, "starts": balanced_starts([unit_bytes(item) for item in inputs], tasks)}
     plan = {"tasks": tasks, "domains": cut}
     if plan != recorded:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -92,7 +144,7 @@ def plan_cut(root: Path, tasks: int, inputs_by_domain: dict[str, list[dict]]) ->
 
 
 def task_share(starts: list[int], index: int) -> slice:
-    """The slice of a domain's sorted files that task `index` reads."""
+    """The slice of a domain's units (task_units) that task `index` reads."""
     return slice(starts[index], starts[index + 1])
 
 

@@ -1,7 +1,7 @@
 """`ayumi data prepare ... --tasks N --task I`: one task of an array job, and N tasks as local processes.
 
-A task reads its share of every domain's files (data/task_plan.py: contiguous runs of whole files, balanced by
-size), cleans, de-duplicates within its share and tokenizes exactly as a one-machine run does (data/prepare.py,
+A task reads its share of every domain's files (data/task_plan.py: contiguous runs of files, and pieces of large
+jsonl files, balanced by size), cleans, de-duplicates within its share and tokenizes exactly as a one-machine run does (data/prepare.py,
 the same workers and stream), and writes every document it kept, in stream order, with its content key, under
 `DATA_ROOT/.tasks/<task>/<domain>/`. Cross-task de-duplication and the train/validation split are the
 finishing step's (`--finish`, data/finish.py): only it sees the whole stream.
@@ -37,7 +37,7 @@ from data.prepare import (
 )
 from data.task_plan import (
     KEPT_SPLIT, UNIT_NAME, DONE_NAME, domain_payload, finished_unit, plan_cut, task_dir, task_name, task_share,
-    unit_fingerprint, write_marker,
+    task_units, unit_bytes, unit_fingerprint, write_marker,
 )
 from data.shards import file_sha256
 from data.workers import ChunkPool
@@ -149,7 +149,7 @@ class TaskDomainWriter(DomainWriter):
 
     def __init__(self, job: DomainJob, folder: Path, cfg: DataPrepareConfig, tokenizer, label: str, share: str):
         self.label, self.share = label, share
-        self.total_bytes = sum(max(0, item["size"]) for item in job.inputs)
+        self.total_bytes = sum(max(0, unit_bytes(item)) for item in job.inputs)
         self.reported = time.monotonic()
         super().__init__(job, folder, cfg, tokenizer)
 
@@ -212,26 +212,29 @@ def run_task(cfg: DataPrepareConfig, index: int, tasks: int) -> dict[str, dict]:
     root.mkdir(parents=True, exist_ok=True)
     plan = _plan(cfg, root, info)
     text = [name for name, domain in cfg.data.domains.items() if not domain.megatron]
-    starts = plan_cut(root, tasks, {name: plan[name][1] for name in text})
+    pieces = {name: task_units(plan[name][1], tasks, cfg.data.domains[name].format) for name in text}
+    starts = plan_cut(root, tasks, pieces)
     folder = task_dir(root, index, tasks)
     label = f"task {index}/{tasks}"
     units, jobs = {}, []
     for name in text:
-        files, inputs, _, record = plan[name]
+        record = plan[name][3]
         if record is not None:
             log.info("%s %s: the finished domain is up to date, skipped", label, name)
             continue
-        share = task_share(starts[name], index)
-        fingerprint = unit_fingerprint(domain_payload(cfg, name, info.sha256, PIPELINE_VERSION), index, tasks,
-                                       inputs[share])
+        mine = pieces[name][task_share(starts[name], index)]
+        fingerprint = unit_fingerprint(domain_payload(cfg, name, info.sha256, PIPELINE_VERSION), index, tasks, mine)
         unit = None if cfg.force else finished_unit(folder / name, fingerprint)
         if unit is not None:
             log.info("%s %s: done before with the same inputs and config, skipped", label, name)
             units[name] = unit
         else:
-            jobs.append(DomainJob(name, cfg.data.domains[name], files[share], inputs[share], fingerprint))
-    shares = {name: f"files {starts[name][index]}..{starts[name][index + 1] - 1} of {len(plan[name][0])}"
-              if starts[name][index + 1] > starts[name][index] else f"none of the {len(plan[name][0])} files" for name in text}
+            spans = [(item["start"], item["stop"]) if "start" in item else None for item in mine]
+            jobs.append(DomainJob(name, cfg.data.domains[name], [Path(item["path"]) for item in mine], mine,
+                                  fingerprint, spans=spans))
+    shares = {name: f"{_units_word(pieces[name])} {starts[name][index]}..{starts[name][index + 1] - 1} of "
+              f"{len(pieces[name])}" if starts[name][index + 1] > starts[name][index] else
+              f"none of the {len(pieces[name])} {_units_word(pieces[name])}" for name in text}
     if jobs:
         (folder / DONE_NAME).unlink(missing_ok=True)  # from here on, this task is not complete
         folder.mkdir(parents=True, exist_ok=True)
@@ -253,6 +256,10 @@ def run_task(cfg: DataPrepareConfig, index: int, tasks: int) -> dict[str, dict]:
     write_marker(folder, index, tasks, units)
     log.info("%s: complete (%s)", label, task_name(index, tasks))
     return units
+
+
+def _units_word(units: list[dict]) -> str:
+    return "pieces" if any("start" in item for item in units) else "files"
 
 
 def run_local(overrides: list[str], tasks: int) -> list[int]:
