@@ -68,7 +68,8 @@ def write_poisoned_corpus(root: Path) -> Path:
 
 
 def poison_seed(corpus: Path, global_batch: int, steps: int, first: int) -> tuple[int, list[int]]:
-    """A seed whose stream brings the poison to separate steps from `first` on, and those steps (1-based)."""
+    """A seed whose stream brings the poison to three or more separate steps from `first` on (attribution needs
+    more than one spike to tell a source from chance), and those steps (1-based)."""
     from data.domains import open_run_data
     from data.packed import ShuffledDomains
     from data.provenance import sample_pieces
@@ -81,7 +82,7 @@ def poison_seed(corpus: Path, global_batch: int, steps: int, first: int) -> tupl
             if name == "en" and any(p.shard == "part_00001" and p.stop - p.start > 2
                                     for p in sample_pieces(samples, sample)):
                 hits.append(index // global_batch + 1)
-        if len(hits) >= 2 and hits[0] >= first and all(b - a >= 6 for a, b in zip(hits, hits[1:])):
+        if len(hits) >= 3 and hits[0] >= first and all(b - a >= 6 for a, b in zip(hits, hits[1:])):
             return seed, hits
     raise SystemExit("no seed in 1000 puts the poison past --spike-at at separate steps: change --steps")
 
@@ -98,23 +99,30 @@ def ayumi(*args: str, log: Path) -> tuple[int, str, float]:
 
 def common(args, corpus: Path, runs: Path) -> list[str]:
     heads = max(1, args.hidden // 64)
-    return ["experiment=cpu_tiny", f"data.root={corpus}", f"run_root={runs}", "logging=none",
+    lr = 3e-3 * min(1.0, 64 / args.hidden)  # cpu_tiny's LR at the debug width; a wider model spikes on its own at it
+    return ["experiment=cpu_tiny", f"optim.lr={lr:g}", f"optim.min_lr={lr / 10:g}", f"data.root={corpus}", f"run_root={runs}", "logging=none",
             "deepspeed.precision=fp32", f"model.hidden_size={args.hidden}", f"model.intermediate_size={args.hidden * 3}",
             f"model.num_layers={args.layers}", f"model.num_heads={heads}", f"model.num_kv_heads={heads}",
             "train.micro_batch_size=2", "train.global_batch_size=4", f"train.tokens={args.steps * 4 * 64}",
-            "train.eval_interval=0", "stability.detector.warmup_steps=8", "stability.detector.min_history=6"]
+            "train.eval_interval=0", "stability.detector.warmup_steps=20", "stability.detector.min_history=10"]
 
 
-def run_case(name: str, args, overrides: list[str], work: Path) -> dict:
+def run_case(name: str, args, overrides: list[str], work: Path, planted: list[int]) -> dict:
+    """Train the case, replay its spike at one of the `planted` steps (a wider model may spike on its own too)."""
     status, out, train_s = ayumi("train", "--nproc", str(args.nproc), *overrides, log=work / f"{name}_train.log")
     if status != 0:
         raise SystemExit(f"{name}: training stopped with status {status}; see {work / f'{name}_train.log'}")
     run_dir = work / name / "cpu_tiny"
-    status, out, replay_s = ayumi("replay", str(run_dir), "--spike", "1", "--nproc", str(args.nproc),
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    spikes = [e["step"] for e in events if e["event"] == "spike"]
+    number = next((k for k, step in enumerate(spikes, 1) if step in planted), None)
+    if number is None:
+        raise SystemExit(f"{name}: no spike at the planted steps {planted} (spikes at {spikes}); see the log")
+    status, out, replay_s = ayumi("replay", str(run_dir), "--spike", str(number), "--nproc", str(args.nproc),
                                   log=work / f"{name}_replay.log")
     if status != 0:
         raise SystemExit(f"{name}: replay stopped with status {status}; see {work / f'{name}_replay.log'}")
-    record = json.loads((run_dir / "stability" / "replay_spike_1.json").read_text())
+    record = json.loads((run_dir / "stability" / f"replay_spike_{number}.json").read_text())
     ayumi("report", str(run_dir), log=work / f"{name}_report.log")
     summary = (run_dir / "report" / "summary.md").read_text()
     flagged = [line.split("|")[1].strip() for line in summary.split("## Spike attribution")[-1].splitlines()
@@ -127,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="spike_replay-"))
     work.mkdir(parents=True, exist_ok=True)
     corpus = write_poisoned_corpus(work / "corpus")
-    at = max(12, int(args.steps * args.spike_at))
+    at = max(28, int(args.steps * args.spike_at))  # past the detector's warm-up and an earlier checkpoint
     seed, hits = poison_seed(corpus, 4, args.steps, at)
     print(f"model hidden {args.hidden} x {args.layers} layers, {args.steps} steps; the poison lands at steps {hits} "
           f"(seed {seed}); LR x50 at steps {at + 1}-{at + 3}", flush=True)
@@ -141,9 +149,10 @@ def main(argv: list[str] | None = None) -> int:
                                      "checkpoint.interval=4", "checkpoint.keep_last=1000", "stability.action=skip",
                                      "stability.detector.large_loss_rise=0.15"]),
     }
+    planted = {"lr_x50": list(range(at + 1, at + 9)), "poisoned": hits}
     rows = []
     for name, (expected, overrides) in cases.items():
-        result = run_case(name, args, overrides, work)
+        result = run_case(name, args, overrides, work, planted[name])
         record = result["record"]
         arms = " ".join(f"({a['name']}){'+' if a['recurred'] else '-'}" for a in record["arms"])
         rows.append((name, expected, record["verdict"], record["step"], record["window"], arms, result["flagged"],

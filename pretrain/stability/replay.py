@@ -14,9 +14,11 @@ the run and trains the spike's window (the steps from the pre-spike checkpoint C
 "The state" is everything but the batch: the weights, the optimizer's moments and the step size the run applied.
 So an LR the run multiplied at the spike (stability.inject, a fire drill) stays with arms (a) and (c), and arm (b)
 trains at the LR the schedule and the run's recoveries gave those steps. The spike recurs in an arm when the run's
-own detector (its thresholds, its history as the checkpoint holds it) flags a step of the window: a spike, or an
-outlier (a step it would skip). An outlier counts: a batch judged against an earlier checkpoint's higher baseline
-may rise less than the spike did and still stand far out of the noise. The arms skip a flagged step's update and
+own detector (its thresholds, its history as the checkpoint holds it) flags a step of the window: a spike, an
+outlier (a step it would skip), or an unconfirmed crossing (one signal over its thresholds, z and minimum rise,
+without the other confirming it). The lesser flags count: judged against another checkpoint's history, a bad batch
+may stand as far out of the noise in one signal and not cross the spike's other bars (measured: a poisoned batch at
++54%, loss z 11.4, grad z 2.3, where the run's own step had both). The arms skip a flagged step's update and
 never roll back (stability.action=skip; log_only stays log_only), so up to the spike step arm (a) trains as the run
 did. The verdict:
 
@@ -76,7 +78,8 @@ class Arm:
     spike_steps: list[int] = field(default_factory=list)
     """The steps its detector called a spike at (1-based)."""
     outlier_steps: list[int] = field(default_factory=list)
-    """The steps its detector judged anything but ok (outliers, non-finite, spikes; 1-based)."""
+    """The other steps its detector flagged (1-based): outliers, non-finite steps, and unconfirmed crossings (the
+    loss or the grad norm over its thresholds without the other signal confirming it)."""
 
     @property
     def recurred(self) -> bool:
@@ -290,7 +293,8 @@ def read_arm(arm: Arm, arm_dir: Path) -> None:
     events = read_jsonl(arm_dir / EVENTS_FILE)
     arm.spike_steps = [int(e["step"]) for e in events if e.get("event") == "spike" and first <= e["step"] <= last]
     arm.outlier_steps = [int(r["step"]) for r in read_jsonl(arm_dir / METRICS_FILE)
-                         if r.get("stability/outlier", 0) > 0 and first <= int(r["step"]) <= last]
+                         if (r.get("stability/outlier", 0) > 0 or r.get("stability/unconfirmed", 0) > 0)
+                         and first <= int(r["step"]) <= last and int(r["step"]) not in arm.spike_steps]
 
 
 def verdict(a: bool, b: bool, c: bool) -> tuple[str, str]:
@@ -309,6 +313,27 @@ def verdict(a: bool, b: bool, c: bool) -> tuple[str, str]:
 def judge(plan: ReplayPlan) -> None:
     a, b, c = (arm.recurred for arm in plan.arms)
     plan.verdict, plan.why = verdict(a, b, c)
+
+
+SUSPECT_RATIO = 2.0
+"""A data-driven spike's suspects: its samples with at least this many times the batch's median loss."""
+
+
+def suspect_documents(spike: dict[str, Any]) -> list[tuple[str, str, int]]:
+    """The documents (domain, shard, index) of a spike's highest-loss samples (the event's top_samples) whose loss
+    is at least SUSPECT_RATIO times its batch's median: what a data-driven verdict suggests excluding."""
+    losses = sorted(loss for _, _, loss in spike.get("batch_samples", []))
+    if not losses:
+        return []
+    median = statistics.median(losses)
+    out: list[tuple[str, str, int]] = []
+    for sample in spike.get("top_samples", []):
+        if sample["loss"] >= SUSPECT_RATIO * median:
+            for document in sample.get("documents", []):
+                named = (sample["domain"], document["shard"], int(document["document"]))
+                if named not in out:
+                    out.append(named)
+    return out
 
 
 def replay_file(run_dir: Path, spike: int) -> Path:

@@ -108,6 +108,25 @@ def run_arm(arm, overrides: list[str], nproc: int, log: Path) -> int:
         return subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ)).returncode
 
 
+def suggest_exclusion(run_dir: Path, spike: int, path: Path) -> None:
+    """A data.exclude file of the spike's suspect documents (pretrain/stability/replay.py's suspect_documents), and
+    the line that uses it."""
+    from pretrain.metrics import EVENTS_FILE
+    from pretrain.stability.replay import SUSPECT_RATIO, read_jsonl, spike_events, suspect_documents
+
+    event = spike_events(read_jsonl(run_dir / EVENTS_FILE))[spike - 1][1]
+    documents = suspect_documents(event)
+    if not documents:
+        print(f"no sample of the spike's batch stands {SUSPECT_RATIO:g}x above its median loss: read its batch "
+              "(`ayumi report`, `ayumi batch`) before excluding anything")
+        return
+    lines = [f"# spike {spike} at step {event['step']:,}: documents of the samples >= {SUSPECT_RATIO:g}x the "
+             "batch's median loss", *(f"{domain} {shard} {index}" for domain, shard, index in documents)]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    print(f"suspects: {len(documents)} document(s) in {path}; to leave them out from the resume on: "
+          f"ayumi train ... data.exclude={path}")
+
+
 def main(argv: list[str] | None = None) -> int:
     from common.status import BAD_INPUT
     from pretrain.startup.record import config_for_step, run_overrides
@@ -157,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     out = replay_file(run_dir, plan.spike)
     out.write_text(json.dumps(plan.as_dict(), indent=1) + "\n", encoding="utf-8")
     print(f"written: {out} (`ayumi report` shows it)")
+    if plan.verdict == "data-driven":
+        suggest_exclusion(run_dir, plan.spike, out.with_suffix(".exclude.txt"))
     if not args.keep:
         shutil.rmtree(scratch, ignore_errors=True)
     return 0

@@ -106,6 +106,10 @@ def test_a_poisoned_source_is_data_driven(poisoned):
     assert (a["checkpoint_step"], b["checkpoint_step"], c["checkpoint_step"]) == (32, 28, 32)
     assert a["spike_steps"] == [34] and b["outlier_steps"] == [30] and not c["recurred"]
     assert a["feed_sample"] == b["feed_sample"] == 128 and c["feed_sample"] == 136
+    # The suspects: the documents of the sample far above its batch's median loss, as a data.exclude file.
+    suggested = run / "stability" / "replay_spike_1.exclude.txt"
+    assert f"data.exclude={suggested}" in proc.stdout
+    assert suggested.read_text().splitlines()[1:] == ["en part_00001 0", "en part_00001 1"]
 
 
 def test_attribution_names_the_poisoned_shard(poisoned, tmp_path):
