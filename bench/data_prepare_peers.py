@@ -276,12 +276,12 @@ def output_documents(tool: str, out: Path) -> list[bytes]:
     return documents
 
 
-def compare_ids(work: Path, workers: tuple[int, ...]) -> list[str]:
+def compare_ids(work: Path, workers: tuple[int, ...], tools: list[str]) -> list[str]:
     """Lines saying whether every output holds the bare loop's ids: in order for one worker; for datatrove's W
     tasks, whose files interleave the inputs (files[rank::W]), as the same documents in another order."""
     reference = output_documents("bare", work / "out_bare_1")[0]
     lines = []
-    for tool in ("ayumi", "datatrove", "megatron"):
+    for tool in [tool for tool in ("ayumi", "datatrove", "megatron") if tool in tools]:
         for count in workers:
             out = work / f"out_{tool}_{count}"
             if not out.is_dir():
@@ -343,6 +343,8 @@ def main() -> int:
     parser.add_argument("--datatrove-pool", action="store_true",
                         help="run datatrove's W tasks in its executor's own pool (hung here with 2 workers on 2 CPUs)")
     parser.add_argument("--profile", action="store_true", help="also profile ayumi's pipeline (where the time goes)")
+    parser.add_argument("--tools", default=",".join(TOOLS),
+                        help="the tools to run, comma-separated (e.g. ayumi,bare for the scaling alone)")
     parser.add_argument("--run", choices=TOOLS, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -359,7 +361,10 @@ def main() -> int:
     ensure_datatrove()
     megabytes = sum(path.stat().st_size for path in parts) / 1e6
     print(f"[bench] corpus: {args.corpus} cut into {PARTS} files, {megabytes:.1f} MB of jsonl; tokenizer {tokenizer}")
-    plan = [(tool, count) for count in (1, 2) for tool in TOOLS if not (tool == "bare" and count == 2)]
+    chosen = [tool for tool in TOOLS if tool in args.tools.split(",")]
+    if "bare" not in chosen:
+        chosen.append("bare")  # the ids are compared with the bare loop's
+    plan = [(tool, count) for count in (1, 2) for tool in chosen if not (tool == "bare" and count == 2)]
     rounds: dict[tuple[str, int], list[dict]] = {key: [] for key in plan}
     for _ in range(args.repeat):
         for tool, count in plan:
@@ -375,7 +380,7 @@ def main() -> int:
     for (tool, count), run in best.items():
         print(f"{tool:>10} {count:>7} {run['seconds']:>8.2f} {megabytes / run['seconds']:>7.2f} "
               f"{megabytes / run['seconds'] / count:>12.2f} {run['cpu']:>7.2f} {megabytes / run['cpu']:>13.2f}")
-    for line in compare_ids(work, (1, 2)):
+    for line in compare_ids(work, (1, 2), chosen):
         print(line)
     if args.profile:
         profile_ayumi(parts, tokenizer, work / "out_profile")
@@ -402,9 +407,10 @@ def result_lines(best: dict, rounds: dict, megabytes: float) -> list[str]:
 
     lines = []
     for peer, target in (("datatrove", ">=1.2"), ("megatron", ">=1.2"), ("bare", ">=0.8")):
-        lines.append(result_line(f"data_prepare_vs_{peer}_per_worker", rate("ayumi", 1), rate(peer, 1), target,
-                                 unit="MB/s", spread=spread("ayumi", peer, 1)))
-    for peer in ("datatrove", "megatron"):
+        if (peer, 1) in rounds:
+            lines.append(result_line(f"data_prepare_vs_{peer}_per_worker", rate("ayumi", 1), rate(peer, 1), target,
+                                     unit="MB/s", spread=spread("ayumi", peer, 1)))
+    for peer in [tool for tool in ("datatrove", "megatron") if (tool, 2) in rounds]:
         lines.append(result_line(f"data_prepare_vs_{peer}_per_worker_2_workers", rate("ayumi", 2), rate(peer, 2), ">=1.2",
                                  unit="MB/s", spread=spread("ayumi", peer, 2)))
     lines.append(result_line("data_prepare_scaling_1_to_2_workers", rate("ayumi", 2), rate("ayumi", 1), ">=0.9",
@@ -418,7 +424,8 @@ def result_lines(best: dict, rounds: dict, megabytes: float) -> list[str]:
     def cpu_spread(ours: tuple, peer: tuple) -> list[float]:
         return [b["cpu"] / a["cpu"] for a, b in zip(rounds[ours], rounds[peer]) if "error" not in a and "error" not in b]
 
-    for peer, target in (("datatrove", ">=1.2"), ("megatron", ">=1.2"), ("bare", ">=0.8")):
+    for peer, target in [(t, v) for t, v in (("datatrove", ">=1.2"), ("megatron", ">=1.2"), ("bare", ">=0.8"))
+                         if (t, 1) in rounds]:
         lines.append(result_line(f"data_prepare_vs_{peer}_per_cpu_s", per_cpu("ayumi", 1), per_cpu(peer, 1), target,
                                  unit="MB/cpu-s", spread=cpu_spread(("ayumi", 1), (peer, 1))))
     lines.append(result_line("data_prepare_scaling_1_to_2_workers_cpu", per_cpu("ayumi", 2), per_cpu("ayumi", 1),
