@@ -29,11 +29,12 @@ Writing is atomic: both files are written under temporary names and renamed `.bi
 `.idx`, so an `.idx` on disk always describes a complete `.bin`; a crash leaves only `*.tmp`
 files, which readers never look at.
 
-A reader holds no file open and no memory map once it is built (module functions `_read_index`,
-`ShardReader.slice`): a root of 10,000 shards per domain would otherwise hold two descriptors and
-two maps per shard (Python's mmap keeps a duplicate of the descriptor) and meet the process's limits
-(`ulimit -n`, vm.max_map_count) before training starts. Small indexes are read into memory, large
-ones stay mapped; a sample's tokens are read with one `pread`. `tokens`, the whole stream as an
+A reader keeps no file open and no memory map for its tokens, nor for an index of up to 4 MiB
+(`_read_index`, `ShardReader.slice`): a root of 10,000 shards per domain would otherwise hold two
+descriptors and two maps per shard (Python's mmap keeps a duplicate of the descriptor) and meet the
+process's limits (`ulimit -n`, vm.max_map_count) before training starts. Small indexes are read
+into memory, larger ones stay mapped (few shards are that large); a sample's tokens are read with
+one `pread`. `tokens`, the whole stream as an
 array, is mapped on first use by the tools that scan shards (verify, finish, Megatron checks).
 
 A reader's errors say what is wrong with which file, then `Fix: ...`: the reader cannot know who
