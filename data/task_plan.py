@@ -79,7 +79,7 @@ def task_units(inputs: list[dict], tasks: int, fmt: str = "auto") -> list[dict]:
     units = []
     for item in inputs:
         if tasks > 1 and item["size"] > share > 0 and _splittable(Path(item["path"]), fmt):
-            cuts = _line_starts(Path(item["path"]), item["size"], -(-item["size"] // int(share)))
+            cuts = _line_starts(Path(item["path"]), item["size"], -(-item["size"] * tasks // total))  # size / share
             units += [{**item, "start": start, "stop": stop} for start, stop in zip(cuts, cuts[1:])]
         else:
             units.append(item)
