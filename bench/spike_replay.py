@@ -13,9 +13,9 @@ Two real training runs (`ayumi train`, DeepSpeed, on this machine's devices or 2
 The model is the debug preset widened (--hidden, --layers); fp32, so the replay's arm (a) retrains the logged
 losses. Prints the verdict table and ends with one RESULT line per case.
 
-    python bench/spike_replay.py                        # a few minutes on a 2-core box
+    python bench/spike_replay.py                        # ~3 min on a 2-core box
     python bench/spike_replay.py --hidden 64 --layers 2 --steps 64   # the tests' size, quicker
-    python bench/spike_replay.py --work /tmp/sr         # keep the corpus, runs and logs
+    python bench/spike_replay.py --work WORK_DIR        # keep the corpus, runs and logs
 """
 from __future__ import annotations
 
