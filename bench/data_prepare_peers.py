@@ -25,8 +25,9 @@ four must produce the same token ids, which the bench checks:
 Each run is a fresh process (its imports not timed), runs interleaved over --repeat rounds, the
 best of each counts. Throughput is input MB (jsonl bytes) per second per worker; CPU seconds
 (the run's process and its children) are printed beside, the figure that does not depend on what
-else runs here. --profile adds a cProfile of ayumi's worker and parent (workers=0: the parent
-encodes in-process, so one profile holds both) with where the time goes beyond the encode.
+else runs here. --profile, or any target missed, adds a cProfile of ayumi's worker and parent
+(workers=0: the parent encodes in-process, so one profile holds both): where the time goes beyond
+the encode.
 """
 from __future__ import annotations
 
@@ -382,10 +383,11 @@ def main() -> int:
               f"{megabytes / run['seconds'] / count:>12.2f} {run['cpu']:>7.2f} {megabytes / run['cpu']:>13.2f}")
     for line in compare_ids(work, (1, 2), chosen):
         print(line)
-    if args.profile:
+    lines = result_lines(best, rounds, megabytes)
+    if args.profile or any(" ok=false " in line for line in lines):  # a target missed: say where the time goes
         profile_ayumi(parts, tokenizer, work / "out_profile")
     print(machine_line() + " (2-worker figures need 2 free cores)")
-    for line in result_lines(best, rounds, megabytes):
+    for line in lines:
         print(line)
     return 0
 
