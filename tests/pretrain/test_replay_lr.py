@@ -81,6 +81,16 @@ def test_the_report_shows_the_verdict(run_dir, replayed, tmp_path):
     assert "| (b) | 16 | 160 | no |" in summary
 
 
+def test_a_dry_run_states_the_cost_and_runs_nothing(run_dir, replayed):
+    before = sorted(p.name for p in (run_dir / "stability").iterdir())
+    proc = ayumi("replay", str(run_dir), "--spike", "1", "--nproc", "1", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("replay of spike 1 (step 28): 3 arms of 8 step(s) each on 1 process(es), about ")
+    assert [line.split(")")[0].strip() for line in lines[1:]] == ["(a", "(b", "(c"]
+    assert sorted(p.name for p in (run_dir / "stability").iterdir()) == before
+
+
 def test_refusals_are_one_line(run_dir, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(run_dir, copy, ignore=lambda folder, names: [n for n in names if n in ("step_0000016",
