@@ -11,7 +11,9 @@ Two real training runs (`ayumi train`, DeepSpeed, on this machine's devices or 2
              and `ayumi report`'s attribution must flag en/part_00001
 
 The model is the debug preset widened (--hidden, --layers); fp32, so the replay's arm (a) retrains the logged
-losses. Prints the verdict table and ends with one RESULT line per case.
+losses. Prints the verdict table and ends with one RESULT line per case: ours is the replay's seconds, the baseline
+the run's own training seconds, and the line is ok when the verdict is the expected one (and, for the poisoned
+run, the attribution flags en/part_00001 alone) and the replay costs at most REPLAY_COST_TARGET times the run.
 
     python bench/spike_replay.py                        # ~3 min on a 2-core box
     python bench/spike_replay.py --hidden 64 --layers 2 --steps 64   # the tests' size, quicker
@@ -30,6 +32,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from bench.result_form import machine_line, result_line, target_met  # noqa: E402  (first: it reads the load)
+
+REPLAY_COST_TARGET = "<=2.0"
+"""Three arms of the spike's window, each a fresh `ayumi train`, against the run that trained up to the spike."""
 
 GARBAGE = (300, 500)
 """The poison's ids: never in the byte-token text (bytes and EOS 256)."""
@@ -132,6 +139,7 @@ def run_case(name: str, args, overrides: list[str], work: Path, planted: list[in
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    print(machine_line(), flush=True)
     work = args.work or Path(tempfile.mkdtemp(prefix="spike_replay-"))
     work.mkdir(parents=True, exist_ok=True)
     corpus = write_poisoned_corpus(work / "corpus")
@@ -164,10 +172,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{', '.join(flagged) or '-':<22} {train_s:>7.1f} {replay_s:>8.1f}")
     print()
     ok_all = True
-    for name, expected, verdict, _, _, _, flagged, _, _ in rows:
-        ok = verdict == expected and (name != "poisoned" or flagged == ["en/part_00001"])
+    for name, expected, verdict, _, _, _, flagged, train_s, replay_s in rows:
+        right = verdict == expected and (name != "poisoned" or flagged == ["en/part_00001"])
+        ok = right and target_met(REPLAY_COST_TARGET, replay_s, replay_s / train_s)
         ok_all &= ok
-        print(f"RESULT spike_replay_{name} verdict={verdict} expected={expected} ok={ok}")
+        print(f"verdict {name}: {verdict} (expected {expected}){'' if right else ': WRONG'}")
+        print(result_line(f"spike_replay_{name}", replay_s, train_s, REPLAY_COST_TARGET, unit="s", ok=ok))
     print(f"(runs, logs and reports in {work})")
     return 0 if ok_all else 1
 
