@@ -220,7 +220,7 @@ class ShardReader:
         self.num_sequences = index.lengths.size
         self.num_docs = index.documents.size - 1
         self.num_tokens = index.num_tokens
-        _check_bin_size(self.bin_path, self.dtype, self.num_tokens, fix)
+        self._identity = _check_bin_size(self.bin_path, self.dtype, self.num_tokens, fix)
 
     @property
     def idx_path(self) -> Path:
@@ -283,6 +283,10 @@ class ShardReader:
         size = self.dtype.itemsize
         fd = os.open(self.bin_path, os.O_RDONLY)
         try:
+            found = os.fstat(fd)
+            if (found.st_dev, found.st_ino) != self._identity:  # a map kept the old file; a path finds the new one
+                raise ShardFormatError(f"{self.bin_path}: replaced by another file after it was opened (the data was "
+                                       f"prepared again under a reader of it). Fix: {self._fix}")
             data = os.pread(fd, (stop - start) * size, start * size)
         finally:
             os.close(fd)
@@ -398,9 +402,11 @@ def _check_layout(idx_path: Path, dtype: np.dtype, lengths: np.ndarray, pointers
     return expected_pointer // dtype.itemsize
 
 
-def _check_bin_size(bin_path: Path, dtype: np.dtype, num_tokens: int, fix: str) -> None:
+def _check_bin_size(bin_path: Path, dtype: np.dtype, num_tokens: int, fix: str) -> tuple[int, int]:
+    """The `.bin`'s (device, inode), once its size is the index's: what a later read checks it still is."""
     try:
-        size = os.stat(bin_path).st_size
+        found = os.stat(bin_path)
+        size = found.st_size
     except FileNotFoundError:
         raise ShardFormatError(f"shard data {bin_path} does not exist (its .idx does). Fix: {fix}") from None
     if size != num_tokens * dtype.itemsize:
@@ -408,6 +414,7 @@ def _check_bin_size(bin_path: Path, dtype: np.dtype, num_tokens: int, fix: str) 
             f"{bin_path}: {size} bytes, but its index says {num_tokens} tokens of {dtype.itemsize} bytes "
             f"({num_tokens * dtype.itemsize} bytes); the file is truncated or corrupt. Fix: {fix}"
         )
+    return found.st_dev, found.st_ino
 
 
 def file_sha256(path: str | os.PathLike) -> str:

@@ -37,3 +37,17 @@ def test_a_shard_truncated_after_opening_is_named_when_read(tmp_path):
     os.truncate(reader.bin_path, 50)
     with pytest.raises(ShardFormatError, match=r"part_00000.bin: ended at byte 50 .*truncated.*Fix: remake it"):
         reader.slice(10, 60)
+
+
+def test_a_shard_prepared_again_under_its_reader_is_named_not_read(tmp_path):
+    """A map kept the file it was opened on; a read by path would find the new one (same name, other tokens):
+    refused, naming the file, never read as if it were the same shard."""
+    with ShardWriter(tmp_path / "part_00000", vocab_size=512) as writer:
+        writer.add_document(np.arange(100))
+    reader = ShardReader(tmp_path / "part_00000", fix="remake it")
+    assert reader.slice(10, 20).tolist() == list(range(10, 20))
+    with ShardWriter(tmp_path / "part_00000", vocab_size=512) as writer:  # written aside, then renamed into place
+        writer.add_document(np.arange(100, 200))
+    with pytest.raises(ShardFormatError, match=r"part_00000.bin: replaced by another file after it was opened.*"
+                                               r"Fix: remake it"):
+        reader.slice(10, 20)
