@@ -27,19 +27,20 @@ from typing import Iterator
 import numpy as np
 
 from common.corpus import MAX_EXAMPLES, ReadStats, count_reason
-from data.config import DataPrepareConfig, check_prepare_config
+from data.config import DataPrepareConfig
 from data.manifest import (
     KEY_BYTES, KEYS_NAME, MANIFEST_NAME, build_manifest, seal, tokenizer_identity, write_json_atomic,
 )
 from data.prepare import (
-    PARTIAL_DIR, PIPELINE_VERSION, DomainJob, DomainWriter, PrepareError, _load_tokenizer, _note_stray_domains,
-    _plan, check_overlap, register_megatron_domain,
+    PARTIAL_DIR, PIPELINE_VERSION, DomainJob, DomainWriter, PrepareError, _note_stray_domains, check_overlap,
+    register_megatron_domain,
 )
 from data.shards import ShardReader
 from data.task_plan import (
-    KEPT_SPLIT, SUMMARY_NAME, TASKS_DIR, UNIT_NAME, domain_payload, plan_cut, read_sealed, task_dir, task_name,
-    task_share, task_units, unit_fingerprint, unit_problem,
+    KEPT_SPLIT, SUMMARY_NAME, TASKS_DIR, UNIT_NAME, domain_payload, read_sealed, task_dir, task_name, task_share,
+    unit_fingerprint, unit_problem,
 )
+from data.tasks import task_cut
 
 log = logging.getLogger("ayumi.data")
 
@@ -55,14 +56,7 @@ class TasksIncompleteError(PrepareError):
 
 def finish(cfg: DataPrepareConfig, tasks: int) -> tuple[dict, dict]:
     """Merge the `tasks` tasks' outputs into `cfg.data.root`; returns (manifest, the per-task summary)."""
-    check_prepare_config(cfg)
-    info = _load_tokenizer(cfg)
-    root = Path(cfg.data.root)
-    root.mkdir(parents=True, exist_ok=True)
-    plan = _plan(cfg, root, info)
-    text = [name for name, domain in cfg.data.domains.items() if not domain.megatron]
-    units = {name: task_units(plan[name][1], tasks, cfg.data.domains[name].format) for name in text}
-    starts = plan_cut(root, tasks, units)
+    info, root, plan, text, units, starts = task_cut(cfg, tasks)
     pending = [name for name in text if plan[name][3] is None]
     check_tasks(cfg, root, tasks, pending, {name: units[name] for name in pending}, starts, info.sha256)
     previous = read_sealed(root / TASKS_DIR / SUMMARY_NAME) or {}

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -203,9 +204,25 @@ class TaskDomainWriter(DomainWriter):
         shutil.rmtree(self.partial, ignore_errors=True)
 
 
-def run_task(cfg: DataPrepareConfig, index: int, tasks: int) -> dict[str, dict]:
-    """Run task `index` of `tasks`: each text domain's share (skipping shares already done and unchanged, and
-    domains whose finished output is up to date), then the completion marker. Returns the units by domain."""
+class TaskCut(NamedTuple):
+    """What every task and the finishing step work out alike from the config and the inputs."""
+
+    info: Any
+    """The tokenizer (data/prepare.py's _load_tokenizer)."""
+    root: Path
+    """The data root."""
+    plan: dict
+    """Each domain's (files, inputs, fingerprint, finished record or None): data/prepare.py's _plan."""
+    text: list[str]
+    """The domains made from text (not registered Megatron data): the ones tasks share."""
+    pieces: dict[str, list[dict]]
+    """Each text domain's units, whole files or pieces of one (data/task_plan.py's task_units)."""
+    starts: dict[str, list[int]]
+    """Each text domain's first unit per task, and the end (data/task_plan.py's plan_cut)."""
+
+
+def task_cut(cfg: DataPrepareConfig, tasks: int) -> TaskCut:
+    """The checked config's tokenizer, root, plan and the cut of every text domain into `tasks` shares."""
     check_prepare_config(cfg)
     info = _load_tokenizer(cfg)
     root = Path(cfg.data.root)
@@ -213,7 +230,13 @@ def run_task(cfg: DataPrepareConfig, index: int, tasks: int) -> dict[str, dict]:
     plan = _plan(cfg, root, info)
     text = [name for name, domain in cfg.data.domains.items() if not domain.megatron]
     pieces = {name: task_units(plan[name][1], tasks, cfg.data.domains[name].format) for name in text}
-    starts = plan_cut(root, tasks, pieces)
+    return TaskCut(info, root, plan, text, pieces, plan_cut(root, tasks, pieces))
+
+
+def run_task(cfg: DataPrepareConfig, index: int, tasks: int) -> dict[str, dict]:
+    """Run task `index` of `tasks`: each text domain's share (skipping shares already done and unchanged, and
+    domains whose finished output is up to date), then the completion marker. Returns the units by domain."""
+    info, root, plan, text, pieces, starts = task_cut(cfg, tasks)
     folder = task_dir(root, index, tasks)
     label = f"task {index}/{tasks}"
     units, jobs = {}, []

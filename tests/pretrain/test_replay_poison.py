@@ -13,18 +13,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from data.token_root import TokenRoot
+from bench.spike_replay import GARBAGE, write_poisoned_corpus
 from pretrain.step_samples import batch_samples, open_source, step_batch, step_config, step_start
-from tests.helpers import EN_TEXT, EOS, JA_TEXT, REPO, byte_tokens, cpu_env, read_jsonl, run_training, tiny_overrides
+from tests.helpers import REPO, cpu_env, read_jsonl, run_training, tiny_overrides
 
 pytestmark = pytest.mark.slow
 
 ENTRY = str(REPO / "tests" / "pretrain" / "batch_train.py")
-GARBAGE = (300, 500)
-"""The poison's token ids: ids the corpus's text (bytes, EOS 256) never holds."""
 RUN = [
     "train.seed=1", "train.micro_batch_size=2", "train.global_batch_size=4", "train.tokens=32768",
     "checkpoint.interval=4", "checkpoint.keep_last=40", "train.eval_interval=0", "stability.action=skip",
@@ -32,21 +29,6 @@ RUN = [
     # 46 and 56), its update skipped.
     "stability.detector.warmup_steps=8", "stability.detector.min_history=6", "stability.detector.large_loss_rise=0.15",
 ]
-
-
-def write_poisoned_corpus(root: Path) -> Path:
-    """The tiny two-domain corpus, plus en/train/part_00001: four documents of 63 random garbage ids and EOS."""
-    rng = np.random.default_rng(0)
-    with TokenRoot(root, vocab_size=512, eos_id=EOS, name="poisoned") as out:
-        for name, text in (("ja", JA_TEXT), ("en", EN_TEXT)):
-            for split, count in (("train", 40), ("val", 4)):
-                with out.shard(name, split) as writer:
-                    for _ in range(count):
-                        writer.add_document(byte_tokens(text))
-        with out.shard("en", "train") as writer:
-            for _ in range(4):
-                writer.add_document(rng.integers(*GARBAGE, size=63).tolist() + [EOS])
-    return root
 
 
 @pytest.fixture(scope="module")
