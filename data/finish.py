@@ -29,7 +29,7 @@ import numpy as np
 from common.corpus import MAX_EXAMPLES, ReadStats, count_reason
 from data.config import DataPrepareConfig
 from data.manifest import (
-    KEY_BYTES, KEYS_NAME, MANIFEST_NAME, build_manifest, seal, tokenizer_identity, write_json_atomic,
+    KEY_BYTES, KEYS_NAME, MANIFEST_NAME, build_manifest, read_sealed, seal, tokenizer_identity, write_json_atomic,
 )
 from data.prepare import (
     PARTIAL_DIR, PIPELINE_VERSION, DomainJob, DomainWriter, PrepareError, _note_stray_domains, check_overlap,
@@ -37,7 +37,7 @@ from data.prepare import (
 )
 from data.shards import ShardReader
 from data.task_plan import (
-    KEPT_SPLIT, SUMMARY_NAME, TASKS_DIR, UNIT_NAME, domain_payload, read_sealed, task_dir, task_name, task_share,
+    KEPT_SPLIT, SUMMARY_NAME, TASKS_DIR, UNIT_NAME, domain_payload, task_dir, task_name, task_share,
     unit_fingerprint, unit_problem,
 )
 from data.tasks import task_cut

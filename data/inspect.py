@@ -50,7 +50,8 @@ def drop_lines(manifest: dict) -> list[str]:
 def task_lines(root: Path, manifest: dict) -> list[str]:
     """The per-task table of a root made by `--tasks N --finish`, for the domains it still describes."""
     from data.finish import task_table
-    from data.task_plan import SUMMARY_NAME, TASKS_DIR, read_sealed
+    from data.manifest import read_sealed
+    from data.task_plan import SUMMARY_NAME, TASKS_DIR
 
     summary = read_sealed(root / TASKS_DIR / SUMMARY_NAME)
     if summary is None:

@@ -96,15 +96,20 @@ def read_json(path: Path) -> Any:
 
 
 def read_domain_record(domain_dir: Path) -> dict | None:
-    """The record of a finished domain folder, or None when the folder is not a finished domain."""
-    path = Path(domain_dir) / DOMAIN_RECORD_NAME
+    """The record of a finished domain folder, or None when the folder is not a finished domain (an unreadable or
+    edited record means unfinished work: the caller redoes the domain)."""
+    return read_sealed(Path(domain_dir) / DOMAIN_RECORD_NAME)
+
+
+def read_sealed(path: Path) -> dict | None:
+    """A sealed JSON record, or None when it is missing, unreadable or edited."""
     if not path.is_file():
         return None
     try:
         record = read_json(path)
         check_seal(record, path)
-    except ManifestError:
-        return None  # an unreadable or edited record means unfinished work: the caller redoes the domain
+    except ValueError:
+        return None
     return record
 
 

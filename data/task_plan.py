@@ -35,7 +35,7 @@ import json
 from pathlib import Path
 
 from data.config import DataPrepareConfig
-from data.manifest import check_seal, read_json, seal, shards_intact, write_json_atomic
+from data.manifest import read_json, read_sealed, seal, shards_intact, write_json_atomic
 
 TASKS_DIR = ".tasks"
 PLAN_NAME = "plan.json"
@@ -159,18 +159,6 @@ def domain_payload(cfg: DataPrepareConfig, name: str, tokenizer_sha256: str, pip
     """Everything but the files that decides a domain's output (the unit fingerprint adds the task's files)."""
     return {"pipeline_version": pipeline_version, "domain": dataclasses.asdict(cfg.data.domains[name]),
             "tokenizer_sha256": tokenizer_sha256, "strict": cfg.strict}
-
-
-def read_sealed(path: Path) -> dict | None:
-    """A sealed JSON record, or None when it is missing, unreadable or edited."""
-    if not path.is_file():
-        return None
-    try:
-        record = read_json(path)
-        check_seal(record, path)
-    except ValueError:
-        return None
-    return record
 
 
 def finished_unit(unit_dir: Path, fingerprint: str) -> dict | None:

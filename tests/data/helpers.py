@@ -80,3 +80,24 @@ def make_config(root: Path, tokenizer: Path, domains: dict[str, DomainConfig], w
 def domain(inputs, **kwargs) -> DomainConfig:
     clean = kwargs.pop("clean", None) or CleanConfig()
     return DomainConfig(inputs=[str(path) for path in inputs], clean=clean, **kwargs)
+
+
+def die_after_writes(documents: int) -> None:
+    """Make this process kill itself with SIGKILL once its shard writers have been handed `documents` documents:
+    no cleanup, no finally, as a crash or the OOM killer would end it (for a child process of a test)."""
+    import os
+    import signal
+
+    import data.prepare as prepare_module
+
+    written = 0
+    original = prepare_module.ShardSequence._write
+
+    def write_then_die(self, writer, keys, lengths, tokens):
+        nonlocal written
+        written += len(lengths)
+        if written >= documents:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(self, writer, keys, lengths, tokens)
+
+    prepare_module.ShardSequence._write = write_then_die

@@ -187,22 +187,14 @@ def test_rerun_skips_finished_work_and_is_byte_identical(tmp_path, tokenizer_dir
 
 
 KILLER = """
-import os, signal, sys
+import sys
 from pathlib import Path
 sys.path.insert(0, {repo!r})
 import data.prepare as prepare_module
-from tests.data.helpers import domain, make_config
+from tests.data.helpers import die_after_writes, domain, make_config
 from data.config import CleanConfig
 
-docs = 0
-original = prepare_module.ShardSequence._write
-def write_then_die(self, writer, keys, lengths, tokens):
-    global docs
-    docs += len(lengths)
-    if docs >= {kill_after}:
-        os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no finally: like a crash or the OOM killer
-    return original(self, writer, keys, lengths, tokens)
-prepare_module.ShardSequence._write = write_then_die
+die_after_writes({kill_after})
 cfg = make_config(Path({root!r}), Path({tok!r}), {{
     "en": domain([{en!r}], val_fraction=0.1, shard_max_mb=0.01),
     "ja": domain([{ja!r}], val_fraction=0.1, shard_max_mb=0.0001),

@@ -115,22 +115,14 @@ def test_five_parallel_tasks_train_exactly_like_one_machine(tmp_path, tokenizer_
 
 
 KILLER = """
-import os, signal, sys
-from pathlib import Path
-import data.prepare as prepare_module
+import sys
+sys.path.insert(0, {repo!r})
+from tests.data.helpers import die_after_writes
 from data.tasks import run_task
 from data.cli import compose
 from data.config import prepare_config
 
-written = 0
-original = prepare_module.ShardSequence._write
-def write_then_die(self, writer, keys, lengths, tokens):
-    global written
-    written += len(lengths)
-    if written >= {kill_after}:
-        os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no finally: like a crash or the OOM killer
-    return original(self, writer, keys, lengths, tokens)
-prepare_module.ShardSequence._write = write_then_die
+die_after_writes({kill_after})
 run_task(prepare_config(compose({overrides!r})), {index}, {tasks})
 """
 
@@ -140,7 +132,7 @@ def test_a_task_killed_mid_write_leaves_nothing_finish_accepts(tmp_path, tokeniz
     cfg = config(root, tokenizer_dir, corpus)
     for index in (0, 2, 3, 4):
         run_task(cfg, index, TASKS)
-    script = KILLER.format(kill_after=30, overrides=overrides(root, tokenizer_dir, corpus), index=1, tasks=TASKS)
+    script = KILLER.format(repo=str(REPO), kill_after=30, overrides=overrides(root, tokenizer_dir, corpus), index=1, tasks=TASKS)
     killed = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     folder = task_dir(root, 1, TASKS)
