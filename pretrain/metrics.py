@@ -21,6 +21,20 @@ from pretrain.config import AyumiConfig
 METRICS_FILE = "metrics.jsonl"
 EVENTS_FILE = "events.jsonl"
 WANDB_ID_FILE = "wandb_run_id"
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a run's .jsonl file (METRICS_FILE, EVENTS_FILE) in the order written; a line cut by a crash is
+    skipped. The report reads them with its own count of bad lines (pretrain/tools/report/timeline.py)."""
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
 EVAL_CURVE_FILE = "eval/downstream.json"
 """Where `ayumi eval RUN_DIR --all` writes the run's downstream curve (every checkpoint scored after training),
 relative to the run dir; `ayumi report` reads it back."""

@@ -19,7 +19,6 @@ torch: the trainer names a spike's documents with it, and `ayumi batch` (pretrai
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ import numpy as np
 
 from curriculum.mixer import Mixer, SkipLedger, batches_due
 from data.provenance import Piece, sample_pieces
-from pretrain.metrics import EVENTS_FILE, METRICS_FILE
+from pretrain.metrics import EVENTS_FILE, METRICS_FILE, read_jsonl
 from pretrain.skips import LEDGER_FILE
 from pretrain.stream import micro_batch_firsts, micro_batch_samples, open_training_data, sample_source
 
@@ -105,20 +104,6 @@ class StepBatch:
 
 
 # -- the record: where each step began -----------------------------------------------------------------------
-def read_events(run_dir: Path) -> list[dict[str, Any]]:
-    """events.jsonl's records in the order written; a line cut by a crash is skipped."""
-    path = Path(run_dir) / EVENTS_FILE
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
-
-
 def layouts(events: list[dict[str, Any]]) -> list[Layout]:
     """The layouts of the run's present timeline, by first step: a session, or a rollback within one, replaces
     every layout recorded from its first step on (that stretch was trained again)."""
@@ -157,23 +142,14 @@ def position_after(first_sample: int, steps: int, skips: list[tuple[int, int]], 
 
 def last_trained_step(run_dir: Path) -> int:
     """The step of metrics.jsonl's last training record (the run's progress); 0 when it has none."""
-    path = Path(run_dir) / METRICS_FILE
-    last = 0
-    if path.is_file():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if "train/loss" in record:
-                last = int(record["step"])
-    return last
+    trained = [int(record["step"]) for record in read_jsonl(Path(run_dir) / METRICS_FILE) if "train/loss" in record]
+    return trained[-1] if trained else 0
 
 
 def step_start(run_dir: Path, step: int) -> tuple[Layout, int]:
     """(the layout that trained 1-based `step`, the stream position its global batch began at)."""
     index = step - 1
-    found = [layout for layout in layouts(read_events(run_dir)) if layout.from_step <= index]
+    found = [layout for layout in layouts(read_jsonl(Path(run_dir) / EVENTS_FILE)) if layout.from_step <= index]
     if not found:
         raise StepSamplesError(f"{Path(run_dir) / EVENTS_FILE} records no session that trained step {step:,} (a run "
                                "trained before ayumi logged `session` events): its batches cannot be placed")

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.checkpoint.layout import META, RING_DIR, is_tag, step_of
-from pretrain.metrics import METRICS_FILE
+from pretrain.metrics import METRICS_FILE, read_jsonl
 
 REPLAY_DIR = "stability"
 """RUN_DIR/stability/: where each spike's replay verdict is written (replay_spike_<K>.json), the report reads it."""
@@ -115,19 +115,6 @@ class ReplayPlan:
 
 
 # -- the record ---------------------------------------------------------------------------------------------
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """A .jsonl file's records in the order written; a line cut by a crash is skipped."""
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
-
-
 def spike_events(events: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
     """(position in events, event) of every spike the run's detector called, in order."""
     return [(at, event) for at, event in enumerate(events) if event.get("event") == "spike"]

@@ -64,7 +64,7 @@ def arm_action(action: str) -> str:
 
 def session_ranks(run_dir: Path) -> int:
     """The processes of the run's last session (its `session` event), 1 when none is recorded."""
-    from pretrain.stability.replay import read_jsonl
+    from pretrain.metrics import read_jsonl
     from pretrain.metrics import EVENTS_FILE
 
     sessions = [e for e in read_jsonl(run_dir / EVENTS_FILE) if e.get("event") == "session"]
@@ -112,7 +112,8 @@ def suggest_exclusion(run_dir: Path, spike: int, path: Path) -> None:
     """A data.exclude file of the spike's suspect documents (pretrain/stability/replay.py's suspect_documents), and
     the line that uses it."""
     from pretrain.metrics import EVENTS_FILE
-    from pretrain.stability.replay import SUSPECT_RATIO, read_jsonl, spike_events, suspect_documents
+    from pretrain.metrics import read_jsonl
+    from pretrain.stability.replay import SUSPECT_RATIO, spike_events, suspect_documents
 
     event = spike_events(read_jsonl(run_dir / EVENTS_FILE))[spike - 1][1]
     documents = suspect_documents(event)
