@@ -125,19 +125,13 @@ def layouts(events: list[dict[str, Any]]) -> list[Layout]:
 
 def position_after(first_sample: int, steps: int, skips: list[tuple[int, int]], global_batch: int) -> int:
     """The stream position before the step `steps` steps after one that began at `first_sample`: each step takes
-    one global batch, and before each the trainer jumps a recorded skip range it has reached (batches_due)."""
+    one global batch, and before each the trainer jumps a recorded skip range it has reached (batches_due).
+    Step by step, as the trainer goes: a closed form jumped a second range that began inside the batch the first
+    jump landed in, which the trainer takes before it looks again (ranges less than a batch apart)."""
     position = first_sample
-    for start, stop in skips:
-        if stop <= position:
-            continue
-        if start > position:
-            reach = -(-(start - position) // global_batch)  # steps until the stream is inside the range
-            if reach > steps:
-                break
-            position += reach * global_batch
-            steps -= reach
-        position += batches_due([(start, stop)], position, global_batch) * global_batch
-    return position + steps * global_batch
+    for _ in range(steps):
+        position += batches_due(skips, position, global_batch) * global_batch + global_batch
+    return position + batches_due(skips, position, global_batch) * global_batch
 
 
 def last_trained_step(run_dir: Path) -> int:
