@@ -119,7 +119,7 @@ class EodAppended:
             if position < doc_end:
                 take = min(stop, doc_end) - position
                 inner = int(self.reader.doc_offsets[doc]) + position - int(self.doc_offsets[doc])
-                out[filled:filled + take] = self.reader.tokens[inner:inner + take]
+                out[filled:filled + take] = self.reader.slice(inner, inner + take)
             else:
                 take = 1
                 out[filled] = self.eod_id

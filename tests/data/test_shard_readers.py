@@ -51,3 +51,18 @@ def test_a_shard_prepared_again_under_its_reader_is_named_not_read(tmp_path):
     with pytest.raises(ShardFormatError, match=r"part_00000.bin: replaced by another file after it was opened.*"
                                                r"Fix: remake it"):
         reader.slice(10, 20)
+
+
+def test_megatron_shards_read_with_separators_hold_no_descriptor_either(tmp_path):
+    """Megatron data prepared without --append-eod is read with an end-of-document id after each document
+    (EodAppended): its samples come through the same reads, so many such shards open no file and no map each."""
+    from data.packed import EodAppended
+
+    docs = [np.arange(5 * shard, 5 * shard + 5) for shard in range(20)]
+    for shard, doc in enumerate(docs):
+        with ShardWriter(tmp_path / f"part_{shard:05d}", vocab_size=512) as writer:
+            writer.add_document(doc)
+    before = _open_descriptors()
+    shards = [EodAppended(ShardReader(tmp_path / f"part_{shard:05d}"), eod_id=511) for shard in range(20)]
+    assert [shard.slice(0, 6).tolist() for shard in shards] == [doc.tolist() + [511] for doc in docs]
+    assert _open_descriptors() == before  # the whole .bin was mapped for each shard (a descriptor each) before
