@@ -126,9 +126,13 @@ def spike_shards(run_dir: Path, events: list[dict[str, Any]]) -> dict[int, dict[
     from pretrain.step_samples import StepSamplesError, open_source, step_config, stream_domain
 
     out: dict[int, dict[int, set[str]]] = {}
+    sources: dict[str, Any] = {}  # one per config the spikes trained under: opening the data reads every index
     try:
         for number, event in enumerate(spike_batches(events)):
-            source = open_source(step_config(run_dir, int(event["step"])), run_dir)
+            cfg = step_config(run_dir, int(event["step"]))
+            if repr(cfg) not in sources:
+                sources[repr(cfg)] = open_source(cfg, run_dir)
+            source = sources[repr(cfg)]
             held: dict[int, set[str]] = {}
             for index, _, _ in event["batch_samples"]:
                 stream, _, sample, samples = source.origin(int(index))
