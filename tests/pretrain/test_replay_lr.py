@@ -18,8 +18,10 @@ pytestmark = pytest.mark.slow
 
 RUN = [
     "train.tokens=20480", "train.max_steps=30", "checkpoint.interval=0", "train.eval_interval=0",
+    # fp32 everywhere: precision auto picks bf16 on CPUs with native bf16 and fp32 on others, and the steps below differ.
+    "deepspeed.precision=fp32",
     # The detector judges from step 9; a ring checkpoint every 4 steps, all kept: the LR x50 at steps 25-27 is a
-    # spike at step 28, rolled back to step 20 (2 batches skipped); the earlier checkpoint arm (b) needs is step 16.
+    # spike at step 29, rolled back to step 20 (2 batches skipped); the earlier checkpoint arm (b) needs is step 16.
     "stability.detector.warmup_steps=8", "stability.detector.min_history=6", "stability.recovery.ring_interval=4",
     "stability.recovery.rollback_steps=4", "stability.recovery.skip_batches=2", "stability.recovery.ring_keep=10",
     "stability.recovery.lr_cooldown_steps=4", "+stability.inject.lr_multiply={24:50.0,25:50.0,26:50.0}",
@@ -57,17 +59,17 @@ def first_timeline_losses(run_dir: Path, steps: range) -> list[float]:
 
 def test_an_injected_lr_spike_is_state_driven(run_dir, replayed):
     record = replayed["record"]
-    assert (record["step"], record["window"], record["verdict"]) == (28, 8, "state-driven")
+    assert (record["step"], record["window"], record["verdict"]) == (29, 9, "state-driven")
     a, b, c = record["arms"]
     assert (a["checkpoint_step"], b["checkpoint_step"], c["checkpoint_step"]) == (20, 16, 20)
-    assert a["feed_sample"] == b["feed_sample"] == 160 and c["feed_sample"] == 224  # the batches after the window
+    assert a["feed_sample"] == b["feed_sample"] == 160 and c["feed_sample"] == 232  # the batches after the window
     assert (a["recurred"], b["recurred"], c["recurred"]) == (True, False, True)
-    assert a["spike_steps"] == [28]
+    assert a["spike_steps"] == [29]
     # "The same LR": arm (a) and (c) train at the LRs the steps had (x50 at 25-27), arm (b) at the schedule's.
     assert a["lr"]["24"] == pytest.approx(50 * b["lr"]["20"]) and a["lr"]["20"] == pytest.approx(b["lr"]["16"])
     # Arm (a) is the spike retrained: the same checkpoint, batches and LRs give the losses the run logged.
-    assert [loss for _, loss in a["losses"]] == pytest.approx(first_timeline_losses(run_dir, range(21, 29)), abs=1e-4)
-    assert "verdict: state-driven" in replayed["out"] and "3 arms of 8 step(s)" in replayed["out"]
+    assert [loss for _, loss in a["losses"]] == pytest.approx(first_timeline_losses(run_dir, range(21, 30)), abs=1e-4)
+    assert "verdict: state-driven" in replayed["out"] and "3 arms of 9 step(s)" in replayed["out"]
     # The run itself is untouched: its checkpoints are as they were, the scratch runs gone.
     assert sorted(p.name for p in (run_dir / "stability").iterdir()) == ["replay_spike_1.json"]
 
@@ -77,7 +79,7 @@ def test_the_report_shows_the_verdict(run_dir, replayed, tmp_path):
 
     assert report.main([str(run_dir), "--out", str(tmp_path / "report"), "--smooth", "0"]) == 0
     summary = (tmp_path / "report" / "summary.md").read_text()
-    assert "Spike 1 at step 28: **state-driven**" in summary
+    assert "Spike 1 at step 29: **state-driven**" in summary
     assert "| (b) | 16 | 160 | no |" in summary
 
 
@@ -86,7 +88,7 @@ def test_a_dry_run_states_the_cost_and_runs_nothing(run_dir, replayed):
     proc = ayumi("replay", str(run_dir), "--spike", "1", "--nproc", "1", "--dry-run")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert lines[0].startswith("replay of spike 1 (step 28): 3 arms of 8 step(s) each on 1 process(es), about ")
+    assert lines[0].startswith("replay of spike 1 (step 29): 3 arms of 9 step(s) each on 1 process(es), about ")
     assert [line.split(")")[0].strip() for line in lines[1:]] == ["(a", "(b", "(c"]
     assert sorted(p.name for p in (run_dir / "stability").iterdir()) == before
 
@@ -97,7 +99,7 @@ def test_refusals_are_one_line(run_dir, tmp_path):
                                                                                             "step_0000012",
                                                                                             "step_0000008")])
     for args, says in (([str(copy), "--spike", "1"], "a checkpoint older than step 20 from step 8 on"),
-                       ([str(run_dir), "--spike", "2"], "the run records 1 spike(s): 1 (step 28)"),
+                       ([str(run_dir), "--spike", "2"], "the run records 1 spike(s): 1 (step 29)"),
                        ([str(tmp_path / "none"), "--spike", "1"], "does not exist")):
         proc = ayumi("replay", *args, "--nproc", "1")
         assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
