@@ -139,8 +139,10 @@ class Exclusion:
     MAX_EPOCHS = 64
     """Later epochs a replacement is looked for in before the stream is taken for all excluded."""
 
-    def __init__(self, streams: Sequence[tuple[str, PackedSamples | BlendedSamples]], entries: Sequence[Entry]):
-        """`streams`: (domain, samples) of each stream of the source, in the source's stream order."""
+    def __init__(self, streams: Sequence[tuple[str, PackedSamples | BlendedSamples]], entries: Sequence[Entry],
+                 pooled: bool = False):
+        """`streams`: (domain, samples) of each stream of the source, in the source's stream order. `pooled`: the
+        streams share one order (the shuffled stream), so a replacement may come from another stream."""
         self.entries = list(entries)
         self.by_stream: list[dict[int, int]] = []
         for domain, samples in streams:
@@ -156,6 +158,19 @@ class Exclusion:
                     for sample in samples_holding(samples, *span) if span else ():
                         excluded[sample] = entry.from_sample
             self.by_stream.append(excluded)
+        self.refuse_an_emptied_stream(streams, pooled)
+
+    def refuse_an_emptied_stream(self, streams, pooled: bool) -> None:
+        """ExcludeError, at the start, where every sample a replacement could come from is excluded."""
+        sizes = [len(samples) for _, samples in streams]
+        counts = self.counts()
+        if pooled and sizes and sum(counts) >= sum(sizes):
+            raise ExcludeError(f"data.exclude leaves no sample to train on: its documents fill all {sum(sizes):,} "
+                               "samples of the run's data. Fix: exclude fewer documents")
+        for (domain, _), size, count in zip(streams, sizes, counts):
+            if not pooled and count >= size:
+                raise ExcludeError(f"data.exclude leaves no sample of domain {domain!r} to train on: its documents "
+                                   f"fill all {size:,} samples of that stream. Fix: exclude fewer documents")
 
     def __bool__(self) -> bool:
         return any(self.by_stream)
@@ -167,11 +182,19 @@ class Exclusion:
     def replacement(self, stream: int, cursor: int, position: int, order) -> tuple[int, int]:
         """(epoch, sample id) that takes the place of the excluded sample at `cursor` of a stream (`order` its
         EpochPermutation): the one at the same place of the next epoch's order holding no excluded document."""
+        _, epoch, sample = self.later_epoch(lambda epochs: (stream, *order(cursor + epochs * order.num_samples)),
+                                            position)
+        return epoch, sample
+
+    def later_epoch(self, place, position: int) -> tuple[int, int, int]:
+        """The first of `place(1)`, `place(2)`, ... (stream, epoch, sample id at the same place of a later epoch)
+        holding no document excluded at stream `position`."""
         for epochs in range(1, self.MAX_EPOCHS + 1):
-            epoch, sample = order(cursor + epochs * order.num_samples)
-            if not self.excluded(stream, sample, position):
-                return epoch, sample
-        raise ExcludeError(f"data.exclude leaves no sample of stream {stream} to train on; exclude fewer documents")
+            found = place(epochs)
+            if not self.excluded(found[0], found[2], position):
+                return found
+        raise ExcludeError(f"data.exclude leaves no sample to train on at stream position {position} (none in "
+                           f"{self.MAX_EPOCHS} later epochs); exclude fewer documents")
 
     def counts(self) -> list[int]:
         """Excluded samples per stream."""

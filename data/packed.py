@@ -300,11 +300,9 @@ class ShuffledDomains:
         found = self._at(global_index)
         if self.exclusion is None or not self.exclusion.excluded(found[0], found[2], global_index):
             return found
-        for epochs in range(1, self.exclusion.MAX_EPOCHS + 1):  # the same place of a later epoch's order
-            found = self._at(global_index + epochs * self.num_samples)
-            if not self.exclusion.excluded(found[0], found[2], global_index):
-                return found
-        raise ValueError("data.exclude leaves no sample to train on; exclude fewer documents")
+        # the same place of a later epoch's order
+        return self.exclusion.later_epoch(lambda epochs: self._at(global_index + epochs * self.num_samples),
+                                          global_index)
 
     def _at(self, global_index: int) -> tuple[int, int, int]:
         epoch, flat = self.order(global_index)

@@ -66,7 +66,7 @@ def stream_names(source) -> list[str]:
 
 def apply_entries(source, entries: list[Entry]) -> None:
     """Leave out the entries' documents from each one's position on (data/exclude.py says how)."""
-    source.exclusion = Exclusion(source_streams(source), entries) or None
+    source.exclusion = Exclusion(source_streams(source), entries, pooled=not isinstance(source, Mixer)) or None
 
 
 def source_shards(source) -> dict[str, dict[str, int]]:
@@ -97,7 +97,7 @@ def plan_lines(cfg) -> list[str]:
     source = sample_source(cfg, train)
     check_documents(documents, source_shards(source), str(cfg.data.exclude))
     streams, names = source_streams(source), stream_names(source)
-    counts = Exclusion(streams, [Entry(0, tuple(documents))]).counts()
+    counts = Exclusion(streams, [Entry(0, tuple(documents))], pooled=not isinstance(source, Mixer)).counts()
     tokens = 0
     for domain, shard, index in documents:  # the document's tokens, from the first stream of its domain
         samples = next((samples for name, samples in streams if name == domain), None)

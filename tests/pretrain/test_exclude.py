@@ -81,3 +81,19 @@ def test_the_files_mistakes_are_named(data_root, tmp_path):
         assert says in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(ExcludeError, match="no such file"):
         read_exclude_file(tmp_path / "missing.txt")
+
+
+def test_excluding_a_whole_stream_is_refused_at_the_start_where_nothing_could_replace_it(data_root):
+    from data.domains import open_run_data
+
+    every_b = tuple(("b", "part_00000", doc) for doc in range(120))
+    with pytest.raises(ExcludeError) as err:  # the mixer replaces a sample from its own stream: b has none left
+        apply_entries(mixer_for(data_root, short_to_long()), [Entry(FROM, every_b)])
+    assert "leaves no sample of domain 'b' to train on" in str(err.value) and "\n" not in str(err.value)
+    _, train, _ = open_run_data(data_root, None, 16, verify="sizes", validation=False)
+    shuffled = ShuffledDomains(train, seed=5)  # one order over both domains: a's samples take b's places
+    apply_entries(shuffled, [Entry(FROM, every_b)])
+    assert {shuffled.origin(index)[0] for index in range(FROM, FROM + 200)} == {"a"}
+    with pytest.raises(ExcludeError, match="no sample to train on: its documents fill all"):
+        apply_entries(ShuffledDomains(train, seed=5), [Entry(FROM, every_b + tuple(("a", "part_00000", d)
+                                                                                   for d in range(120)))])
