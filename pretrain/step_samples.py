@@ -101,6 +101,10 @@ class StepBatch:
     samples: list[TrainedSample] = field(default_factory=list)
     stage_weights: dict[str, float] = field(default_factory=dict)
     """The weights of the curriculum stage the step began in (empty without a curriculum)."""
+    losses: dict[int, float] = field(default_factory=dict)
+    """Each sample's loss by global index, where the run recorded it (a spike's batch)."""
+    spike: int | None = None
+    """The spike (1-based) this batch was called on; None for a step's batch as it stands."""
 
 
 # -- the record: where each step began -----------------------------------------------------------------------
@@ -140,16 +144,40 @@ def last_trained_step(run_dir: Path) -> int:
     return trained[-1] if trained else 0
 
 
+def layout_of_step(events: list[dict[str, Any]], step: int, events_path: Path) -> Layout:
+    """The layout that trained 1-based `step` on the timeline `events` record."""
+    found = [layout for layout in layouts(events) if layout.from_step <= step - 1]
+    if not found:
+        raise StepSamplesError(f"{events_path} records no session that trained step {step:,} (a run trained before "
+                               "ayumi logged `session` events): its batches cannot be placed")
+    return found[-1]
+
+
 def step_start(run_dir: Path, step: int) -> tuple[Layout, int]:
     """(the layout that trained 1-based `step`, the stream position its global batch began at)."""
-    index = step - 1
-    found = [layout for layout in layouts(read_jsonl(Path(run_dir) / EVENTS_FILE)) if layout.from_step <= index]
-    if not found:
-        raise StepSamplesError(f"{Path(run_dir) / EVENTS_FILE} records no session that trained step {step:,} (a run "
-                               "trained before ayumi logged `session` events): its batches cannot be placed")
-    layout = found[-1]
+    layout = layout_of_step(read_jsonl(Path(run_dir) / EVENTS_FILE), step, Path(run_dir) / EVENTS_FILE)
     skips = SkipLedger(Path(run_dir) / LEDGER_FILE).load()
-    return layout, position_after(layout.first_sample, index - layout.from_step, skips, layout.global_batch)
+    return layout, position_after(layout.first_sample, step - 1 - layout.from_step, skips, layout.global_batch)
+
+
+def spike_events(events: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
+    """(position in events, event) of every spike the run's detector called, in order."""
+    return [(at, event) for at, event in enumerate(events) if event.get("event") == "spike"]
+
+
+def nth_spike(events: list[dict[str, Any]], spike: int, events_path: Path) -> tuple[int, dict[str, Any]]:
+    """(position in events, event) of spike `spike` (1-based, as the run called them), its batch on record."""
+    spikes = spike_events(events)
+    if not spikes:
+        raise StepSamplesError(f"{events_path} records no spike")
+    if not 1 <= spike <= len(spikes):
+        steps = ", ".join(f"{k} (step {e['step']:,})" for k, (_, e) in enumerate(spikes, 1))
+        raise StepSamplesError(f"--spike {spike}: the run records {len(spikes)} spike(s): {steps}")
+    at, event = spikes[spike - 1]
+    if "batch_first_sample" not in event:
+        raise StepSamplesError(f"{events_path}: spike {spike} (step {event['step']:,}) records no batch (a run "
+                               "trained before ayumi recorded a spike's batch)")
+    return at, event
 
 
 # -- the stream: what those positions held -------------------------------------------------------------------
@@ -230,6 +258,28 @@ def step_batch(run_dir: str | Path, step: int) -> StepBatch:
     layout, position = step_start(run_dir, step)
     source = open_source(step_config(run_dir, step), run_dir)
     return StepBatch(step, position, layout, batch_samples(source, position, layout), stage_weights(source, position))
+
+
+def spike_step_batch(run_dir: str | Path, spike: int) -> StepBatch:
+    """The batch spike `spike` (1-based) was called on, as trained then, with each sample's loss from its event:
+    `step_batch` of the spike's step gives the batch that stands now, which a rollback's skip replaced."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise StepSamplesError(f"run folder {run_dir} does not exist: give the RUN_DIR a training run wrote")
+    events_path = run_dir / EVENTS_FILE
+    events = read_jsonl(events_path)
+    at, event = nth_spike(events, spike, events_path)
+    step, position = int(event["step"]), int(event["batch_first_sample"])
+    layout = layout_of_step(events[:at], step, events_path)  # the timeline as it stood when the spike was called
+    source = open_source(step_config(run_dir, step), run_dir)
+    samples = batch_samples(source, position, layout)
+    recorded = {int(index): (domain, float(loss)) for index, domain, loss in event.get("batch_samples", [])}
+    differ = [s.index for s in samples if s.index in recorded and recorded[s.index][0] != s.domain]
+    if differ:  # the rebuilt stream is not the one trained then (an exclusion added later applies from before)
+        raise StepSamplesError(f"{events_path}: spike {spike}'s batch as recorded does not match the run's data as "
+                               f"rebuilt now (sample {differ[0]:,}: {recorded[differ[0]][0]} recorded)")
+    return StepBatch(step, position, layout, samples, stage_weights(source, position),
+                     {index: loss for index, (_, loss) in recorded.items()}, spike)
 
 
 # -- a spike's batch ---------------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from typing import Any
 
 from pretrain.checkpoint.layout import META, RING_DIR, is_tag, step_of
 from pretrain.metrics import METRICS_FILE, read_jsonl
+from pretrain.step_samples import StepSamplesError, nth_spike
 
 REPLAY_DIR = "stability"
 """RUN_DIR/stability/: where each spike's replay verdict is written (replay_spike_<K>.json), the report reads it."""
@@ -115,11 +116,6 @@ class ReplayPlan:
 
 
 # -- the record ---------------------------------------------------------------------------------------------
-def spike_events(events: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
-    """(position in events, event) of every spike the run's detector called, in order."""
-    return [(at, event) for at, event in enumerate(events) if event.get("event") == "spike"]
-
-
 def checkpoint_folders(root: Path) -> dict[int, Path]:
     """step -> complete checkpoint folder, long-term and ring alike. A ring one wins a tie: a long-term one of the
     same step may be the state saved after a rollback, its skip and cool-down already in it."""
@@ -218,16 +214,10 @@ def plan_replay(run_dir: Path, spike: int, source=None) -> ReplayPlan:
 
     run_dir = Path(run_dir)
     events = read_jsonl(run_dir / EVENTS_FILE)
-    spikes = spike_events(events)
-    if not spikes:
-        raise ReplayError(f"{run_dir / EVENTS_FILE} records no spike: nothing to replay")
-    if not 1 <= spike <= len(spikes):
-        steps = ", ".join(f"{k} (step {e['step']:,})" for k, (_, e) in enumerate(spikes, 1))
-        raise ReplayError(f"--spike {spike}: the run records {len(spikes)} spike(s): {steps}")
-    at, event = spikes[spike - 1]
-    if "batch_first_sample" not in event:
-        raise ReplayError(f"{run_dir / EVENTS_FILE}: spike {spike} (step {event['step']:,}) records no batch (a run "
-                          "trained before ayumi recorded a spike's batch): its batches cannot be fed again")
+    try:
+        at, event = nth_spike(events, spike, run_dir / EVENTS_FILE)
+    except StepSamplesError as err:
+        raise ReplayError(f"{err}: nothing to replay") from None
     cfg = run_config(run_dir, int(event["step"]))
     root = run_dir / "checkpoints"  # the default checkpoint.dir; a run copied elsewhere holds its own
     root = root if root.is_dir() else Path(cfg.checkpoint.dir)

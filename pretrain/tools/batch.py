@@ -1,10 +1,14 @@
-"""`ayumi batch RUN_DIR --step N`: every sample step N trained on, named down to its documents.
+"""`ayumi batch RUN_DIR --step N` (or `--spike K`): every sample step N trained on, named down to its documents.
 
 One row per sample, in the order the ranks trained them: the data-parallel rank, the micro batch and its row,
 the domain and the stream it was read from, the curriculum stage, the documents it holds (shard, document index
 in the shard's .idx, the token span inside the document) and a short preview decoded with the run's own
 tokenizer (RUN_DIR/tokenizer; token ids without one). `--text` prints each sample whole; `--json` prints it all
 for tools, token ids included. How the samples are found: pretrain/step_samples.py.
+
+`--step N` shows the batch step N holds on the run's present timeline. A rollback skips the batches around a
+spike, so the step that spiked was trained again on other samples. `--spike K` shows the batch spike K was called
+on, as trained then, with each sample's loss from the spike's event.
 """
 from __future__ import annotations
 
@@ -26,8 +30,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "no config from conf/: RUN_DIR's config_history.jsonl (the config that trained the step), events.jsonl, "
         "skipped_samples.json and the data root it names", overrides=False))
     parser.add_argument("run_dir", type=Path, help="the run dir (holds events.jsonl, config_history.jsonl)")
-    parser.add_argument("--step", type=int, required=True,
-                        help="the step, counted from 1 as the progress line and events.jsonl count it")
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--step", type=int,
+                       help="the step, counted from 1 as the progress line and events.jsonl count it: its batch as it "
+                            "stands now (after a rollback, the batch trained again)")
+    which.add_argument("--spike", type=int,
+                       help="spike K (1-based, as `ayumi report` and `ayumi replay` count them): the batch it was called "
+                            "on, with each sample's loss")
     shown = parser.add_mutually_exclusive_group()
     shown.add_argument("--text", action="store_true", help="each sample's whole decoded text after the table")
     shown.add_argument("--json", action="store_true", help="everything as JSON (token ids included), for tools")
@@ -59,7 +68,8 @@ def preview(ids: list[int], decode) -> str:
 
 def header(batch) -> str:
     layout = batch.layout
-    lines = [f"step {batch.step:,}: global samples [{batch.first_sample:,}, {batch.first_sample + layout.global_batch:,}) "
+    called = f"spike {batch.spike} called on " if batch.spike is not None else ""
+    lines = [f"{called}step {batch.step:,}: global samples [{batch.first_sample:,}, {batch.first_sample + layout.global_batch:,}) "
              f"on {layout.dp_size} data-parallel rank(s) x {layout.grad_accum} micro batch(es) of {layout.micro_batch}"]
     if batch.stage_weights:
         lines.append("stage weights: " + ", ".join(f"{name} {weight:g}" for name, weight in batch.stage_weights.items()))
@@ -69,10 +79,12 @@ def header(batch) -> str:
 def table(batch, decode) -> str:
     from data.provenance import describe
 
-    head = ["rank", "micro", "row", "sample", "domain", "stream", "stage", "documents (shard:doc[start:stop])",
-            "preview"]
+    head = ["rank", "micro", "row", "sample", "domain", "stream", "stage", *(["loss"] if batch.losses else []),
+            "documents (shard:doc[start:stop])", "preview"]
     rows = [[str(s.rank), str(s.micro), str(s.row), f"{s.index:,}", s.domain, s.stream,
-             "–" if s.stage is None else str(s.stage), describe(s.pieces), preview(s.tokens[:-1].tolist(), decode)]
+             "–" if s.stage is None else str(s.stage),
+             *([f"{batch.losses[s.index]:.4f}" if s.index in batch.losses else "–"] if batch.losses else []),
+             describe(s.pieces), preview(s.tokens[:-1].tolist(), decode)]
             for s in batch.samples]
     widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head) - 1)]
     return "\n".join("  ".join([*(cell.ljust(width) for cell, width in zip(row, widths)), row[-1]])
@@ -85,20 +97,23 @@ def as_json(batch, decode) -> str:
     samples = []
     for sample in batch.samples:
         out = sample.as_dict()
+        if sample.index in batch.losses:
+            out["loss"] = batch.losses[sample.index]
         if decode is not None:
             out["text"] = decode(sample.tokens[:-1].tolist())
         samples.append(out)
-    return json.dumps({"step": batch.step, "first_sample": batch.first_sample, "layout": asdict(batch.layout),
+    return json.dumps({"step": batch.step, "spike": batch.spike, "first_sample": batch.first_sample, "layout": asdict(batch.layout),
                        "stage_weights": batch.stage_weights, "samples": samples}, ensure_ascii=False)
 
 
 def main(argv: list[str] | None = None) -> int:
     from common.status import BAD_INPUT
-    from pretrain.step_samples import StepSamplesError, step_batch
+    from pretrain.step_samples import StepSamplesError, spike_step_batch, step_batch
 
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
-        batch = step_batch(args.run_dir, args.step)
+        batch = step_batch(args.run_dir, args.step) if args.spike is None else spike_step_batch(args.run_dir,
+                                                                                                 args.spike)
     except StepSamplesError as err:
         print(f"ayumi batch: {err}", file=sys.stderr)
         return BAD_INPUT

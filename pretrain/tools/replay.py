@@ -113,7 +113,8 @@ def suggest_exclusion(run_dir: Path, spike: int, path: Path) -> None:
     the line that uses it."""
     from pretrain.metrics import EVENTS_FILE
     from pretrain.metrics import read_jsonl
-    from pretrain.stability.replay import SUSPECT_RATIO, spike_events, suspect_documents
+    from pretrain.stability.replay import SUSPECT_RATIO, suspect_documents
+    from pretrain.step_samples import spike_events
 
     event = spike_events(read_jsonl(run_dir / EVENTS_FILE))[spike - 1][1]
     documents = suspect_documents(event)

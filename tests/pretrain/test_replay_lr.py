@@ -104,3 +104,16 @@ def test_refusals_are_one_line(run_dir, tmp_path):
         proc = ayumi("replay", *args, "--nproc", "1")
         assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
         assert len(proc.stderr.splitlines()) == 1 and says in proc.stderr, proc.stderr
+
+
+def test_ayumi_batch_shows_the_spike_s_own_batch_with_its_losses(run_dir):
+    spike = next(e for e in read_jsonl(run_dir / "events.jsonl") if e.get("event") == "spike")
+    called = json.loads(ayumi("batch", str(run_dir), "--spike", "1", "--json").stdout)
+    assert (called["spike"], called["step"], called["first_sample"]) == (1, 29, spike["batch_first_sample"])
+    recorded = {index: (domain, loss) for index, domain, loss in spike["batch_samples"]}
+    assert {s["index"]: (s["domain"], s["loss"]) for s in called["samples"]} == recorded  # all 8, as trained then
+    # --step 29 is the batch the step holds now: after the rollback skipped 2 batches, other samples.
+    now = json.loads(ayumi("batch", str(run_dir), "--step", "29", "--json").stdout)
+    assert now["first_sample"] == spike["batch_first_sample"] + 2 * 8 and "loss" not in now["samples"][0]
+    table = ayumi("batch", str(run_dir), "--spike", "1").stdout.splitlines()
+    assert table[0].startswith("spike 1 called on step 29: global samples [224, 232)") and "loss" in table[-9]
