@@ -160,6 +160,10 @@ class Mixer:
         stream, _, sample = self._locate(global_index)
         return self._samples[stream].sample(sample), self._stream_domain[stream]
 
+    def stream_samples(self) -> list[tuple[str, PackedSamples]]:
+        """(domain, samples) of each stream, in stream order: what data.exclude compiles its exclusions over."""
+        return [(stream.domain, samples) for stream, samples in zip(self.streams, self._samples)]
+
     def origin(self, global_index: int) -> tuple[str, int, int, PackedSamples]:
         """Where sample `global_index` comes from: (stream name, epoch, sample id, the stream's samples); `get`
         reads it from there, and `ayumi batch` names its documents from it."""

@@ -56,7 +56,7 @@ def source_streams(source) -> list[tuple[str, Any]]:
     """(domain, samples) of each stream of a sample source, in its stream order: the curriculum mixer's streams, or
     every domain of the shuffled stream."""
     if isinstance(source, Mixer):
-        return [(stream.domain, samples) for stream, samples in zip(source.streams, source._samples)]
+        return source.stream_samples()
     return list(source.domains.items())
 
 

@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pretrain.checkpoint.layout import META, RING_DIR, is_tag, step_of
+from pretrain.checkpoint.layout import RING_DIR, complete_tags, step_of
 from pretrain.metrics import METRICS_FILE, read_jsonl
 from pretrain.step_samples import StepSamplesError, nth_spike
 
@@ -121,10 +121,7 @@ def checkpoint_folders(root: Path) -> dict[int, Path]:
     same step may be the state saved after a rollback, its skip and cool-down already in it."""
     found: dict[int, Path] = {}
     for folder in (root, root / RING_DIR):
-        if folder.is_dir():
-            for path in folder.iterdir():
-                if path.is_dir() and is_tag(path.name) and (path / META).is_file():
-                    found[step_of(path.name)] = path
+        found.update({step_of(tag): folder / tag for tag in complete_tags(folder)})
     return found
 
 
