@@ -48,5 +48,12 @@ class SkippedData:
             self.ledger.save([list(r) for r in self.ranges])
         return start, self.loader.consumed_samples, events
 
+    def forget_from(self, position: int) -> None:
+        """Drop every range from stream `position` on, the mixer's too (a replay arm trains what it is fed: the
+        spike's batches may lie in a range a later rollback skipped). The ledger on disk is the run's, untouched."""
+        self.ranges = [r for r in self.ranges if r[1] <= position]
+        if self.mixer is not None:
+            self.mixer.skips = list(self.ranges)
+
     def state(self) -> list[list[int]]:
         return [list(r) for r in self.ranges]

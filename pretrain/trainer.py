@@ -335,10 +335,9 @@ class Trainer:
         self.loader.load_state_dict({"consumed_samples": position})
         # The spike's batches may lie in a range a later rollback skipped (a checkpoint saved after it holds it):
         # a replay trains what it is fed, so no range from here on is jumped.
-        self.skipped.ranges = [r for r in self.skipped.ranges if r[1] <= position]
+        self.skipped.forget_from(position)
         if self.mixer is not None:
             self.mixer.position = position
-            self.mixer.skips = list(self.skipped.ranges)
         self.logger.info(f"replay: training from global sample {position:,} (stability.inject.feed_sample)")
 
     def note_session(self) -> None:
