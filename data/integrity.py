@@ -3,7 +3,9 @@
 At training start every rank runs the same checks on the shards the run will read (so every rank
 fails alike, with one message naming the file and the fix):
 - each listed shard's `.idx` and `.bin` exist, and the `.bin` has the recorded byte size;
-- the index describes the recorded numbers of documents and tokens;
+- ayumi's own `.idx` has the size the recorded document count gives; it is read, and its layout and counts
+  checked, when first used (samples are read by token offsets, which need no index: a root of 10,000 shards
+  per domain opens in two `stat`s per shard); a registered Megatron prefix's index is read and checked at start;
 - the recorded largest id is below the tokenizer's vocabulary (a record edited down is caught);
 - with `verify` `full` (or `auto` on up to AUTO_FULL_BYTES of shards), each `.bin`'s sha256.
 Damage the checks above cannot see cheaply on big data (bytes overwritten in place) is caught
@@ -17,10 +19,11 @@ prepare`; a registered Megatron prefix lives outside the data root, so only its 
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from data.manifest import DOMAIN_RECORD_NAME, ManifestError, check_seal, read_json, shard_prefix
-from data.shards import ShardFormatError, ShardReader, file_sha256
+from data.shards import ShardFormatError, ShardReader, dtype_for_vocab, file_sha256
 
 VERIFY_MODES = ("auto", "full", "sizes")
 AUTO_FULL_BYTES = 1 << 30
@@ -53,17 +56,29 @@ def check_domain_record(root: Path, name: str, record: dict) -> None:
 
 
 def open_listed_shards(root: Path, name: str, record: dict, split: str, checksum: bool) -> list[ShardReader]:
-    """Readers of a split's shards in the record's order, each checked against its record entry."""
+    """Readers of a split's shards in the record's order, each checked against its record entry.
+
+    ayumi's own shards open from the record's counts (`ShardReader.recorded`: two `stat`s, the index read and
+    checked on first use), so opening stays flat in the shard count; a registered Megatron prefix reads its
+    index now (its record does not hold its layout)."""
     readers = []
     vocab = record["tokenizer"]["vocab_size"]
+    dtype = dtype_for_vocab(vocab)
+    folder = os.path.join(root, name, split, "")  # strings, not Paths: 10,000 shards cost 20,000 `stat`s, little more
+    own_fix = repair_hint(record, {})
+    counts_from = f"{name}/{DOMAIN_RECORD_NAME}"
     for shard in record["splits"][split]["shards"]:
-        prefix = shard_prefix(root, name, split, shard)
-        fix = repair_hint(record, shard)
-        reader = ShardReader(prefix, fix)  # missing files, a .bin of the wrong size, a corrupt index
-        problem = _mismatch(reader, shard)
-        if problem:
-            raise ShardFormatError(f"{reader.idx_path}: {problem} than {name}/{DOMAIN_RECORD_NAME} records; the shard "
-                                   f"was replaced or damaged. Fix: {fix}")
+        if shard.get("prefix"):
+            fix = repair_hint(record, shard)
+            reader = ShardReader(shard_prefix(root, name, split, shard), fix)  # missing files, wrong sizes, a bad index
+            problem = _mismatch(reader, shard)
+            if problem:
+                raise ShardFormatError(f"{reader.idx_path}: {problem} than {counts_from} records; the shard "
+                                       f"was replaced or damaged. Fix: {fix}")
+        else:
+            fix = own_fix
+            reader = ShardReader.recorded(folder + shard["name"], fix, dtype, shard["docs"], shard["tokens"],
+                                          counts_from)
         if shard.get("max_id", -1) >= vocab:
             raise ShardFormatError(
                 f"{Path(root) / name / DOMAIN_RECORD_NAME}: shard {shard['name']} holds id {shard['max_id']}, but the "
@@ -84,7 +99,7 @@ def _mismatch(reader: ShardReader, shard: dict) -> str:
 
 
 def check_checksum(reader: ShardReader, shard: dict, fix: str) -> None:
-    actual = file_sha256(reader.bin_path)
+    actual = file_sha256(reader.bin_file)
     if actual != shard["sha256"]:
         raise ShardFormatError(f"{reader.bin_path}: sha256 {actual[:12]}… is not the recorded {shard['sha256'][:12]}…: "
                                f"the token bytes changed after the shard was written. Fix: {fix} "
@@ -124,6 +139,7 @@ def _verify_shard(root: Path, name: str, record: dict, split: str, shard: dict, 
     one = {**record, "splits": {split: {**record["splits"][split], "shards": [shard]}}}
     try:
         reader, = open_listed_shards(root, name, one, split, checksum=True)
+        reader.document_indices  # the index read and checked in full (opening checked its size only)
     except ShardFormatError as err:
         return [str(err)]
     low, high = reader.min_id(), reader.max_id()
