@@ -49,6 +49,7 @@ from data.manifest import (
     DOMAIN_RECORD_NAME, KEY_BYTES, KEYS_NAME, MANIFEST_NAME, build_manifest, read_domain_record, seal,
     shard_record, shards_intact, tokenizer_identity, write_json_atomic,
 )
+from data.prepare_profile import PrepareProfile
 from data.shards import ShardWriter, dtype_for_vocab
 from data.sources import ReadStats, domain_files, file_fingerprints
 from data.workers import ChunkPool, ChunkResult, encode_chunk, encode_jsonl_blocks
@@ -540,7 +541,8 @@ def prepare_domains(jobs: list[DomainJob], pool: ChunkPool, root: Path, cfg: Dat
             if isinstance(meta, Exception):
                 raise meta
             if meta is None:
-                records[name] = writer.finish()
+                with pool.profile.phase("finishing_domains"):
+                    records[name] = writer.finish()
                 writer = None
             else:
                 writer.route(meta, result)
@@ -702,6 +704,7 @@ def _encoder_path(tokenizer) -> str:
 
 def prepare(cfg: DataPrepareConfig) -> dict:
     """Prepare every domain of `cfg` (skipping finished ones), check train/val overlap, write the manifest."""
+    profile = PrepareProfile.from_env()
     check_prepare_config(cfg)
     info = _load_tokenizer(cfg)
     root = Path(cfg.data.root)
@@ -721,19 +724,24 @@ def prepare(cfg: DataPrepareConfig) -> dict:
         (root / MANIFEST_NAME).unlink(missing_ok=True)  # from here on, the root is not complete
         # Built before any progress bar: under `fork` the workers must start while this process
         # has no other thread (data/workers.py).
-        pool = ChunkPool(cfg.workers, _encoder_path(info), cfg.encode_threads, info.eod_id, cfg.start_method)
+        pool = ChunkPool(cfg.workers, _encoder_path(info), cfg.encode_threads, info.eod_id, cfg.start_method, profile)
+        profile.phases["start"] = time.monotonic() - profile.started
         try:
-            records.update(prepare_domains(jobs, pool, root, cfg, info))
+            with profile.phase("stream"):
+                records.update(prepare_domains(jobs, pool, root, cfg, info))
         finally:
-            pool.close()
+            with profile.phase("closing_pool"):
+                pool.close()
             with contextlib.suppress(OSError):
                 (root / PARTIAL_DIR).rmdir()  # only when empty: an interrupted domain has cleaned up after itself
     shutil.rmtree(root / PARTIAL_DIR, ignore_errors=True)
     records = {name: records[name] for name in cfg.data.domains}  # config order, as before
-    overlap = check_overlap(root, records)
-    manifest = build_manifest(cfg.data.name, tokenizer_identity(info), records, overlap)
-    write_json_atomic(root / MANIFEST_NAME, manifest)
+    with profile.phase("overlap_and_manifest"):
+        overlap = check_overlap(root, records)
+        manifest = build_manifest(cfg.data.name, tokenizer_identity(info), records, overlap)
+        write_json_atomic(root / MANIFEST_NAME, manifest)
     _note_stray_domains(root, records)
+    profile.write()
     return manifest
 
 
