@@ -9,7 +9,8 @@ the run and trains the spike's window (the steps from the pre-spike checkpoint C
 - (b) data: an earlier checkpoint E, the window's batches, the LR the run's schedule gave those steps (an injected
   LR fault taken out: it belongs to the state, not to the data);
 - (c) state: checkpoint C, as many other batches of the spike's stage (those right after the window, else those
-  right before it), the LR each step of the window had (an injected fault included).
+  right before it), the LR each step of the window had (an injected fault included). The spike's stage is the one
+  its own batch was in: a window that crosses a stage switch is compared with batches of the stage it spiked in.
 
 "The state" is everything but the batch: the weights, the optimizer's moments and the step size the run applied.
 So an LR the run multiplied at the spike (stability.inject, a fire drill) stays with arms (a) and (c), and arm (b)
@@ -192,13 +193,15 @@ def median_step_seconds(metrics: list[dict[str, Any]]) -> float:
 
 def other_batches(source, first: int, window: int, global_batch: int) -> int:
     """Arm (c)'s first sample: `window` batches of the spike's stage other than the window's own (those right after
-    it, else those right before it); ReplayError when the stage holds neither."""
+    it, else those right before it); ReplayError when the stage holds neither. The spike's stage is its own batch's
+    (the window's last): a window that crosses a stage switch is compared with batches of the stage it spiked in."""
     stage_of = getattr(source, "stage_at_sample", None)
     length = window * global_batch
+    spiked_in = stage_of(first + length - global_batch) if stage_of is not None else None
     for start in (first + length, first - length):
         if start < 0:
             continue
-        if stage_of is None or stage_of(start) == stage_of(first) == stage_of(start + length - 1):
+        if stage_of is None or stage_of(start) == spiked_in == stage_of(start + length - 1):
             return start
     raise ReplayError(f"the spike's stage holds no {window} batches besides the window's own (samples [{first:,}, "
                       f"{first + length:,})): arm (c) has no other batches of that stage to train on")

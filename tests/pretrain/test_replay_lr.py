@@ -1,7 +1,8 @@
 """`ayumi replay` on a spike whose answer is known: an LR x50 for three steps (stability.inject) is the state's doing,
 so the replay must call it state-driven: the same batches at the schedule's LR do not spike an earlier checkpoint,
 while the pre-spike checkpoint at the spike's LR spikes on other batches too. Arm (a) must retrain the spike exactly.
-Also: the one-line refusals (a ring that lost the checkpoints, a spike the run does not have)."""
+The window holds a stage switch: arm (a) must retrain it, and arm (c) reads other batches of the stage the spike
+was in. Also: `ayumi batch --spike`, the one-line refusals (a ring that lost the checkpoints, a spike the run does not have)."""
 from __future__ import annotations
 
 import json
@@ -20,6 +21,9 @@ RUN = [
     "train.tokens=20480", "train.max_steps=30", "checkpoint.interval=0", "train.eval_interval=0",
     # fp32 everywhere: precision auto picks bf16 on CPUs with native bf16 and fp32 on others, and the steps below differ.
     "deepspeed.precision=fp32",
+    # A stage switch inside the spike's window (steps 21-29): stage 2 begins with step 23 (sample 176), another mix.
+    "curriculum=tiny", "curriculum.stages=[{name:ja_heavy,tokens:11264,weights:{ja:0.7,en:0.3}},"
+    "{name:en_heavy,tokens:9216,weights:{ja:0.3,en:0.7}}]",
     # The detector judges from step 9; a ring checkpoint every 4 steps, all kept: the LR x50 at steps 25-27 is a
     # spike at step 29, rolled back to step 20 (2 batches skipped); the earlier checkpoint arm (b) needs is step 16.
     "stability.detector.warmup_steps=8", "stability.detector.min_history=6", "stability.recovery.ring_interval=4",
@@ -63,6 +67,9 @@ def test_an_injected_lr_spike_is_state_driven(run_dir, replayed):
     a, b, c = record["arms"]
     assert (a["checkpoint_step"], b["checkpoint_step"], c["checkpoint_step"]) == (20, 16, 20)
     assert a["feed_sample"] == b["feed_sample"] == 160 and c["feed_sample"] == 232  # the batches after the window
+    # The window crosses the stage switch (stage 2 began with step 23 the first time); arm (c) reads stage 2.
+    switches = [e["step"] for e in read_jsonl(run_dir / "events.jsonl") if e.get("event") == "stage_switch"]
+    assert switches[:2] == [1, 23]
     assert (a["recurred"], b["recurred"], c["recurred"]) == (True, False, True)
     assert a["spike_steps"] == [29]
     # "The same LR": arm (a) and (c) train at the LRs the steps had (x50 at 25-27), arm (b) at the schedule's.
