@@ -1,9 +1,11 @@
-"""`ayumi data prepare|inspect|verify`: corpus files to token shards, a look at what was made, a full check.
+"""`ayumi data prepare|inspect|verify|merge`: corpus files to token shards, a look at what was made, a full check,
+many small shards into fewer large ones.
 
     ayumi data prepare data=NAME tokenizer_dir=DIR [key=value ...] [--cfg job]
     ayumi data prepare ... --tasks N [--task I | --local | --finish]
     ayumi data inspect DATA_ROOT [--samples N] [--chars N] [--tokenizer-dir DIR]
     ayumi data verify DATA_ROOT
+    ayumi data merge DATA_ROOT [--domain D ...] [--shard-max-mb N]
 
 `prepare` composes `conf/data_prepare.yaml` with Hydra's Compose API (overrides as in any ayumi
 command; `--cfg job` prints the resolved config and exits). Exit statuses (common/status.py): bad input
@@ -25,6 +27,7 @@ from common.status import BAD_INPUT, DONE, INTERRUPTED, REFUSED
 USAGE = __doc__.split("\n\n")[1]
 INSPECT_READS = "no config from conf/: DATA_ROOT's manifest.json and shards (and the tokenizer they name, to decode)"
 VERIFY_READS = "no config from conf/: DATA_ROOT's manifest.json, domain records and every shard byte"
+MERGE_READS = "no config from conf/: DATA_ROOT's manifest.json, domain records, shards and keys"
 
 
 def prepare_help() -> str:
@@ -219,11 +222,40 @@ def verify_main(argv: list[str]) -> int:
     return 0
 
 
+def merge_main(argv: list[str]) -> int:
+    """`ayumi data merge DATA_ROOT`: 0 when merged (or nothing to merge), 2 with one line on bad input."""
+    from data.merge import MergeError, merge_root
+    from data.manifest import ManifestError
+    from data.shards import ShardFormatError
+
+    parser = argparse.ArgumentParser(
+        prog="ayumi data merge", epilog=config_help(MERGE_READS, overrides=False),
+        description="rewrite a domain's many shards as fewer large ones: the same documents in the same order "
+                    "(every training batch unchanged), published atomically (data/merge.py, docs/data.md)")
+    parser.add_argument("root", help="DATA_ROOT written by `ayumi data prepare`")
+    parser.add_argument("--domain", action="append", default=None, help="a domain to merge (repeat; default: all)")
+    parser.add_argument("--shard-max-mb", type=float, default=256.0, help="largest merged shard in MiB (default 256)")
+    args = parser.parse_args(argv)
+    try:
+        with _console_logging():
+            done = merge_root(args.root, args.domain, args.shard_max_mb)
+    except (MergeError, ManifestError, ShardFormatError) as err:
+        print(f"ayumi data merge: error: {err}", file=sys.stderr)
+        return BAD_INPUT
+    except KeyboardInterrupt:
+        print("ayumi data merge: interrupted; the data root is as it was", file=sys.stderr)
+        return INTERRUPTED
+    for name, splits in done.items():
+        print(f"{name}: " + ", ".join(f"{split} {before:,} -> {after:,} shards" for split, (before, after) in splits.items()))
+    print(f"{args.root}: merged {len(done)} domain(s)" if done else f"{args.root}: nothing to merge")
+    return DONE
+
+
 def main(argv: list[str]) -> int:
     """Entry of `ayumi data ...` (called by pretrain/tools/cli.py)."""
     if not argv or argv[0] in ("-h", "--help", "help"):
-        print(f"usage: ayumi data prepare | inspect | verify [ARGS]\n{USAGE}\n\nconfig: prepare reads "
-              f"{composed_from('data_prepare', 'data')}; inspect and verify read no config from conf/. "
+        print(f"usage: ayumi data prepare | inspect | verify | merge [ARGS]\n{USAGE}\n\nconfig: prepare reads "
+              f"{composed_from('data_prepare', 'data')}; inspect, verify and merge read no config from conf/. "
               "`ayumi data VERB --help` says more.")
         return 0
     command, rest = argv[0], argv[1:]
@@ -236,6 +268,8 @@ def main(argv: list[str]) -> int:
         return inspect_main(rest)
     if command == "verify":
         return verify_main(rest)
+    if command == "merge":
+        return merge_main(rest)
     print(f"ayumi data: unknown command {command!r}\nusage:\n{USAGE}", file=sys.stderr)
     return BAD_INPUT
 

@@ -321,7 +321,11 @@ class ShardReader:
         if "tokens" in self.__dict__ or stop <= start:
             return self.tokens[start:stop]
         size = self.dtype.itemsize
-        fd = os.open(self.bin_file, os.O_RDONLY)
+        try:
+            fd = os.open(self.bin_file, os.O_RDONLY)
+        except FileNotFoundError:
+            raise ShardFormatError(f"{self.bin_path}: removed after it was opened (the data was prepared again or "
+                                   f"merged under a reader of it). Fix: {self._fix}") from None
         try:
             self._check_same_bin(os.fstat(fd))
             data = os.pread(fd, (stop - start) * size, start * size)
