@@ -95,6 +95,25 @@ def document_span(samples: PackedSamples, shard: str, index: int) -> tuple[int, 
     return None
 
 
+def document_samples(samples: PackedSamples | BlendedSamples, shard: str, index: int) -> list[int]:
+    """The sample ids of a stream holding a token of document `index` of `shard`; a weighted blend's through each
+    part that reads the shard."""
+    if isinstance(samples, BlendedSamples):
+        return [blended for part, inner_samples in enumerate(samples.parts)
+                for inner in document_samples(inner_samples, shard, index)
+                for blended in samples.reading(part, inner)]
+    span = document_span(samples, shard, index)
+    return list(samples_holding(samples, *span)) if span else []
+
+
+def document_tokens(samples: PackedSamples | BlendedSamples, shard: str, index: int) -> int:
+    """Tokens of document `index` of `shard` as the stream reads it (0 where it does not)."""
+    if isinstance(samples, BlendedSamples):
+        return max((document_tokens(part, shard, index) for part in samples.parts), default=0)
+    span = document_span(samples, shard, index)
+    return span[1] - span[0] if span else 0
+
+
 def samples_holding(samples: PackedSamples, first: int, last: int) -> range:
     """The sample ids of `samples` holding a token of [first, last): sample i holds [i * L, i * L + L + 1)."""
     length = samples.seq_len
@@ -151,11 +170,7 @@ class Exclusion:
                 for name, shard, index in entry.documents:
                     if name != domain:
                         continue
-                    if isinstance(samples, BlendedSamples):
-                        raise ExcludeError(f"data.exclude lists {name}/{shard}:{index}, but domain {name!r} is a "
-                                           "weighted Megatron blend: exclusion reads plain domains only")
-                    span = document_span(samples, shard, index)
-                    for sample in samples_holding(samples, *span) if span else ():
+                    for sample in document_samples(samples, shard, index):
                         excluded[sample] = entry.from_sample
             self.by_stream.append(excluded)
         self.refuse_an_emptied_stream(streams, pooled)

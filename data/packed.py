@@ -186,9 +186,21 @@ class BlendedSamples:
     def sample(self, index: int) -> np.ndarray:
         if not 0 <= index < self.num_samples:
             raise IndexError(f"sample {index} out of range ({self.num_samples} samples in {self.name or 'dataset'})")
+        part, inner = self.locate(index)
+        return self.parts[part].sample(inner)
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """(part, the part's sample) that blend sample `index` reads."""
         k = int(np.searchsorted(self._starts, index, side="right")) - 1
         local, count, available = index - int(self._starts[k]), self.counts[k], len(self.parts[k])
-        return self.parts[k].sample(local * available // count if count <= available else local % available)
+        return k, (local * available // count if count <= available else local % available)
+
+    def reading(self, part: int, inner: int) -> range:
+        """The blend samples that read sample `inner` of part `part`: `locate`'s inverse."""
+        start, count, available = int(self._starts[part]), self.counts[part], len(self.parts[part])
+        if count <= available:  # read at evenly spaced samples: local * available // count == inner
+            return range(start - (-inner * count // available), start - (-(inner + 1) * count // available))
+        return range(start + inner, start + count, available)  # repeated in order
 
 
 def _shares(total: int, weights: Sequence[float], available: Sequence[int]) -> list[int]:

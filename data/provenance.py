@@ -63,10 +63,8 @@ def reader_pieces(reader, start: int, stop: int) -> list[Piece]:
 def sample_pieces(samples: PackedSamples | BlendedSamples, index: int) -> list[Piece]:
     """The documents sample `index` of a domain's samples holds, in order (see the module doc)."""
     if isinstance(samples, BlendedSamples):
-        part = int(np.searchsorted(samples._starts, index, side="right")) - 1
-        local, count, available = index - int(samples._starts[part]), samples.counts[part], len(samples.parts[part])
-        inner = local * available // count if count <= available else local % available
-        return sample_pieces(samples.parts[part], inner)  # the same choice as BlendedSamples.sample
+        part, inner = samples.locate(index)
+        return sample_pieces(samples.parts[part], inner)
     start = index * samples.seq_len
     stop = start + samples.seq_len + 1
     pieces = []

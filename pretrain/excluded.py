@@ -87,7 +87,7 @@ def apply_ledger(source, run_dir: Path) -> None:
 def plan_lines(cfg) -> list[str]:
     """What `ayumi plan` says of data.exclude: the documents, their tokens and the samples of each stream it takes
     out (ExcludeError for a file it cannot honour). Opens the data as training does, sizes checked only."""
-    from data.exclude import document_span
+    from data.exclude import document_tokens
     from pretrain.stream import open_training_data, sample_source
 
     if not cfg.data.exclude:
@@ -101,8 +101,7 @@ def plan_lines(cfg) -> list[str]:
     tokens = 0
     for domain, shard, index in documents:  # the document's tokens, from the first stream of its domain
         samples = next((samples for name, samples in streams if name == domain), None)
-        span = document_span(samples, shard, index) if samples is not None else None
-        tokens += span[1] - span[0] if span else 0
+        tokens += document_tokens(samples, shard, index) if samples is not None else 0
     removed = ", ".join(f"{count:,} of {len(samples):,} samples of stream {name}"
                         for name, count, (_, samples) in zip(names, counts, streams) if count)
     return [f"data.exclude: {len(documents):,} document(s) ({tokens:,} tokens) from {cfg.data.exclude}, left out from "

@@ -185,6 +185,13 @@ def test_blended_samples_follow_the_weights(tmp_path):
     picked = [blend.sample(i).tolist() for i in range(12)]
     assert picked[:9] == [small.sample(i % 4).tolist() for i in range(9)]  # repeated in order
     assert picked[9:] == [large.sample(i).tolist() for i in (0, 2, 5)]  # evenly spaced
+    # `reading` is `locate`'s inverse (data.exclude finds a document's blend samples with it): each blend sample
+    # is read back from where it reads, exactly once.
+    for part, inner_samples in enumerate(blend.parts):
+        back = [index for inner in range(len(inner_samples)) for index in blend.reading(part, inner)]
+        assert sorted(back) == list(range(int(blend._starts[part]), int(blend._starts[part + 1])))
+        assert all(blend.locate(index) == (part, inner) for inner in range(len(inner_samples))
+                   for index in blend.reading(part, inner))
 
 
 def test_a_damaged_sample_is_refused_with_the_file_named(tmp_path):

@@ -97,3 +97,18 @@ def test_excluding_a_whole_stream_is_refused_at_the_start_where_nothing_could_re
     with pytest.raises(ExcludeError, match="no sample to train on: its documents fill all"):
         apply_entries(ShuffledDomains(train, seed=5), [Entry(FROM, every_b + tuple(("a", "part_00000", d)
                                                                                    for d in range(120)))])
+
+
+def test_a_weighted_blend_leaves_the_document_out_through_each_part_that_reads_it(tmp_path):
+    from data.exclude import Exclusion
+    from data.packed import BlendedSamples, PackedSamples
+    from tests.data.test_shards import write
+
+    # Part a (4 samples) repeated to 9, part b (8 samples) read at 3 of them: the blend of Megatron's --data-path.
+    small = PackedSamples([write(tmp_path / "a", [list(range(4)), list(range(10, 15))], vocab=100)], seq_len=2)
+    large = PackedSamples([write(tmp_path / "b", [list(range(50, 67))], vocab=100)], seq_len=2)
+    blend = BlendedSamples([small, large], [0.75, 0.25], "mix")
+    exclusion = Exclusion([("mix", blend)], [Entry(0, (("mix", "a", 0),))])
+    holding = [i for i in range(len(blend)) if any(p.shard == "a" and p.document == 0
+                                                   for p in sample_pieces(blend, i))]
+    assert sorted(exclusion.by_stream[0]) == holding and len(holding) == 5  # a's samples 0 and 1, read at 0, 1, 4, 5, 8
