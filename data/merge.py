@@ -102,7 +102,7 @@ def choose_domains(root: Path, manifest: dict, names: list[str] | None) -> list[
         raise MergeError(f"domain(s) {', '.join(registered)} of {root} are registered Megatron data: their shards "
                          "stay at their prefixes, outside the root. Fix: merge the prefixes with Megatron's "
                          "tools/merge_datasets.py, then declare the merged prefix in the domain's `megatron:`")
-    return list(names) if names else [name for name in known if not is_registered(manifest["domains"][name])]
+    return list(dict.fromkeys(names)) if names else [name for name in known if not is_registered(manifest["domains"][name])]
 
 
 def is_registered(record: dict) -> bool:
