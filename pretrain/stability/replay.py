@@ -207,9 +207,9 @@ def other_batches(source, first: int, window: int, global_batch: int) -> int:
                       f"{first + length:,})): arm (c) has no other batches of that stage to train on")
 
 
-def plan_replay(run_dir: Path, spike: int, source=None) -> ReplayPlan:
-    """The three arms of spike `spike` (1-based) of the run in `run_dir` (see the module doc). `source`: the run's
-    sample stream (pretrain/step_samples.open_source), for arm (c)'s batches of the same stage."""
+def plan_replay(run_dir: Path, spike: int) -> ReplayPlan:
+    """The three arms of spike `spike` (1-based) of the run in `run_dir` (see the module doc), from its record alone:
+    arm (c) takes the batches right after the window until `place_other_batches` looks at the stream's stages."""
     from pretrain.metrics import EVENTS_FILE
 
     run_dir = Path(run_dir)
@@ -241,12 +241,18 @@ def plan_replay(run_dir: Path, spike: int, source=None) -> ReplayPlan:
     lrs = window_lrs(metrics, events[:at], step, pre, run_dir / METRICS_FILE)
     factors = injected_factors(events[:at])
     scheduled = [lr / factors.get(pre + 1 + i, 1.0) for i, lr in enumerate(lrs)]
-    other = other_batches(source, first, window, global_batch)
+    after = first + window * global_batch
     arms = [Arm("a", ARMS["a"], str(have[pre]), pre, first, {pre + i: lr for i, lr in enumerate(lrs)}, window),
             Arm("b", ARMS["b"], str(have[early]), early, first,
                 {early + i: lr for i, lr in enumerate(scheduled)}, window),
-            Arm("c", ARMS["c"], str(have[pre]), pre, other, {pre + i: lr for i, lr in enumerate(lrs)}, window)]
+            Arm("c", ARMS["c"], str(have[pre]), pre, after, {pre + i: lr for i, lr in enumerate(lrs)}, window)]
     return ReplayPlan(spike, step, window, first, global_batch, median_step_seconds(metrics), arms)
+
+
+def place_other_batches(plan: ReplayPlan, source) -> None:
+    """Arm (c)'s batches in the run's sample stream `source` (pretrain/step_samples.open_source): of the spike's
+    stage (`other_batches`)."""
+    plan.arms[2].feed_sample = other_batches(source, plan.first_sample, plan.window, plan.global_batch)
 
 
 def run_config(run_dir: Path, step: int):
@@ -265,13 +271,13 @@ def read_arm(arm: Arm, arm_dir: Path) -> None:
     from pretrain.metrics import EVENTS_FILE
 
     first, last = arm.checkpoint_step + 1, arm.checkpoint_step + arm.steps
-    arm.losses = [[int(r["step"]), float(r["train/loss"])] for r in read_jsonl(arm_dir / METRICS_FILE)
-                  if "train/loss" in r and first <= int(r["step"]) <= last]
+    window = [r for r in read_jsonl(arm_dir / METRICS_FILE) if first <= int(r.get("step", -1)) <= last]
+    arm.losses = [[int(r["step"]), float(r["train/loss"])] for r in window if "train/loss" in r]
     events = read_jsonl(arm_dir / EVENTS_FILE)
     arm.spike_steps = [int(e["step"]) for e in events if e.get("event") == "spike" and first <= e["step"] <= last]
-    arm.outlier_steps = [int(r["step"]) for r in read_jsonl(arm_dir / METRICS_FILE)
+    arm.outlier_steps = [int(r["step"]) for r in window
                          if (r.get("stability/outlier", 0) > 0 or r.get("stability/unconfirmed", 0) > 0)
-                         and first <= int(r["step"]) <= last and int(r["step"]) not in arm.spike_steps]
+                         and int(r["step"]) not in arm.spike_steps]
 
 
 def verdict(a: bool, b: bool, c: bool) -> tuple[str, str]:

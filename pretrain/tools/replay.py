@@ -132,7 +132,9 @@ def suggest_exclusion(run_dir: Path, spike: int, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     from common.status import BAD_INPUT
     from pretrain.startup.record import config_for_step, run_overrides
-    from pretrain.stability.replay import REPLAY_DIR, ReplayError, judge, plan_replay, read_arm, replay_file
+    from pretrain.stability.replay import (
+        REPLAY_DIR, ReplayError, judge, place_other_batches, plan_replay, read_arm, replay_file,
+    )
     from pretrain.step_samples import StepSamplesError, open_source, step_config
 
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -140,12 +142,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not run_dir.is_dir():
             raise ReplayError(f"run folder {args.run_dir} does not exist: give the RUN_DIR a training run wrote")
-        plan = plan_replay(run_dir, args.spike, source=None)  # refusals first, before the data is opened
+        plan = plan_replay(run_dir, args.spike)  # refusals first, before the data is opened
         try:
-            source = open_source(step_config(run_dir, plan.step))
+            cfg = step_config(run_dir, plan.step)
+            place_other_batches(plan, open_source(cfg))
         except StepSamplesError as err:
             raise ReplayError(str(err)) from None
-        plan = plan_replay(run_dir, args.spike, source=source)
         version = config_for_step(run_dir, plan.step)
         if version is None or not version.overrides:
             raise ReplayError(f"{run_dir}/config_history.jsonl records no overrides for step {plan.step:,}: the arms "
@@ -162,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     if scratch.exists():
         shutil.rmtree(scratch)
     scratch.mkdir(parents=True)
-    action = arm_action(step_config(run_dir, plan.step).stability.action)
+    action = arm_action(cfg.stability.action)
     for arm in plan.arms:
         log = scratch / f"arm_{arm.name}.log"
         status = run_arm(arm, arm_overrides(run_overrides(version.overrides), arm, scratch, action), nproc, log)
