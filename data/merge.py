@@ -85,9 +85,9 @@ def merge_root(root: str | os.PathLike, names: list[str] | None = None, shard_ma
         publish(root, manifest, new_records, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-        with_nothing = root / PARTIAL_DIR
-        if with_nothing.is_dir() and not any(with_nothing.iterdir()):
-            with_nothing.rmdir()
+        partial = root / PARTIAL_DIR
+        if partial.is_dir() and not any(partial.iterdir()):
+            partial.rmdir()  # only when empty: a `prepare` may have left its own work there
     return done
 
 
@@ -107,7 +107,8 @@ def choose_domains(root: Path, manifest: dict, names: list[str] | None) -> list[
 
 def is_registered(record: dict) -> bool:
     """Whether every split of a domain lives at Megatron prefixes (no shard of it is ayumi's to rewrite)."""
-    return all(shard.get("prefix") for info in record["splits"].values() for shard in info["shards"])
+    shards = [shard for info in record["splits"].values() for shard in info["shards"]]
+    return bool(shards) and all(shard.get("prefix") for shard in shards)
 
 
 def wants_merge(info: dict, cap: int) -> bool:
@@ -120,11 +121,10 @@ def wants_merge(info: dict, cap: int) -> bool:
 def merge_domain(root: Path, name: str, record: dict, splits: dict[str, dict], out: Path, cap: int,
                  shard_max_mb: float) -> dict:
     """Write the merged splits of one domain under `out`; returns its new record (sealed), names still to publish."""
-    stem = next(stem for stem in STEMS
-                if not any(shard["name"].startswith(stem) for info in splits.values() for shard in info["shards"]))
     vocab = record["tokenizer"]["vocab_size"]
     new_splits = dict(record["splits"])
     for split, info in splits.items():
+        stem = next(stem for stem in STEMS if not any(shard["name"].startswith(stem) for shard in info["shards"]))
         sequence = ShardSequence(out / split, cap, vocab)
         try:
             copy_split(root / name / split, name, record, info, sequence, vocab)

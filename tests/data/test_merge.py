@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from data.manifest import load_manifest
+from data.merge import merge_root
 from data.prepare import prepare
 from tests.data.helpers import JA_PARAGRAPHS, domain, make_config, write_jsonl
 from tests.helpers import REPO
@@ -110,6 +111,12 @@ def test_merge_keeps_every_document_in_order_and_megatron_core_reads_it(many_sha
     assert ayumi_data("verify", str(root)).returncode == 0
     again = ayumi_data("merge", str(root), "--shard-max-mb", MERGED_MB)
     assert again.returncode == 0 and again.stdout.strip().endswith("nothing to merge"), again.stdout
+    # Merged again, larger: the merged shards go back to `part_` names (never an old name), train only (val is
+    # one shard already), the stream still the same.
+    assert merge_root(root, ["en"], 1.0) == {"en": {"train": (after["en", "train"], 1)}}
+    names = [s["name"] for s in load_manifest(root)["domains"]["en"]["splits"]["train"]["shards"]]
+    assert names == ["part_00000"] and training_stream(root) == stream
+    after = shard_counts(root)
     # `ayumi data prepare` with the same config finds the merged domains finished: nothing is redone.
     caplog.set_level("INFO", logger="ayumi.data")
     prepare(make_config(root, tokenizer_dir, domains))
