@@ -209,3 +209,30 @@ def test_a_merge_killed_while_publishing_is_refused_by_training_and_completed_by
     assert all(s["name"].startswith("merged_") for s in json.loads((root / "manifest.json").read_text())
                ["domains"]["ja"]["splits"]["train"]["shards"])
     assert not any(p.name.startswith("part_") for p in (root / "ja" / "train").iterdir())
+
+
+def test_registered_megatron_data_is_refused_by_name_and_left_alone_otherwise(tmp_path, tokenizer_dir, en_texts,
+                                                                            capsys):
+    """Its shards live at their prefixes, outside the root: not ayumi's to rewrite."""
+    from data.cli import main
+    from data.config import DomainConfig
+    from data.shards import ShardWriter
+
+    prefixes = []
+    for part in range(3):
+        prefixes.append(tmp_path / "megatron" / f"web_{part}")
+        with ShardWriter(prefixes[-1], 600) as writer:
+            writer.add_documents([[5 + part, 6, 2], [7, 2]])
+    en = write_jsonl(tmp_path / "in" / "en.jsonl", en_texts[:60])
+    root = tmp_path / "root"
+    prepare(make_config(root, tokenizer_dir, {"en": domain([en], shard_max_mb=SMALL_MB),
+                                              "web": DomainConfig(megatron=" ".join(map(str, prefixes)))}))
+    web = load_manifest(root)["domains"]["web"]
+    assert main(["merge", str(root), "--domain", "web"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"ayumi data merge: error: domain(s) web of {root} are registered Megatron data: their shards stay at their "
+        "prefixes, outside the root. Fix: merge the prefixes with Megatron's tools/merge_datasets.py, then declare "
+        "the merged prefix in the domain's `megatron:`"]
+    assert main(["merge", str(root), "--shard-max-mb", MERGED_MB]) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith("en: train ")
+    assert load_manifest(root)["domains"]["web"] == web
