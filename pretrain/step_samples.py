@@ -111,20 +111,17 @@ class StepBatch:
 def layouts(events: list[dict[str, Any]]) -> list[Layout]:
     """The layouts of the run's present timeline, by first step: a session, or a rollback within one, replaces
     every layout recorded from its first step on (that stretch was trained again)."""
-    kept: list[Layout] = []
-    current: Layout | None = None
+    from pretrain.startup.record import timeline
+
+    found: list[Layout] = []
     for event in events:
         kind = event.get("event")
         if kind == "session":
-            new = Layout(int(event["step"]), int(event["first_sample"]), int(event["dp_size"]),
-                         int(event["micro_batch"]), int(event["grad_accum"]), int(event["global_batch"]))
-        elif kind == "recovered" and current is not None and "first_sample" in event:
-            new = replace(current, from_step=int(event["step"]), first_sample=int(event["first_sample"]))
-        else:
-            continue
-        current = new
-        kept = [old for old in kept if old.from_step < new.from_step] + [new]
-    return kept
+            found.append(Layout(int(event["step"]), int(event["first_sample"]), int(event["dp_size"]),
+                                int(event["micro_batch"]), int(event["grad_accum"]), int(event["global_batch"])))
+        elif kind == "recovered" and found and "first_sample" in event:
+            found.append(replace(found[-1], from_step=int(event["step"]), first_sample=int(event["first_sample"])))
+    return timeline(found)
 
 
 def position_after(first_sample: int, steps: int, skips: list[tuple[int, int]], global_batch: int) -> int:

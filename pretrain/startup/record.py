@@ -102,9 +102,10 @@ def read_history(run_dir: str | Path) -> list[ConfigVersion]:
     return versions
 
 
-def timeline(versions: list[ConfigVersion]) -> list[ConfigVersion]:
+def timeline(versions: list) -> list:
     """The versions the run's present timeline holds, by first step: a version recorded at a resume from an older
-    checkpoint supersedes those recorded from a later step (that future was abandoned)."""
+    checkpoint supersedes those recorded from a later step (that future was abandoned). Anything with a `from_step`
+    (a config version, a batch layout of pretrain/step_samples.py)."""
     kept: list[ConfigVersion] = []
     for version in versions:
         kept = [old for old in kept if old.from_step < version.from_step] + [version]
