@@ -83,14 +83,15 @@ def make_report(run_dir: Path, out_dir: Path | None = None, smooth: int | None =
     run_dir = run_dir.resolve()
     out_dir = (out_dir or run_dir / REPORT_DIR).resolve()
     metrics_file, timeline, events = load_run(run_dir)
-    note_verdicts(events, read_replays(run_dir))
+    replays = read_replays(run_dir)
+    note_verdicts(events, replays)
     config = read_config(run_dir)
     stages = stage_boundaries(timeline.records, events)
     num_train = len(timeline.series("train/loss").x)
     window = auto_window(num_train) if smooth is None else max(1, smooth)
     ctx = PlotContext(stages, events, window, x_max=max((r.tokens for r in timeline.records), default=1.0))
     curve = read_eval_curve(run_dir, timeline)
-    blocks = summary_blocks(run_dir, config, timeline, events, stages, metrics_file, max_events, curve)
+    blocks = summary_blocks(run_dir, config, timeline, events, stages, metrics_file, max_events, curve, replays)
     downstream = downstream_metrics(timeline.keys)
     curve_tasks = curve.metrics() if curve is not None else {}
     files = ["loss.png", "optim.png", "throughput.png", *map(downstream_plot_name, downstream),

@@ -282,7 +282,8 @@ def wandb_blocks(run_dir: Path) -> list[Block]:
 
 def summary_blocks(run_dir: Path, config: dict[str, Any], timeline: Timeline, events: list[dict[str, Any]],
                    stages: list[Stage], metrics_file: JsonlFile, max_events: int,
-                   curve: EvalCurve | None = None) -> list[Block]:
+                   curve: EvalCurve | None = None, replays: dict[int, dict[str, Any]] | None = None) -> list[Block]:
+    """The summary's blocks; `replays`: the run's replay verdicts (read_replays), read here when not given."""
     name = str(config.get("name") or run_dir.name)
     blocks: list[Block] = [("h1", f"Run report: {name}"),
                            ("p", f"Run dir `{run_dir}`, made {time.strftime('%Y-%m-%d %H:%M:%S')} "
@@ -306,7 +307,7 @@ def summary_blocks(run_dir: Path, config: dict[str, Any], timeline: Timeline, ev
     blocks += [("h2", "Optimizer"), ("img", ("optim.png", "learning rate, grad norm, loss scale")),
                ("h2", "Throughput"), ("img", ("throughput.png", "tokens per second and step time")),
                ("h2", "Events"), *event_blocks(events, max_events), *spike_blocks(events),
-               *replay_blocks(read_replays(run_dir)), *attribution_blocks(run_dir, config, events),
+               *replay_blocks(read_replays(run_dir) if replays is None else replays), *attribution_blocks(run_dir, config, events),
                ("h2", "Files"), ("table", (["file", "size", "what"], file_rows(run_dir))),
                ("h2", "W&B"), *wandb_blocks(run_dir)]
     return blocks
