@@ -46,6 +46,14 @@ def preload() -> None:
     import deepspeed.runtime.engine  # noqa: F401
     import torch  # noqa: F401
     import torch._dynamo  # noqa: F401  (torch's optimizers import it when built: 2.5 s a rank)
+    # DeepSpeed's ZeRO optimizer check imports its Muon module, which calls torch.compile at import and so imports
+    # inductor: 0.9 s a rank of every ZeRO 1-3 job.
+    import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
+    # What DeepSpeed's engine imports lazily in every rank: its AutoEP config check, and distutils (with setuptools
+    # behind it) for its op builders' compiler probe. 0.1-0.5 s a rank.
+    import deepspeed.module_inject.auto_ep_config  # noqa: F401
+    import distutils.ccompiler  # noqa: F401
+    import distutils.sysconfig  # noqa: F401
 
     import pretrain.train  # noqa: F401
 
