@@ -246,7 +246,8 @@ def merge_main(argv: list[str]) -> int:
         print("ayumi data merge: interrupted; the data root is as it was", file=sys.stderr)
         return INTERRUPTED
     for name, splits in done.items():
-        print(f"{name}: " + ", ".join(f"{split} {before:,} -> {after:,} shards" for split, (before, after) in splits.items()))
+        print(f"{name}: " + ", ".join(f"{split} {before:,} -> {after:,} shards"
+                                      for split, (before, after) in splits.items()))
     print(f"{args.root}: merged {len(done)} domain(s)" if done else f"{args.root}: nothing to merge")
     return DONE
 

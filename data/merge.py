@@ -80,8 +80,8 @@ def merge_root(root: str | os.PathLike, names: list[str] | None = None, shard_ma
                 log.info("%s: already in shards of at most %s MiB, left as it is", name, f"{shard_max_mb:g}")
                 continue
             new_records[name] = merge_domain(root, name, record, splits, work / name, cap, shard_max_mb)
-            done[name] = {split: (len(record["splits"][split]["shards"]), len(new_records[name]["splits"][split]["shards"]))
-                          for split in splits}
+            done[name] = {split: (len(info["shards"]), len(new_records[name]["splits"][split]["shards"]))
+                          for split, info in splits.items()}
         publish(root, manifest, new_records, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -96,13 +96,16 @@ def choose_domains(root: Path, manifest: dict, names: list[str] | None) -> list[
     known = list(manifest["domains"])
     unknown = [name for name in names or [] if name not in manifest["domains"]]
     if unknown:
-        raise MergeError(f"domain(s) {', '.join(unknown)} are not in {root / MANIFEST_NAME} (it has: {', '.join(known)})")
+        raise MergeError(f"domain(s) {', '.join(unknown)} are not in {root / MANIFEST_NAME} "
+                         f"(it has: {', '.join(known)})")
     registered = [name for name in names or [] if is_registered(manifest["domains"][name])]
     if registered:
         raise MergeError(f"domain(s) {', '.join(registered)} of {root} are registered Megatron data: their shards "
                          "stay at their prefixes, outside the root. Fix: merge the prefixes with Megatron's "
                          "tools/merge_datasets.py, then declare the merged prefix in the domain's `megatron:`")
-    return list(dict.fromkeys(names)) if names else [name for name in known if not is_registered(manifest["domains"][name])]
+    if names:
+        return list(dict.fromkeys(names))
+    return [name for name in known if not is_registered(manifest["domains"][name])]
 
 
 def is_registered(record: dict) -> bool:
@@ -190,7 +193,8 @@ def publish(root: Path, manifest: dict, records: dict[str, dict], work: Path) ->
                 for shard in info["shards"]:
                     for suffix in (".bin", ".idx"):
                         built = "part_" + shard["name"].split("_", 1)[1]
-                        os.replace(work / name / split / (built + suffix), root / name / split / (shard["name"] + suffix))
+                        os.replace(work / name / split / (built + suffix),
+                                   root / name / split / (shard["name"] + suffix))
     for name, record in records.items():
         write_json_atomic(root / name / DOMAIN_RECORD_NAME, record)
     domains = {name: records.get(name, old) for name, old in manifest["domains"].items()}
