@@ -35,6 +35,7 @@ import heapq
 import itertools
 import json
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -54,7 +55,7 @@ from data.shards import ShardWriter, dtype_for_vocab
 from data.sources import ReadStats, domain_files, file_fingerprints
 from data.workers import ChunkPool, ChunkResult, encode_chunk, encode_jsonl_blocks
 from common.files import replace_dir
-from common.corpus import READ_ERRORS, Recorder, detect_format, iter_file, read_jsonl_blocks
+from common.corpus import COMPRESSION_SUFFIXES, READ_ERRORS, Recorder, detect_format, iter_file, read_jsonl_blocks
 
 log = logging.getLogger("ayumi.data")
 
@@ -262,7 +263,8 @@ def domain_fingerprint(domain: DomainConfig, files: list[dict], tokenizer_sha256
 
 @dataclasses.dataclass(frozen=True)
 class JsonlBatch:
-    """Stream meta of raw jsonl blocks sent to a worker together: the file of each block."""
+    """Stream meta of raw jsonl blocks sent to a worker together: the file of each block (its label: PATH, or
+    PATH@BYTE for a task's piece of a file)."""
 
     paths: list[Path]
 
@@ -280,6 +282,7 @@ class _ItemBuilder:
     Documents (from the non-jsonl readers) and raw jsonl blocks go into separate items; switching
     between the two flushes, so items follow the file order. Grouping across files keeps a corpus
     of many small files from turning into as many tiny items, each paying a round trip to a worker.
+    A jsonl block is its bytes (compressed files, read here) or a byte range the worker reads (jsonl_ranges).
     """
 
     def __init__(self, job: DomainJob, chunk_bytes: int):
@@ -290,7 +293,7 @@ class _ItemBuilder:
     def _reset(self) -> None:
         self.locations: list[str] = []
         self.texts: list[str] = []
-        self.blocks: list[tuple[int, bytes]] = []
+        self.blocks: list[bytes | tuple[str, int, int]] = []
         self.block_paths: list[Path] = []
         self.ended: list[Path] = []
         self.size = 0
@@ -304,12 +307,12 @@ class _ItemBuilder:
         if self.size >= self.chunk_bytes:
             yield from self.flush()
 
-    def add_block(self, path: Path, first_line: int, block: bytes) -> Iterator[tuple]:
+    def add_block(self, label: Path, block: bytes | tuple[str, int, int]) -> Iterator[tuple]:
         if self.texts:
             yield from self.flush()
-        self.blocks.append((first_line, block))
-        self.block_paths.append(path)
-        self.size += len(block)
+        self.blocks.append(block)
+        self.block_paths.append(label)
+        self.size += len(block) if isinstance(block, bytes) else block[2] - block[1]
         if self.size >= self.chunk_bytes:
             yield from self.flush()
 
@@ -342,13 +345,37 @@ def _file_items(builder: _ItemBuilder, path: Path, strict: bool, span: tuple[int
     # A piece from inside a file numbers its lines from its first byte: locations read PATH@BYTE:LINE.
     label = Path(f"{path}@{span[0]}") if span and span[0] else path
     try:
-        for first_line, block in read_jsonl_blocks(path, builder.chunk_bytes, span):
-            yield from builder.add_block(label, first_line, block)
+        if path.name.lower().endswith(COMPRESSION_SUFFIXES):  # no byte ranges in a compressed stream: read here
+            blocks = (block for _, block in read_jsonl_blocks(path, builder.chunk_bytes, span))
+        else:
+            blocks = jsonl_ranges(path, builder.chunk_bytes, span)
+        for block in blocks:
+            yield from builder.add_block(label, block)
     except READ_ERRORS as err:
         Recorder(path, stats, strict).unreadable(err)
         return
     if span is None or span[1] >= _size(path):
         builder.end_file(label)
+
+
+def jsonl_ranges(path: Path, block_bytes: int, span: tuple[int, int] | None = None) -> Iterator[tuple[str, int, int]]:
+    """An uncompressed jsonl file (or its byte range `span`, cut at line starts) as (path, start, stop) ranges of
+    ~block_bytes of whole lines, cut where common.corpus.read_jsonl_blocks cuts its blocks.
+
+    The workers read the ranges themselves (data/workers.py). The parent reads only the line each cut falls in.
+    Shipping every byte to a worker through a pipe cost the parent CPU, and kept the worker waiting on it.
+    """
+    with open(path, "rb") as handle:
+        start, stop = span or (0, os.fstat(handle.fileno()).st_size)
+        while start < stop:
+            cut = start + block_bytes
+            if cut >= stop:
+                end = stop
+            else:  # to the end of the line holding the cut's last byte (the cut itself, when that byte is a newline)
+                handle.seek(cut - 1)
+                end = cut - 1 + len(handle.readline())
+            yield str(path), start, end
+            start = end
 
 
 def _size(path: Path) -> int:
@@ -440,6 +467,7 @@ class DomainWriter:
         self.deduper, self.drops = Deduper(job.domain.clean.dedup), DropCounts()
         self.docs, self.text_bytes, self.started = 0, 0, time.monotonic()
         self.file_docs: dict[Path, int] = {}  # documents so far of jsonl files read in blocks (empty_file check)
+        self.file_lines: dict[Path, int] = {}  # lines so far of jsonl files read in blocks (workers number per block)
         self.strict = cfg.strict
         self._announce()
         self.bar = _progress(cfg, job.name)  # after the log line: a bar left open would share its line
@@ -462,19 +490,27 @@ class DomainWriter:
         stats = self.job.stats
         if isinstance(meta, FileEnd):
             Recorder(meta.path, stats, self.strict).file_done(self.file_docs.pop(meta.path, 0))
+            self.file_lines.pop(meta.path, None)
             return
         if isinstance(meta, JsonlBatch):
+            # The worker numbered lines from 1 in each block: lines before the block, per file, are counted here.
+            before = []
+            for path, count in zip(meta.paths, result.lines_per_block):
+                before.append(self.file_lines.get(path, 0))
+                self.file_lines[path] = before[-1] + count
             # The worker parsed the blocks: their bad records and documents are counted here, in order.
             for block, line, skip in result.skips:
                 path = meta.paths[block]
-                Recorder(path, stats, self.strict).record(skip.reason, f"{path}:{line}", skip.problem, skip.fix)
+                Recorder(path, stats, self.strict).record(skip.reason, f"{path}:{before[block] + line}", skip.problem,
+                                                          skip.fix)
             for path, count in zip(meta.paths, result.docs_per_block):
                 self.file_docs[path] = self.file_docs.get(path, 0) + count
             stats.docs_read += len(result.reasons)
             block_ends = list(itertools.accumulate(result.docs_per_block))
 
             def locate(index: int) -> str:
-                return f"{meta.paths[bisect.bisect_right(block_ends, index)]}:{result.lines[index]}"
+                block = bisect.bisect_right(block_ends, index)
+                return f"{meta.paths[block]}:{before[block] + result.lines[index]}"
         else:
             locate = meta.__getitem__
         _route_chunk(locate, result, self.deduper, self.router, self.drops)

@@ -41,7 +41,7 @@ import numpy as np
 from data.clean import Cleaner
 from data.config import CleanConfig
 from data.prepare_profile import PrepareProfile, timed_call
-from common.corpus import parse_jsonl_block
+from common.corpus import CorpusError, parse_jsonl_block
 
 IN_FLIGHT_PER_WORKER = 2  # one chunk being encoded and one queued: workers never wait on the parent
 
@@ -140,11 +140,13 @@ class ChunkResult(NamedTuple):
     text_bytes: int
     """UTF-8 bytes of the chunk's documents as read."""
     lines: list | None = None
-    """jsonl blocks: the line number of each document (for drop locations)."""
+    """jsonl blocks: the line number of each document in its block, from 1 (for drop locations)."""
     docs_per_block: list | None = None
     """jsonl blocks: how many of the documents came from each block."""
+    lines_per_block: list | None = None
+    """jsonl blocks: how many lines each block holds (the parent numbers lines across a file's blocks)."""
     skips: tuple | list = ()
-    """jsonl blocks: (block index, line number, common.corpus.Skip) per record that is not a document."""
+    """jsonl blocks: (block index, line number in the block, common.corpus.Skip) per record that is not a document."""
     timing: tuple | None = None
     """Under AYUMI_PREPARE_PROFILE only: (worker pid, start, end, CPU seconds) of this item (data/prepare_profile.py)."""
 
@@ -195,24 +197,44 @@ def _flatten(ids: list, eos: int, typecode: str) -> np.ndarray:
     return np.frombuffer(flat, dtype=flat.typecode)
 
 
-def encode_jsonl_blocks(clean: dict, blocks: list[tuple[int, bytes]], text_field: str) -> ChunkResult:
-    """Parse raw jsonl blocks ((first line number, bytes) from common.corpus.read_jsonl_blocks),
-    then clean, key and tokenize their documents as encode_chunk.
+def encode_jsonl_blocks(clean: dict, blocks: list[bytes | tuple[str, int, int]], text_field: str) -> ChunkResult:
+    """Parse raw jsonl blocks of whole lines, then clean, key and tokenize their documents as encode_chunk.
 
-    Parsing here rather than in the parent keeps the parent's work per block, not per document,
-    which is what lets throughput grow with the number of workers.
+    A block is its bytes, or a byte range (path, start, stop) that this worker reads (data/prepare.py, jsonl_ranges).
+    Reading and parsing here rather than in the parent keeps the parent's work per block, not per
+    byte or document, which is what lets throughput grow with the number of workers.
     """
     texts: list[str] = []
     lines: list[int] = []
     docs_per_block: list[int] = []
+    lines_per_block: list[int] = []
     skips: list[tuple] = []
-    for index, (first_line, block) in enumerate(blocks):
-        block_texts, block_lines, block_skips = parse_jsonl_block(block, first_line, text_field)
+    for index, block in enumerate(blocks):
+        if isinstance(block, tuple):
+            block = read_range(*block)
+        block_texts, block_lines, block_skips = parse_jsonl_block(block, 1, text_field)
         texts += block_texts
         lines += block_lines
         docs_per_block.append(len(block_texts))
+        lines_per_block.append(block.count(b"\n") + (bool(block) and not block.endswith(b"\n")))
         skips += [(index, line, skip) for line, skip in block_skips]
-    return encode_chunk(clean, texts)._replace(lines=lines, docs_per_block=docs_per_block, skips=skips)
+    return encode_chunk(clean, texts)._replace(lines=lines, docs_per_block=docs_per_block,
+                                               lines_per_block=lines_per_block, skips=skips)
+
+
+def read_range(path: str, start: int, stop: int) -> bytes:
+    """Bytes [start, stop) of an input file; one clear error when the file changed or vanished since the parent cut it."""
+    fix = "Fix: leave the inputs alone while `ayumi data prepare` runs, then run it again."
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(start)
+            data = handle.read(stop - start)
+    except OSError as err:
+        raise CorpusError(f"{path} could not be read at byte {start} ({err.strerror or err}). {fix}") from None
+    if len(data) != stop - start:
+        raise CorpusError(f"{path} changed while it was read: {stop - start:,} bytes expected at byte {start:,}, "
+                          f"{len(data):,} found. {fix}")
+    return data
 
 
 def resolve_start_method(requested: str) -> str:
