@@ -27,6 +27,7 @@ import math
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +46,8 @@ MERGE_DIR = "merge"
 """Under ROOT/.partial: the domains being merged, never read, removed on the next run."""
 STEMS = ("merged_", "part_")
 """Merged shards take the first stem the old ones do not use: new names never meet old ones."""
+PROGRESS_SECONDS = 30.0
+"""How often a long merge logs how far it is (shards, MB copied, MB/s)."""
 CHUNK_TOKENS = 1 << 25
 """Tokens copied per step (64 MiB of uint16 ids; a longer document is one step): bounded memory."""
 
@@ -67,28 +70,49 @@ def merge_root(root: str | os.PathLike, names: list[str] | None = None, shard_ma
     chosen = choose_domains(root, manifest, names)
     cap = max(1, int(shard_max_mb * 2**20))
     work = root / PARTIAL_DIR / MERGE_DIR
-    shutil.rmtree(work, ignore_errors=True)
-    new_records, done = {}, {}
+    remove_work(root, work)  # what a killed merge left: never read, and it would count against the free space
+    plan = {}
     for name in chosen:
-        check_domain_record(root, name, manifest["domains"][name])
+        record = manifest["domains"][name]
+        check_domain_record(root, name, record)
+        plan[name] = {split: info for split, info in record["splits"].items() if wants_merge(info, cap)}
+        if not plan[name]:
+            log.info("%s: already in shards of at most %s MiB, left as it is", name, f"{shard_max_mb:g}")
+    check_free_space(root, [info for splits in plan.values() for info in splits.values()])
+    new_records, done = {}, {}
     try:
-        for name in chosen:
+        for name, splits in plan.items():
             record = manifest["domains"][name]
             remove_unlisted(root / name, record)
-            splits = {split: info for split, info in record["splits"].items() if wants_merge(info, cap)}
             if not splits:
-                log.info("%s: already in shards of at most %s MiB, left as it is", name, f"{shard_max_mb:g}")
                 continue
             new_records[name] = merge_domain(root, name, record, splits, work / name, cap, shard_max_mb)
             done[name] = {split: (len(info["shards"]), len(new_records[name]["splits"][split]["shards"]))
                           for split, info in splits.items()}
         publish(root, manifest, new_records, work)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
-        partial = root / PARTIAL_DIR
-        if partial.is_dir() and not any(partial.iterdir()):
-            partial.rmdir()  # only when empty: a `prepare` may have left its own work there
+        remove_work(root, work)
     return done
+
+
+def remove_work(root: Path, work: Path) -> None:
+    """Remove the merge's working folder, and `.partial` when that leaves it empty (a `prepare` may have its own
+    work there)."""
+    shutil.rmtree(work, ignore_errors=True)
+    partial = root / PARTIAL_DIR
+    if partial.is_dir() and not any(partial.iterdir()):
+        partial.rmdir()
+
+
+def check_free_space(root: Path, splits: list[dict]) -> None:
+    """Refuse before writing when the file system cannot hold a second copy of the splits to merge (the old shards
+    are removed only once the merged ones are published)."""
+    needed = sum(info["bytes"] + KEY_BYTES * info["docs"] for info in splits)
+    free = shutil.disk_usage(root).free
+    if needed > free:
+        raise MergeError(f"merging needs {needed / 2**30:.2f} GiB free under {root} (a copy of the shards it merges, "
+                         f"until the old ones are removed), {free / 2**30:.2f} GiB are. Fix: free space there, or "
+                         "merge fewer domains at a time (--domain)")
 
 
 def choose_domains(root: Path, manifest: dict, names: list[str] | None) -> list[str]:
@@ -130,7 +154,7 @@ def merge_domain(root: Path, name: str, record: dict, splits: dict[str, dict], o
         stem = next(stem for stem in STEMS if not any(shard["name"].startswith(stem) for shard in info["shards"]))
         sequence = ShardSequence(out / split, cap, vocab)
         try:
-            copy_split(root / name / split, name, record, info, sequence, vocab)
+            copy_split(root / name / split, name, info, sequence, vocab)
             merged = sequence.close()
         except BaseException:
             sequence.abort()
@@ -153,14 +177,20 @@ def merge_domain(root: Path, name: str, record: dict, splits: dict[str, dict], o
     return seal({**body, "splits": new_splits, "merged": merges})
 
 
-def copy_split(folder: Path, name: str, record: dict, info: dict, sequence: ShardSequence, vocab: int) -> None:
+def copy_split(folder: Path, name: str, info: dict, sequence: ShardSequence, vocab: int) -> None:
     """Every document of a split's shards, in order, with its key, into `sequence`; each shard's bytes are
-    checked against its recorded sha256 as they are read."""
+    checked against its recorded sha256 as they are read. Logs its progress every PROGRESS_SECONDS."""
     dtype = dtype_for_vocab(vocab)
+    started = last = time.monotonic()
+    copied = 0
     fix = f"`ayumi data verify {folder.parent.parent}` lists what is damaged; re-run `ayumi data prepare`"
     keys_path = folder / KEYS_NAME
     with open(keys_path if keys_path.is_file() else os.devnull, "rb") as keys_file:  # no keys: zeros, not published
-        for shard in info["shards"]:
+        for number, shard in enumerate(info["shards"]):
+            if time.monotonic() - last >= PROGRESS_SECONDS:
+                last = time.monotonic()
+                log.info("%s/%s: %s of %s shards, %.1f MB copied, %.1f MB/s", name, folder.name, f"{number:,}",
+                         f"{len(info['shards']):,}", copied / 1e6, copied / 1e6 / max(last - started, 1e-9))
             reader = ShardReader.recorded(os.path.join(folder, shard["name"]), fix, dtype, shard["docs"],
                                           shard["tokens"], f"{name}/{DOMAIN_RECORD_NAME}")
             offsets, digest = reader.doc_offsets, hashlib.sha256()
@@ -178,6 +208,7 @@ def copy_split(folder: Path, name: str, record: dict, info: dict, sequence: Shar
                 sequence.add_docs(np.frombuffer(keys, dtype=np.uint8).reshape(-1, KEY_BYTES),
                                   np.diff(offsets[start:stop + 1]), tokens)
                 start = stop
+            copied += shard["bytes"]
             if shard.get("sha256") and digest.hexdigest() != shard["sha256"]:
                 raise ShardFormatError(f"{reader.bin_path}: sha256 {digest.hexdigest()[:12]}… is not the recorded "
                                        f"{shard['sha256'][:12]}…; nothing was changed. Fix: {fix}")

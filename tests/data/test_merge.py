@@ -245,3 +245,28 @@ def test_registered_megatron_data_is_refused_by_name_and_left_alone_otherwise(tm
     assert main(["merge", str(root), "--shard-max-mb", MERGED_MB]) == 0
     assert capsys.readouterr().out.splitlines()[0].startswith("en: train ")
     assert load_manifest(root)["domains"]["web"] == web
+
+
+def test_a_merge_the_disk_cannot_hold_is_refused_before_writing_and_a_long_one_says_how_far_it_is(
+        many_shards, tmp_path, monkeypatch, caplog):
+    import shutil
+
+    import data.merge as merge
+
+    source, _ = many_shards
+    root = copy_root(source, tmp_path / "root")
+    before = tree(root)
+    real = shutil.disk_usage(root)
+    monkeypatch.setattr(merge.shutil, "disk_usage", lambda path: real._replace(free=100_000))
+    with pytest.raises(merge.MergeError, match=rf"^merging needs 0\.00 GiB free under {root} \(a copy of the shards "
+                                               r"it merges, until the old ones are removed\), 0\.00 GiB are\. Fix: "):
+        merge_root(root, None, float(MERGED_MB))
+    assert tree(root) == before
+    monkeypatch.undo()
+    monkeypatch.setattr(merge, "PROGRESS_SECONDS", 0.0)
+    caplog.set_level("INFO", logger="ayumi.data")
+    shards = shard_counts(root)["ja", "train"]
+    merge_root(root, ["ja"], float(MERGED_MB))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ja/train: ")]
+    assert lines[0] == f"ja/train: 0 of {shards} shards, 0.0 MB copied, 0.0 MB/s", lines
+    assert lines[-2].startswith(f"ja/train: {shards - 1} of {shards} shards, 0.0") and len(lines) == shards + 1
