@@ -1,6 +1,7 @@
 """Benchmark: `ayumi data prepare` against the field's tools, per worker, on the same corpus and tokenizer.
 
     .venv/bin/python bench/data_prepare_peers.py [--work /tmp/ayumi_bench_peers] [--repeat 2] [--profile]
+    .venv/bin/python bench/data_prepare_peers.py --mb 200 --tools ayumi --repeat 5   # the 1 -> 2 worker scaling
 
 Corpus: the demo corpus (.cache/demo_corpus, `ayumi demo` makes it; ~33 MB of jsonl: Japanese man
 pages, Jane Austen, PARI/GP's manual, Python's standard library), its documents in file order
@@ -22,20 +23,29 @@ four must produce the same token ids, which the bench checks:
   its Encoder), megatron-core's `IndexedDatasetBuilder` in the parent, one prefix per input file;
 - bare: one process, `json.loads` and `sp.encode` per line (the floor of any tool).
 
+--mb N cycles the corpus up to N MB, each copy's documents made distinct (a first line `copy K`), so
+fixed costs (starting workers, the manifest) weigh little: 33 MB took 2 workers 0.9 s.
+
 Each run is a fresh process (its imports not timed), runs interleaved over --repeat rounds, the
 best of each counts. Throughput is input MB (jsonl bytes) per second per worker; CPU seconds
 (the run's process and its children) are printed beside, the figure that does not depend on what
-else runs here. --profile, or any target missed, adds a cProfile of ayumi's worker and parent
-(workers=0: the parent encodes in-process, so one profile holds both): where the time goes beyond
-the encode.
+else runs here. The scaling from 1 to 2 workers is the median over rounds of each round's
+(2-worker MB/s) / (2 x 1-worker MB/s), and per CPU-second of (1-worker CPU s) / (2-worker CPU s).
+--profile, or any target missed, adds a cProfile of ayumi's worker and parent (workers=0: the
+parent encodes in-process, so one profile holds both), then ayumi at 1 and 2 workers under
+AYUMI_PREPARE_PROFILE (data/prepare_profile.py): the parent's fixed costs, its reading, waiting and
+writing, and each worker's working and idle time.
 """
 from __future__ import annotations
 
 import argparse
+import array
 import json
+import math
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,6 +56,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.result_form import machine_line, result_line  # noqa: E402  (first: it reads the load at the start)
+from data.prepare_profile import PROFILE_ENV  # noqa: E402
 
 PARTS = 8
 DATATROVE = ("datatrove==0.10.1", "loguru==0.7.3", "humanize==4.17.0")
@@ -59,8 +70,12 @@ MEGATRON_CHUNK_LINES = 32  # preprocess_data.py's imap chunk size
 # ----------------------------------------------------------------------------------------------
 
 
-def recut_corpus(corpus: Path, out: Path) -> list[Path]:
-    """The corpus's documents (its *.jsonl by name, in order) cut into PARTS files of about equal bytes (cached)."""
+def recut_corpus(corpus: Path, out: Path, megabytes: float = 0) -> list[Path]:
+    """The corpus's documents (its *.jsonl by name, in order) cut into PARTS files of about equal bytes (cached).
+
+    megabytes > 0: the corpus cycled until it holds that many MB, each cycle's documents made distinct by a first
+    line naming the cycle (so de-duplication keeps them all, as it would a larger corpus of distinct documents).
+    """
     files = sorted(corpus.glob("*.jsonl"))
     if not files:
         raise SystemExit(f"bench: no *.jsonl in {corpus}. Fix: run `./ayumi demo` once (it builds the demo corpus), "
@@ -69,20 +84,37 @@ def recut_corpus(corpus: Path, out: Path) -> list[Path]:
     if all(path.is_file() for path in parts):
         return parts
     out.mkdir(parents=True, exist_ok=True)
-    total = sum(path.stat().st_size for path in files)
+    source = sum(path.stat().st_size for path in files)
+    cycles = max(1, math.ceil(megabytes * 1e6 / source)) if megabytes else 1
+    total = megabytes * 1e6 if megabytes else source
     index, written, handle = 0, 0, open(parts[0].with_suffix(".tmp"), "wb")
-    for path in files:
-        for line in open(path, "rb"):
-            if written >= total * (index + 1) / PARTS and index < PARTS - 1:
-                handle.close()
-                index += 1
-                handle = open(parts[index].with_suffix(".tmp"), "wb")
-            handle.write(line)
-            written += len(line)
+    for line in _cycled_lines(files, cycles):
+        if megabytes and written >= total:
+            break
+        if written >= total * (index + 1) / PARTS and index < PARTS - 1:
+            handle.close()
+            index += 1
+            handle = open(parts[index].with_suffix(".tmp"), "wb")
+        handle.write(line)
+        written += len(line)
     handle.close()
     for path in parts:
         path.with_suffix(".tmp").replace(path)
     return parts
+
+
+def _cycled_lines(files: list[Path], cycles: int):
+    """The files' jsonl lines, `cycles` times over; from the second cycle on, each text starts with `copy N` on a line
+    of its own, so no document repeats an earlier one."""
+    for cycle in range(cycles):
+        for path in files:
+            with open(path, "rb") as lines:
+                for line in lines:
+                    if cycle:
+                        record = json.loads(line)
+                        record["text"] = f"copy {cycle}\n{record['text']}"
+                        line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+                    yield line
 
 
 def ensure_datatrove() -> None:
@@ -189,17 +221,17 @@ def run_bare(parts: list[Path], tokenizer: Path, out: Path, workers: int) -> flo
 
     processor = spm.SentencePieceProcessor(model_file=str(tokenizer / "tokenizer.model"))
     eos = _eos_id(tokenizer)
-    documents = []
+    flat = array.array("H")  # the ids, for the comparison: 2 bytes each, where lists of ints took ~36 (--mb 200)
     start = time.perf_counter()
     for path in parts:
         with open(path, encoding="utf-8") as handle:
             for line in handle:
                 ids = processor.encode(json.loads(line)["text"])
                 ids.append(eos)
-                documents.append(ids)
+                flat.fromlist(ids)
     elapsed = time.perf_counter() - start
-    out.mkdir(parents=True, exist_ok=True)  # the ids, for the comparison (not timed)
-    np.array([i for ids in documents for i in ids], dtype=np.uint16).tofile(out / "tokens.u16")
+    out.mkdir(parents=True, exist_ok=True)
+    np.frombuffer(flat, dtype=np.uint16).tofile(out / "tokens.u16")
     return elapsed
 
 
@@ -242,13 +274,14 @@ def _cpu() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
-def measure_fresh(tool: str, args, out: Path, workers: int, timeout: float) -> dict:
+def measure_fresh(tool: str, args, out: Path, workers: int, timeout: float, profile: Path | None = None) -> dict:
     command = [sys.executable, __file__, "--run", tool, "--workers", str(workers), "--out", str(out),
-               "--work", args.work, "--corpus", args.corpus, "--tokenizer", args.tokenizer]
+               "--work", args.work, "--corpus", args.corpus, "--tokenizer", args.tokenizer, "--mb", str(args.mb)]
     if args.datatrove_pool:
         command.append("--datatrove-pool")
     try:
-        result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=timeout)
+        env = {**os.environ, PROFILE_ENV: str(profile)} if profile else None
+        result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"error": f"no result in {timeout:.0f}s (hung?)"}
     if result.returncode != 0:
@@ -330,6 +363,30 @@ def profile_ayumi(parts: list[Path], tokenizer: Path, out: Path) -> None:
         print(f"[profile]   {own:6.2f}s own ({100 * own / total:4.1f}%) {calls:>9,} calls  {Path(path).name}:{line} {name}")
 
 
+def profile_ayumi_workers(args, work: Path, megabytes: float) -> None:
+    """ayumi at 1 and 2 workers under AYUMI_PREPARE_PROFILE (fresh processes): where the wall time of each went, in the
+    parent (reading, waiting on the workers, routing and writing, the fixed costs) and in each worker (working, idle)."""
+    for count in (1, 2):
+        path = work / f"profile_ayumi_{count}.json"
+        run = measure_fresh("ayumi", args, work / "out_profile_workers", count, timeout=600, profile=path)
+        if "error" in run:
+            print(f"[profile] ayumi workers={count}: failed: {run['error']}")
+            continue
+        profile = json.loads(path.read_text())
+        wall, phases, stream = profile["wall"], profile["phases"], profile["stream"]
+        print(f"[profile] ayumi workers={count}: {wall:.2f}s, {megabytes / wall:.1f} MB/s, CPU {run['cpu']:.2f}s")
+        fixed = {name: phases.get(name, 0.0) for name in ("start", "closing_pool", "overlap_and_manifest")}
+        fixed["finishing_domains"] = stream["finishing_domains"]
+        print("[profile]   fixed costs: " + ", ".join(f"{name} {seconds:.3f}s" for name, seconds in fixed.items()))
+        print("[profile]   parent during the stream: " + ", ".join(
+            f"{name} {stream[name]:.2f}s" for name in ("reading", "waiting_on_workers", "routing_and_writing")))
+        for index, worker in enumerate(profile["workers"]):
+            print(f"[profile]   worker {index}: {worker['items']} items, working {worker['busy']:.2f}s "
+                  f"({100 * worker['busy'] / wall:.0f}% of the wall; CPU {worker['cpu']:.2f}s), idle between items "
+                  f"{worker['idle_between_items']:.2f}s, first item at {worker['first_item_at']:.3f}s, done at "
+                  f"{worker['done_at']:.2f}s")
+
+
 # ----------------------------------------------------------------------------------------------
 
 
@@ -337,6 +394,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "ayumi_bench_peers"), help="scratch folder")
     parser.add_argument("--corpus", default=str(REPO / ".cache" / "demo_corpus"), help="folder of *.jsonl")
+    parser.add_argument("--mb", type=float, default=0,
+                        help="cycle the corpus up to this many MB (distinct documents), e.g. 200 for the steady rate "
+                             "of the scaling; default: the corpus once")
     parser.add_argument("--tokenizer", default=str(REPO / ".cache" / "tokenizers" / "demo_8k"),
                         help="an `ayumi tokenizer build` folder (tokenizer.model and its tokenizer.json export)")
     parser.add_argument("--repeat", type=int, default=2, help="rounds; the best run of each tool counts")
@@ -350,7 +410,7 @@ def main() -> int:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     work, tokenizer = Path(args.work), Path(args.tokenizer)
-    parts = recut_corpus(Path(args.corpus), work / "corpus")
+    parts = recut_corpus(Path(args.corpus), work / (f"corpus_{args.mb:g}mb" if args.mb else "corpus"), args.mb)
     if args.run:
         print(json.dumps(run_one(args.run, parts, tokenizer, Path(args.out), args.workers, args.datatrove_pool)))
         return 0
@@ -386,6 +446,7 @@ def main() -> int:
     lines = result_lines(best, rounds, megabytes)
     if args.profile or any(" ok=false " in line for line in lines):  # a target missed: say where the time goes
         profile_ayumi(parts, tokenizer, work / "out_profile")
+        profile_ayumi_workers(args, work, megabytes)
     print(machine_line() + " (2-worker figures need 2 free cores)")
     for line in lines:
         print(line)
@@ -415,8 +476,8 @@ def result_lines(best: dict, rounds: dict, megabytes: float) -> list[str]:
     for peer in [tool for tool in ("datatrove", "megatron") if (tool, 2) in rounds]:
         lines.append(result_line(f"data_prepare_vs_{peer}_per_worker_2_workers", rate("ayumi", 2), rate(peer, 2), ">=1.2",
                                  unit="MB/s", spread=spread("ayumi", peer, 2)))
-    lines.append(result_line("data_prepare_scaling_1_to_2_workers", rate("ayumi", 2), rate("ayumi", 1), ">=0.9",
-                             unit="MB/s", spread=spread("ayumi", "ayumi", 2, 1)))
+    lines.append(scaling_line("data_prepare_scaling_1_to_2_workers", rounds, lambda run: megabytes / run["seconds"],
+                              "MB/s"))
     # The same comparisons per CPU-second (every process of the run, after imports): what a core does, whatever
     # else runs on the machine. Scaling: the CPU time 2 workers spend on the corpus against 1 worker's.
     def per_cpu(tool: str, count: int) -> float:
@@ -430,9 +491,24 @@ def result_lines(best: dict, rounds: dict, megabytes: float) -> list[str]:
                          if (t, 1) in rounds]:
         lines.append(result_line(f"data_prepare_vs_{peer}_per_cpu_s", per_cpu("ayumi", 1), per_cpu(peer, 1), target,
                                  unit="MB/cpu-s", spread=cpu_spread(("ayumi", 1), (peer, 1))))
-    lines.append(result_line("data_prepare_scaling_1_to_2_workers_cpu", per_cpu("ayumi", 2), per_cpu("ayumi", 1),
-                             ">=0.9", unit="MB/cpu-s", spread=cpu_spread(("ayumi", 2), ("ayumi", 1))))
+    lines.append(scaling_line("data_prepare_scaling_1_to_2_workers_cpu", rounds, lambda run: megabytes / run["cpu"],
+                              "MB/cpu-s", per_worker=False))
     return lines
+
+
+def scaling_line(name: str, rounds: dict, rate, unit: str, per_worker: bool = True) -> str:
+    """ayumi's scaling from 1 to 2 workers, median of the rounds: per round, the 2-worker rate over twice the 1-worker
+    rate of the same round (rounds interleave the runs, so a round's pair saw about the same load). `ours` and
+    `baseline` are the median rates per worker. Per CPU-second (per_worker=False) the rates are not halved: 2 workers
+    that do the corpus in as much CPU time as 1 scale perfectly."""
+    pairs = [(rate(one), rate(two) / (2 if per_worker else 1))
+             for one, two in zip(rounds.get(("ayumi", 1), []), rounds.get(("ayumi", 2), []))
+             if "error" not in one and "error" not in two]
+    if not pairs:
+        return result_line(name, float("nan"), float("nan"), ">=0.9", unit=unit)
+    ratios = [two / one for one, two in pairs]
+    return result_line(name, statistics.median(two for _, two in pairs), statistics.median(one for one, _ in pairs),
+                       ">=0.9", unit=unit, ratio=statistics.median(ratios), spread=ratios)
 
 
 if __name__ == "__main__":
