@@ -15,7 +15,8 @@ growth over the imports, and the file descriptors and memory maps the process ho
 
 Targets (issue 50, item 4): peak memory at 10,000 shards per domain within 2x of 10 shards; opening
 10,000 shards per domain (data.verify=auto) in under 1 s. The open time against 10 shards' is a study
-(each shard still costs two `stat`s, and its checksum with auto). Roots are cached under --work.
+(each shard still costs two `stat`s, and its checksum with auto). Roots are cached under --work, and built
+in child processes: on Linux a process's peak RSS (ru_maxrss) starts from its parent's at the fork.
 """
 from __future__ import annotations
 
@@ -109,6 +110,14 @@ def measure(root: Path, verify: str) -> dict:
             "shards": sum(len(samples.readers) for samples in train.values())}
 
 
+def build_fresh(root: Path, count: int | str, tokens: int):
+    """`build_root` (or, for MERGED, `build_merged`) in a fresh interpreter; what it printed last, as JSON."""
+    result = subprocess.run([sys.executable, __file__, "--build", str(root), str(count), "--tokens", str(tokens)],
+                            capture_output=True, text=True, cwd=REPO, check=True)
+    lines = result.stdout.strip().splitlines()
+    return json.loads(lines[-1]) if lines else None
+
+
 def measure_fresh(root: Path, verify: str) -> dict:
     """`measure` in a fresh interpreter; its last stdout line is the JSON."""
     result = subprocess.run([sys.executable, __file__, "--measure", str(root), "--verify", verify],
@@ -126,9 +135,18 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=4_000_000, help="tokens per domain, in every cut")
     parser.add_argument("--measure", help=argparse.SUPPRESS)
     parser.add_argument("--verify", default="auto", help=argparse.SUPPRESS)
+    parser.add_argument("--build", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
         print(json.dumps(measure(Path(args.measure), args.verify)))
+        return 0
+    if args.build:  # in a child: a process's peak RSS counts its parent's at the fork, so the parent stays small
+        root, count = Path(args.build[0]), args.build[1]
+        if count == MERGED:
+            seconds = build_merged(root, root.with_name(root.name.removesuffix("_merged")))
+            print(json.dumps(seconds))
+        else:
+            build_root(root, int(count), args.tokens)
         return 0
     print(machine_line())
     work = Path(args.work)
@@ -136,11 +154,11 @@ def main() -> int:
     for count in COUNTS:
         roots[count] = work / f"tokens{args.tokens}_shards{count}"
         start = time.perf_counter()
-        build_root(roots[count], count, args.tokens)
+        build_fresh(roots[count], count, args.tokens)
         print(f"[bench] root of {count:,} shards per domain ({len(DOMAINS)} domains, {args.tokens:,} tokens each): "
               f"ready in {time.perf_counter() - start:.1f}s")
     roots[MERGED] = work / f"tokens{args.tokens}_shards{max(COUNTS)}_merged"
-    merged_s = build_merged(roots[MERGED], roots[max(COUNTS)])
+    merged_s = build_fresh(roots[MERGED], MERGED, args.tokens)
     print(f"[bench] `ayumi data merge` of the {max(COUNTS):,}-shard root: "
           + (f"{merged_s:.1f}s" if merged_s is not None else "cached (remove it to time the merge again)"))
     rounds = {(root, verify): [] for root in roots for verify in VERIFY}
