@@ -1,6 +1,6 @@
 """Benchmark: opening a data root of 10, 1,000 and 10,000 shards per domain at training start, and the merged root.
 
-    .venv/bin/python bench/data_shard_count.py [--work /tmp/ayumi_bench_shards] [--repeat 3]
+    .venv/bin/python bench/data_shard_count.py [--work DIR] [--repeat 3]
 
 A root made by many tasks (`ayumi data prepare --tasks N`) or by Megatron's preprocess_data.py run per
 file can hold thousands of `.bin/.idx` files per domain. The same tokens are cut three ways (2 domains,
