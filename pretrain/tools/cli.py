@@ -22,7 +22,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "eval": ("pretrain.tools.eval", "main", "eval TARGET [key=value]: downstream tasks on a run, checkpoint or HF folder"),
     "checkpoint": ("pretrain.tools.verify", "main", "verify | convert RUN_DIR: checksums, only safe-to-load files; old ones rewritten"),
     "tokenizer": ("tokenizer.cli", "main", "build | eval | sweep | export | expand: the merged SentencePiece tokenizer"),
-    "data": ("data.cli", "main", "prepare | inspect | verify: corpus to Megatron .bin/.idx token shards"),
+    "data": ("data.cli", "main", "prepare | inspect | verify | merge: corpus to Megatron .bin/.idx token shards"),
     "plan": ("pretrain.tools.plan", "main", "stage table, repetition, steps, disk and per-GPU memory for an experiment"),
     "report": ("pretrain.tools.report.build", "main", "plots and a summary of a run dir"),
     "batch": ("pretrain.tools.batch", "main", "batch RUN_DIR --step N: every sample a step trained on, with its documents"),
