@@ -1,7 +1,7 @@
 """`data.exclude`: documents a run stops training on from a given step on, without re-tokenizing anything.
 
 The file lists one document a line, as `ayumi batch` and a spike event name them: its domain, its shard (the file
-name without `.bin`) and its index in that shard's `.idx`:
+name without `.bin`; a shard since merged by `ayumi data merge` too) and its index in that shard's `.idx`:
 
     # domain  shard       document
     en        part_00001  0
@@ -78,7 +78,9 @@ def read_exclude_file(path: str | Path) -> list[Document]:
 
 def document_span(samples: PackedSamples, shard: str, index: int) -> tuple[int, int] | None:
     """[first, last) token of document `index` of `shard` in the stream `samples` concatenates; None when the stream
-    does not read that shard or its filter leaves the document out."""
+    does not read that shard (nor a shard merged from it) or its filter leaves the document out."""
+    if samples.lineage is not None:  # named by a shard since merged: its place in the present shards
+        shard, index = samples.lineage.present(shard, index) or (shard, index)
     for position, reader in enumerate(samples.readers):
         if Path(reader.bin_path).stem != shard:
             continue
@@ -122,29 +124,37 @@ def samples_holding(samples: PackedSamples, first: int, last: int) -> range:
     return range(low, max(low, high))
 
 
-def check_documents(documents: Iterable[Document], shards: dict[str, dict[str, int]], where: str) -> None:
-    """Every document names a domain of the run, one of its shards and an index inside it (`shards`: domain ->
-    shard -> its document count); ExcludeError naming the first that does not."""
+def check_documents(documents: Iterable[Document], shards: dict[str, dict[str, int]], where: str,
+                    fix: str = "fix the line") -> None:
+    """Every document names a domain of the run, one of its shards (present, or merged into them) and an index
+    inside it (`shards`: domain -> shard -> its document count); ExcludeError naming the first that does not."""
     for domain, shard, index in documents:
         if domain not in shards:
             raise ExcludeError(f"{where}: domain {domain!r} is not one the run trains on ({', '.join(sorted(shards))}); "
-                               "fix the line")
+                               f"{fix}")
         if shard not in shards[domain]:
             raise ExcludeError(f"{where}: domain {domain!r} has no shard {shard!r} (it has "
-                               f"{', '.join(sorted(shards[domain]))}); fix the line")
+                               f"{some_names(shards[domain])}), now or before a merge; {fix}")
         if not 0 <= index < shards[domain][shard]:
             raise ExcludeError(f"{where}: shard {domain}/{shard} holds documents 0-{shards[domain][shard] - 1}, not "
-                               f"{index}; fix the line")
+                               f"{index}; {fix}")
+
+
+def some_names(names: Iterable[str], shown: int = 8) -> str:
+    """The first `shown` names, sorted, and how many there are in all when there are more (a root may hold
+    10,000 shards a domain)."""
+    names = sorted(names)
+    return ", ".join(names) if len(names) <= shown else f"{', '.join(names[:shown])}, ... ({len(names):,} in all)"
 
 
 def stream_shards(samples: PackedSamples | BlendedSamples) -> dict[str, int]:
-    """shard name -> documents, of the shards a stream reads."""
+    """shard name -> documents, of the shards a stream reads, and of those merged into them (data/lineage.py)."""
     if isinstance(samples, BlendedSamples):
         out: dict[str, int] = {}
         for part in samples.parts:
             out.update(stream_shards(part))
         return out
-    out = {}
+    out = samples.lineage.shards() if samples.lineage is not None else {}
     for reader in samples.readers:
         inner = reader.reader if isinstance(reader, LongDocuments) else reader
         out[Path(reader.bin_path).stem] = len(inner.doc_offsets) - 1

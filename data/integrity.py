@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from data.lineage import history_problem
 from data.manifest import DOMAIN_RECORD_NAME, ManifestError, check_seal, read_json, shard_prefix
 from data.shards import ShardFormatError, ShardReader, dtype_for_vocab, file_sha256
 
@@ -50,6 +51,9 @@ def check_domain_record(root: Path, name: str, record: dict) -> None:
     path = Path(root) / name / DOMAIN_RECORD_NAME
     on_disk = read_json(path)
     check_seal(on_disk, path)
+    problem = history_problem(on_disk)
+    if problem:
+        raise ManifestError(f"{path}: {problem}: the record was damaged. Fix: re-run {register_again(record)}")
     if on_disk != record:
         raise ManifestError(f"{path} differs from the record of {name!r} in {Path(root) / 'manifest.json'}: the domain "
                             f"was re-prepared or changed without the rest of the root. Fix: re-run {register_again(record)}")

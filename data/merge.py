@@ -9,15 +9,17 @@ documents, their order, their content keys and therefore every training batch st
 shard boundaries move. Each old shard's bytes are checked against its recorded sha256 as they are read.
 
 Nothing is published until every domain asked for is written in full under `ROOT/.partial/merge/`.
-Then the new shards are renamed into the domain folders under names no old shard has (`merged_NNNNN`,
-or `part_NNNNN` when merging merged shards), each `domain.json` is replaced, then `manifest.json`, and
+Then the new shards are renamed into the domain folders under names no old shard has (`merged_NNNNN`;
+below), each `domain.json` is replaced, then `manifest.json`, and
 the old shards are removed. A kill before that leaves the old root as it was (only `.partial/`, which
 nothing reads and the next run removes). A kill in the few renames of publication leaves records that
 disagree: training refuses with one line, and `ayumi data merge ROOT` again completes the merge.
 
-The merged root keeps what a run names by shard: a run's exclusion file (`data.exclude`) and its
-checkpoint's record of the shards it trained on name the old shards, so merge before training, not
-under a run.
+Each merge appends to the domain record's `merged` history the shard records it replaced (data/lineage.py), and
+names the new shards with a stem no shard of the split's history has used (`merged_`, then `merged2_`, ...): a
+name means one shard for good. A run on the root therefore resumes across a merge (its checkpoints identify the
+data by the shards it was first written in), and its `data.exclude` documents, named by old shards, follow their
+documents into the merged ones.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from data.integrity import check_domain_record
+from data.lineage import generations
 from data.manifest import (
     DOMAIN_RECORD_NAME, KEY_BYTES, KEYS_NAME, MANIFEST_NAME, ManifestError, build_manifest, load_manifest,
     read_sealed, seal, shards_intact, write_json_atomic,
@@ -44,8 +47,8 @@ log = logging.getLogger("ayumi.data")
 
 MERGE_DIR = "merge"
 """Under ROOT/.partial: the domains being merged, never read, removed on the next run."""
-STEMS = ("merged_", "part_")
-"""Merged shards take the first stem the old ones do not use: new names never meet old ones."""
+SHARD_FILE = re.compile(r"^(?:part|merged\d*)_\d{5,}\.(?:bin|idx)$")
+"""The shard files of ayumi's own splits: `part_` as prepared, `merged_`, `merged2_`, ... as merged."""
 PROGRESS_SECONDS = 30.0
 """How often a long merge logs how far it is (shards, MB copied, MB/s)."""
 CHUNK_TOKENS = 1 << 25
@@ -151,7 +154,7 @@ def merge_domain(root: Path, name: str, record: dict, splits: dict[str, dict], o
     vocab = record["tokenizer"]["vocab_size"]
     new_splits = dict(record["splits"])
     for split, info in splits.items():
-        stem = next(stem for stem in STEMS if not any(shard["name"].startswith(stem) for shard in info["shards"]))
+        stem = unused_stem(record, split)
         sequence = ShardSequence(out / split, cap, vocab)
         try:
             copy_split(root / name / split, name, info, sequence, vocab)
@@ -173,8 +176,17 @@ def merge_domain(root: Path, name: str, record: dict, splits: dict[str, dict], o
         log.info("%s/%s: %d shards merged into %d", name, split, len(info["shards"]), len(merged["shards"]))
     body = {key: value for key, value in record.items() if key != "record_sha256"}
     merges = body.get("merged", []) + [{"shard_max_mb": shard_max_mb, "shards_before": {
-        split: len(info["shards"]) for split, info in splits.items()}}]
+        split: len(info["shards"]) for split, info in splits.items()}, "shards": {
+        split: info["shards"] for split, info in splits.items()}}]
     return seal({**body, "splits": new_splits, "merged": merges})
+
+
+def unused_stem(record: dict, split: str) -> str:
+    """`merged_`, else `merged2_`, `merged3_`, ...: the first stem no shard of the split, present or replaced, has
+    (a merge recorded before the history kept shard lists names no shard: data/lineage.py ignores it)."""
+    used = {shard["name"].rsplit("_", 1)[0] + "_" for shards in generations(record, split) for shard in shards}
+    return next(stem for stem in (f"merged{number if number > 1 else ''}_" for number in range(1, len(used) + 2))
+                if stem not in used)
 
 
 def copy_split(folder: Path, name: str, info: dict, sequence: ShardSequence, vocab: int) -> None:
@@ -238,14 +250,13 @@ def publish(root: Path, manifest: dict, records: dict[str, dict], work: Path) ->
 def remove_unlisted(domain_dir: Path, record: dict) -> None:
     """Remove shard files of a domain's splits that its record does not list (left by an interrupted merge, or
     the old shards of a finished one); other files are left alone."""
-    pattern = re.compile(r"^(?:%s)\d{5,}\.(?:bin|idx)$" % "|".join(STEMS))
     for split, info in record["splits"].items():
         folder = domain_dir / split
         if not folder.is_dir() or any(shard.get("prefix") for shard in info["shards"]):
             continue
         listed = {shard["name"] + suffix for shard in info["shards"] for suffix in (".bin", ".idx")}
         for entry in os.scandir(folder):
-            if pattern.match(entry.name) and entry.name not in listed:
+            if SHARD_FILE.match(entry.name) and entry.name not in listed:
                 os.unlink(entry.path)
 
 

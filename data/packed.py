@@ -43,6 +43,8 @@ class PackedSamples:
         self.vocab_size = vocab_size
         self.fingerprint: str | None = None
         """What the data is (set by data/domains.py from the records' checksums): a resume compares it."""
+        self.lineage = None
+        """The shards merged into these (data/lineage.py, set by data/domains.py): data.exclude's old names."""
         self._starts = np.cumsum([0] + [reader.num_tokens for reader in self.readers])
         self.num_tokens = int(self._starts[-1])
         self.num_samples = max(0, (self.num_tokens - 1) // seq_len)

@@ -4,7 +4,9 @@ A session given `data.exclude=FILE` adds one entry: the file's documents not alr
 position it starts training at (data/exclude.py says what excluding does to the stream). Entries live in the
 checkpoint (the trainer's shared state) and in the run dir (`excluded_documents.json`, rank 0 writes it), like the
 skip ledger (pretrain/skips.py): a resume honours them whatever its command line says, a resume from an older
-checkpoint too, and `ayumi batch` reads the same file to name what each step trained on.
+checkpoint too, and `ayumi batch` reads the same file to name what each step trained on. Entries keep the shard
+names they were given; after `ayumi data merge` they name shards merged since, and data/lineage.py finds their
+documents in the merged ones. A document no shard of the root holds or held stops the run at the start.
 """
 from __future__ import annotations
 
@@ -65,7 +67,11 @@ def stream_names(source) -> list[str]:
 
 
 def apply_entries(source, entries: list[Entry]) -> None:
-    """Leave out the entries' documents from each one's position on (data/exclude.py says how)."""
+    """Leave out the entries' documents from each one's position on (data/exclude.py says how). A document the data
+    does not hold, under its shard's name now or before a merge, is refused: an exclusion is never dropped."""
+    check_documents(sorted(covered(entries)), source_shards(source), f"the run's excluded documents ({LEDGER})",
+                    "the data root is not the one the run excluded them from. Fix: restore that data root, or start "
+                    "a new run")
     source.exclusion = Exclusion(source_streams(source), entries, pooled=not isinstance(source, Mixer)) or None
 
 

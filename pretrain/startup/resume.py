@@ -321,10 +321,12 @@ def started_stages(meta: dict, old: AyumiConfig, step: int) -> int:
 
 def data_identity(root: str) -> dict[str, str]:
     """{domain: what its training split holds} of a data root: each train shard's name, size and checksum (from the
-    manifest: nothing is read but it); {} when the root has no readable manifest. Recorded in each checkpoint
-    (ayumi.json: data), so a resume notices data changed under the run at the same path."""
+    manifest: nothing is read but it), of the shards the split was first written in (a merge keeps them in the
+    record: data/lineage.py); {} when the root has no readable manifest. Recorded in each checkpoint (ayumi.json:
+    data), so a resume notices data changed under the run at the same path, and not a merge."""
     import hashlib
 
+    from data.lineage import original_shards
     from data.manifest import load_manifest
 
     try:
@@ -333,7 +335,7 @@ def data_identity(root: str) -> dict[str, str]:
         return {}
     identity = {}
     for name, record in domains.items():
-        shards = (record.get("splits") or {}).get("train", {}).get("shards", [])
+        shards = original_shards(record, "train") if "train" in (record.get("splits") or {}) else []
         held = [[s.get("name"), s.get("docs"), s.get("tokens"), s.get("sha256")] for s in shards]
         identity[name] = hashlib.sha256(json.dumps([record.get("fingerprint"), held]).encode()).hexdigest()[:16]
     return identity

@@ -119,11 +119,11 @@ def test_merge_keeps_every_document_in_order_and_megatron_core_reads_it(many_sha
     assert ayumi_data("verify", str(root)).returncode == 0
     again = ayumi_data("merge", str(root), "--shard-max-mb", MERGED_MB)
     assert again.returncode == 0 and again.stdout.strip().endswith("nothing to merge"), again.stdout
-    # Merged again, larger: the merged shards go back to `part_` names (never an old name), train only (val is
-    # one shard already), the stream still the same.
+    # Merged again, larger: a stem no shard of the history had (`merged2_`: a name means one shard for good), train
+    # only (val is one shard already), the stream still the same.
     assert merge_root(root, ["en"], 1.0) == {"en": {"train": (after["en", "train"], 1)}}
     names = [s["name"] for s in load_manifest(root)["domains"]["en"]["splits"]["train"]["shards"]]
-    assert names == ["part_00000"] and training_stream(root) == stream
+    assert names == ["merged2_00000"] and training_stream(root) == stream
     after = shard_counts(root)
     # `ayumi data prepare` with the same config finds the merged domains finished: nothing is redone.
     caplog.set_level("INFO", logger="ayumi.data")
