@@ -56,9 +56,9 @@ def test_a_stopped_rank_ends_the_job_with_a_report_and_a_restart_resumes_exactly
     # The restart resumes from the last checkpoint and trains what an uninterrupted run trains.
     last = int((run_dir / "checkpoints" / "latest").read_text().strip().split("_")[1])
     end = last + 4
-    resumed = run_training(tiny_overrides(corpus, runs, *WATCH, f"train.max_steps={end}"))
+    resumed = run_training(tiny_overrides(corpus, runs, *WATCH, f"train.max_steps={end}"), launcher="fork")
     assert resumed.returncode == 0, resumed.stdout[-3000:]
-    whole = run_training(tiny_overrides(corpus, tmp_path / "whole", *WATCH, f"train.max_steps={end}"))
+    whole = run_training(tiny_overrides(corpus, tmp_path / "whole", *WATCH, f"train.max_steps={end}"), launcher="fork")
     assert whole.returncode == 0, whole.stdout[-3000:]
     got, expected = train_losses(run_dir), train_losses(tmp_path / "whole" / "cpu_tiny")
     assert [got[s] for s in range(last + 1, end + 1)] == [expected[s] for s in range(last + 1, end + 1)]
@@ -70,7 +70,8 @@ def test_a_slow_rank_is_reported_as_a_straggler(corpus, tmp_path):
     (0.05 s was reported one interval late at load 5, with two test workers on 2 cores)."""
     runs, delay = tmp_path / "runs", 0.2
     done = run_training(tiny_overrides(corpus, runs, "train.max_steps=30", "hang.straggler_interval=5",
-                                       "hang.straggler_reports=2", f"hang.inject_delay_s={delay}", "hang.inject_rank=1"))
+                                       "hang.straggler_reports=2", f"hang.inject_delay_s={delay}",
+                                       "hang.inject_rank=1"), launcher="fork")
     assert done.returncode == 0, done.stdout[-3000:]
     records = [r for r in read_jsonl(runs / "cpu_tiny" / "metrics.jsonl") if "perf/rank_time_max" in r]
     assert [r["step"] for r in records] == [5, 10, 15, 20, 25, 30]

@@ -62,10 +62,11 @@ def saved_stop(run_dir: Path) -> int:
 
 def assert_resumes_exactly(corpus: Path, runs: Path, tmp_path: Path, saved: int) -> None:
     """Resume 3 steps past the save; they equal an uninterrupted run's steps (same schedule, same data)."""
-    resumed = run_training(tiny_overrides(corpus, runs, *LONG, f"train.max_steps={saved + 3}"))
+    # The resumed and the whole run are plain training (the launcher's part ended with the signal): forked ranks.
+    resumed = run_training(tiny_overrides(corpus, runs, *LONG, f"train.max_steps={saved + 3}"), launcher="fork")
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     whole_runs = tmp_path / "whole"
-    whole = run_training(tiny_overrides(corpus, whole_runs, *LONG, f"train.max_steps={saved + 3}"))
+    whole = run_training(tiny_overrides(corpus, whole_runs, *LONG, f"train.max_steps={saved + 3}"), launcher="fork")
     assert whole.returncode == 0, whole.stdout[-3000:]
     got, expected = train_losses(runs / "cpu_tiny"), train_losses(whole_runs / "cpu_tiny")
     assert sorted(got) == list(range(1, saved + 4))
@@ -147,7 +148,7 @@ def test_a_stale_lock_of_a_killed_job_is_taken_over(corpus, tmp_path):
     run_dir.mkdir(parents=True)
     (run_dir / ".ayumi.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "started": 1.0,
                                                      "command": "old job", "locked_at": "2026-01-01T00:00:00"}))
-    done = run_training(tiny_overrides(corpus, runs, "train.max_steps=2"))
+    done = run_training(tiny_overrides(corpus, runs, "train.max_steps=2"), launcher="fork")  # the ranks take the lock
     assert done.returncode == 0, done.stdout[-3000:]
     assert f"took over a stale lock of pid {dead.pid}" in done.stdout
     assert not (run_dir / ".ayumi.lock").exists()
