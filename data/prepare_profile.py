@@ -1,10 +1,11 @@
 """Where `ayumi data prepare`'s wall time goes, when asked: AYUMI_PREPARE_PROFILE=FILE.
 
 Off by default (a null profile whose methods return at once). When the variable names a file, the run
-writes there, as JSON, the parent's phases (start, the stream of chunks, finishing domains, the
-overlap check and manifest), how the parent spent the stream (reading, waiting on workers, routing
-and writing), and per worker the seconds it worked, its CPU seconds and its idle time. Idle is the
-time between its items: sending a result, waiting for the next item. Workers note when each item
+writes there, as JSON, the parent's phases (start, the stream of chunks, finishing domains, closing
+the pool, the overlap check and manifest), how the parent spent the stream (reading: cutting plain
+jsonl into ranges, reading compressed files and other formats; waiting on workers; routing and
+writing), and per worker the seconds it worked, its CPU seconds and its idle time. Idle is the time
+between its items: sending a result, waiting for the next item. Workers note when each item
 ran (the monotonic clock, shared by every process of the machine); the parent adds it up.
 `bench/data_prepare_peers.py --profile` prints it for 1 and 2 workers.
 """
