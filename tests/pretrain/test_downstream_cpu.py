@@ -316,7 +316,7 @@ def test_a_broken_task_file_stops_a_strict_run_before_training_and_is_left_out_o
     assert "Traceback" not in strict.stdout and not (job["root"] / "runs" / "strict" / "metrics.jsonl").exists()
 
     lenient = run_training(overrides(job, "lenient", tasks, "eval.downstream.strict=false", "train.max_steps=2"),
-                           nproc=1, launcher="python")
+                           nproc=1, launcher="fork")
     assert lenient.returncode == 0, lenient.stdout[-3000:]
     assert f"task left out (strict=false): {broken}:1: choices" in lenient.stdout
     final = scores(job["root"] / "runs" / "lenient")

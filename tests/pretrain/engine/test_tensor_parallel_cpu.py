@@ -183,7 +183,7 @@ def test_zero0_and_zero2_train_with_tensor_parallelism(runs):
     # 0.046 in the loss by step 8), so its reference is the same job on 1 rank. DeepSpeed's own norm, the one it
     # clips with, must count rank 1's shards too (without the marks ayumi gives their gradients: 10% low).
     proc = run_training(tiny_overrides(runs["corpus"], runs["root"] / "zero0_bf16_tp1", *common[:-1],
-                                       *layouts["zero0_bf16_tp2"]), nproc=1, launcher="python")
+                                       *layouts["zero0_bf16_tp2"]), nproc=1, launcher="fork")
     assert proc.returncode == 0, proc.stdout[-6000:]
     same_path = records(runs["root"] / "zero0_bf16_tp1" / "cpu_tiny")
     assert max(abs(a["train/loss"] - b["train/loss"]) for a, b in zip(same_path, zero0_bf16)) < 1e-3
