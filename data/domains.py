@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from data.integrity import check_domain_record, open_listed_shards, wants_checksum
-from data.lineage import Lineage, original_shards
+from data.lineage import Lineage, original_fields
 from data.manifest import ManifestError, load_manifest
 from data.packed import BlendedSamples, EodAppended, LongDocuments, PackedSamples
 from data.shards import ShardFormatError
@@ -46,7 +46,7 @@ def open_domain(root: Path, name: str, record: dict, split: str, seq_len: int, v
                                  weights, name)
     else:
         samples = PackedSamples(readers, seq_len, name, vocab_size)
-    samples.fingerprint = _fingerprint(original_shards(record, split))  # a merge moves boundaries, not data
+    samples.fingerprint = _fingerprint(record, split)  # a merge moves boundaries, not data
     if isinstance(samples, PackedSamples):
         samples.lineage = Lineage(record, split) or None
     return samples
@@ -67,10 +67,10 @@ def open_streams(root: str | Path, shapes: dict[str, tuple[str, int, int]], voca
     return out
 
 
-def _fingerprint(shards: list[dict]) -> str:
+def _fingerprint(record: dict, split: str) -> str:
     """What identifies the data: each shard's name, size and checksum (or size alone when none is recorded), of the
     shards a split was first written in (data/lineage.py: `ayumi data merge` keeps them in the record)."""
-    keys = [[shard["name"], shard.get("prefix"), shard["bytes"], shard.get("sha256")] for shard in shards]
+    keys = original_fields(record, split, ("name", "prefix", "bytes", "sha256"))
     return hashlib.sha256(json.dumps(keys).encode("utf-8")).hexdigest()[:16]
 
 

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from data.integrity import check_domain_record
-from data.lineage import generations
+from data.lineage import history_columns, shard_names
 from data.manifest import (
     DOMAIN_RECORD_NAME, KEY_BYTES, KEYS_NAME, MANIFEST_NAME, ManifestError, build_manifest, load_manifest,
     read_sealed, seal, shards_intact, write_json_atomic,
@@ -177,14 +177,14 @@ def merge_domain(root: Path, name: str, record: dict, splits: dict[str, dict], o
     body = {key: value for key, value in record.items() if key != "record_sha256"}
     merges = body.get("merged", []) + [{"shard_max_mb": shard_max_mb, "shards_before": {
         split: len(info["shards"]) for split, info in splits.items()}, "shards": {
-        split: info["shards"] for split, info in splits.items()}}]
+        split: history_columns(info["shards"]) for split, info in splits.items()}}]
     return seal({**body, "splits": new_splits, "merged": merges})
 
 
 def unused_stem(record: dict, split: str) -> str:
     """`merged_`, else `merged2_`, `merged3_`, ...: the first stem no shard of the split, present or replaced, has
     (a merge recorded before the history kept shard lists names no shard: data/lineage.py ignores it)."""
-    used = {shard["name"].rsplit("_", 1)[0] + "_" for shards in generations(record, split) for shard in shards}
+    used = {name.rsplit("_", 1)[0] + "_" for name in shard_names(record, split)}
     return next(stem for stem in (f"merged{number if number > 1 else ''}_" for number in range(1, len(used) + 2))
                 if stem not in used)
 

@@ -326,7 +326,7 @@ def data_identity(root: str) -> dict[str, str]:
     data), so a resume notices data changed under the run at the same path, and not a merge."""
     import hashlib
 
-    from data.lineage import original_shards
+    from data.lineage import original_fields
     from data.manifest import load_manifest
 
     try:
@@ -335,8 +335,8 @@ def data_identity(root: str) -> dict[str, str]:
         return {}
     identity = {}
     for name, record in domains.items():
-        shards = original_shards(record, "train") if "train" in (record.get("splits") or {}) else []
-        held = [[s.get("name"), s.get("docs"), s.get("tokens"), s.get("sha256")] for s in shards]
+        held = original_fields(record, "train", ("name", "docs", "tokens", "sha256")) \
+            if "train" in (record.get("splits") or {}) else []
         identity[name] = hashlib.sha256(json.dumps([record.get("fingerprint"), held]).encode()).hexdigest()[:16]
     return identity
 

@@ -123,7 +123,7 @@ def test_a_merge_history_that_disagrees_with_its_split_is_refused(many, tmp_path
     merge(root)
     manifest = load_manifest(root)
     record = {key: value for key, value in manifest["domains"]["ja"].items() if key != "record_sha256"}
-    record["merged"][0]["shards"]["train"][2]["docs"] += 1  # sealed again: only the counts can tell
+    record["merged"][0]["shards"]["train"]["docs"][2] += 1  # sealed again: only the counts can tell
     record = seal(record)
     write_json_atomic(root / "ja" / DOMAIN_RECORD_NAME, record)
     write_json_atomic(root / MANIFEST_NAME, build_manifest(manifest["name"], manifest["tokenizer"],
