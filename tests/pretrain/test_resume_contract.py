@@ -1,6 +1,9 @@
 """A resume is a contract (issue 48), through `ayumi train` on the tiny corpus: an extension of the run is refused
 unless acknowledged and never jumps the LR; a resume that leaves out the run's curriculum keeps it; a refused
-resume, or one with nothing to do, is answered before any rank starts and leaves every file as it was."""
+resume, or one with nothing to do, is answered before any rank starts and leaves every file as it was.
+
+The run each test resumes is trained first on ranks forked from the rank server (tests/rank_server.py), as
+`ayumi train` would start them on this machine (2 ranks, the same overrides): only its resumes are under test."""
 from __future__ import annotations
 
 import hashlib
@@ -14,7 +17,7 @@ import yaml
 from pretrain.config import OptimConfig
 from pretrain.plan.lr_schedule import lr_at
 from pretrain.startup.record import HISTORY, config_for_step
-from tests.helpers import REPO, cpu_env, read_jsonl, tiny_overrides
+from tests.helpers import REPO, cpu_env, read_jsonl, run_training, tiny_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -30,6 +33,12 @@ def ayumi(*args: str) -> subprocess.CompletedProcess:
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc
+
+
+def first_run(*overrides: str) -> None:
+    """The run a test resumes, trained to its first end on 2 forked ranks."""
+    proc = run_training(list(overrides), launcher="fork")
+    assert proc.returncode == 0, proc.stdout[-4000:]
 
 
 def said(proc: subprocess.CompletedProcess) -> list[str]:
@@ -55,7 +64,7 @@ def test_an_extension_needs_an_acknowledgement_and_never_jumps_the_lr(corpus, tm
     run_dir = tmp_path / "runs" / "cpu_tiny"
     base = tiny_overrides(corpus, tmp_path / "runs", "checkpoint.interval=0", f"optim.schedule={schedule}",
                           "optim.wsd_decay_fraction=0.25")
-    ok(ayumi("train", *base, "train.tokens=16384", "train.max_steps=20"))
+    first_run(*base, "train.tokens=16384", "train.max_steps=20")
     first_version = (run_dir / HISTORY).read_bytes()
     before = files_of(run_dir, corpus)
 
@@ -102,7 +111,7 @@ def test_a_resume_that_leaves_out_the_curriculum_keeps_the_run_s_own(corpus, tmp
     default (no stages) without a word and config.yaml said `stages: []`."""
     run_dir = tmp_path / "runs" / "cpu_tiny"
     base = tiny_overrides(corpus, tmp_path / "runs", "checkpoint.interval=0")
-    ok(ayumi("train", *base, "curriculum=tiny", "train.max_steps=40"))
+    first_run(*base, "curriculum=tiny", "train.max_steps=40")
 
     shown = ok(ayumi("train", *base, "--cfg", "job"))
     assert "name: en_heavy" in shown.stdout  # --cfg job prints what the resume would train with
@@ -123,7 +132,7 @@ def test_a_refused_resume_changes_nothing_and_is_answered_before_launch(corpus, 
     rewritten with the refused config (the begun stage's new weights: checked on the code before this change)."""
     run_dir = tmp_path / "runs" / "cpu_tiny"
     base = tiny_overrides(corpus, tmp_path / "runs", "curriculum=tiny", "checkpoint.interval=0")
-    ok(ayumi("train", *base, "train.max_steps=40"))
+    first_run(*base, "train.max_steps=40")
     before = files_of(run_dir, corpus)
     edits = {  # the override: (the key the refusal names, its values and why)
         "curriculum.stages.0.weights.ja=0.5": ("curriculum.stages.0 ('ja_heavy')", "was {\"weights\": {\"ja\": 0.8, "
