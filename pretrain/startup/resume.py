@@ -331,14 +331,12 @@ def data_identity(root: str) -> dict[str, str]:
 
     try:
         domains = load_manifest(root)["domains"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return {}
-    identity = {}
-    for name, record in domains.items():
-        held = original_fields(record, "train", ("name", "docs", "tokens", "sha256")) \
-            if "train" in (record.get("splits") or {}) else []
-        identity[name] = hashlib.sha256(json.dumps([record.get("fingerprint"), held]).encode()).hexdigest()[:16]
-    return identity
+        held = {name: original_fields(record, "train", ("name", "docs", "tokens", "sha256"))
+                if "train" in (record.get("splits") or {}) else [] for name, record in domains.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}  # an unreadable manifest, or a damaged record: the data checks at the start say why
+    return {name: hashlib.sha256(json.dumps([record.get("fingerprint"), held[name]]).encode()).hexdigest()[:16]
+            for name, record in domains.items()}
 
 
 def data_changes(recorded: dict | None, old: AyumiConfig, begun: int, root: str) -> list[Change]:
