@@ -21,7 +21,7 @@ from pretrain.startup.resume import data_identity
 from tests.helpers import EN_TEXT, EOS, JA_TEXT, VOCAB, byte_tokens, run_training, tiny_overrides, train_losses
 
 SHARDS, DOCS = 8, 5
-"""Each domain's training split: 8 shards of 5 documents (about 1.5 KB of tokens each)."""
+"""Each domain's training split: 8 shards of 5 documents (1,300-1,900 tokens a shard)."""
 MERGED_MB = 0.005
 """Merged: 3 shards a domain, so an old shard's documents may straddle two new ones."""
 EXCLUDED = (("en", "part_00003", 2), ("en", "part_00004", 4), ("ja", "part_00006", 0))
@@ -43,11 +43,11 @@ def write_many_shards(root: Path, changed: bool = False) -> Path:
     return root
 
 
-def merge(root: Path, shard_max_mb: float = MERGED_MB) -> None:
-    """`ayumi data merge ROOT --shard-max-mb N`, in process (tests/data/test_merge.py runs the command)."""
-    merge_root(root, None, shard_max_mb)
+def merge(root: Path) -> None:
+    """`ayumi data merge ROOT --shard-max-mb 0.005`, in process (tests/data/test_merge.py runs the command)."""
+    merge_root(root, None, MERGED_MB)
     shards = load_manifest(root)["domains"]["en"]["splits"]["train"]["shards"]
-    assert shard_max_mb != MERGED_MB or 1 < len(shards) < SHARDS, shards
+    assert 1 < len(shards) < SHARDS, shards
 
 
 @pytest.fixture(scope="module")
