@@ -29,6 +29,23 @@ if _worker:
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, _workers)))
 
+# Tests that compile in their own process (torch.compile on a function, not through the product's model.compile,
+# which keys the cache itself) get an inductor cache folder keyed by the CPU instruction-set setting too: torch's
+# key leaves it out, so a native run's kernels were served to a run as an AVX2-only CPU in the same temp folder,
+# and one segfaulted (pretrain/model/inductor_cache.py says why). On one machine the setting is these variables.
+# Each worker's folder is its own (set here in the worker: xdist's controller imports this file too, and its
+# environment is the workers').
+_TESTS_CACHE = "torchinductor-tests-"
+if os.path.basename(os.environ.get("TORCHINDUCTOR_CACHE_DIR", _TESTS_CACHE)).startswith(_TESTS_CACHE):
+    import hashlib
+    import tempfile
+
+    from pretrain.model.inductor_cache import ISA_VARIABLES
+
+    _setting = "|".join(f"{name}={os.environ.get(name, '')}" for name in ISA_VARIABLES) + f"|torch={torch.__version__}"
+    _key = hashlib.sha256(_setting.encode()).hexdigest()[:10]
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"{_TESTS_CACHE}{_key}")
+
 # The files that take minutes go first, so that with several workers none of them starts last and leaves the
 # others idle (xdist hands out whole files in collection order). Measured in a sequential run, slowest first.
 HEAVY_FILES = (
