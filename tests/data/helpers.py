@@ -101,3 +101,17 @@ def die_after_writes(documents: int) -> None:
         return original(self, writer, keys, lengths, tokens)
 
     prepare_module.ShardSequence._write = write_then_die
+
+
+def losses_on_roots(roots: dict[str, Path], runs: Path, steps: int) -> dict[str, list[float]]:
+    """name -> the train losses of `steps` cpu_tiny steps on 2 forked ranks over each data root: two roots that
+    must give the same training stream (one task and five, before and after a merge) give the same losses."""
+    from tests.helpers import run_training, tiny_overrides, train_losses
+
+    losses = {}
+    for name, root in roots.items():
+        proc = run_training(tiny_overrides(root, runs / f"run_{name}", f"train.max_steps={steps}",
+                                           "checkpoint.interval=0", "train.eval_interval=0"), nproc=2, launcher="fork")
+        assert proc.returncode == 0, proc.stdout[-4000:]
+        losses[name] = train_losses(runs / f"run_{name}" / "cpu_tiny")
+    return losses

@@ -15,8 +15,8 @@ import pytest
 from data.manifest import load_manifest
 from data.merge import merge_root
 from data.prepare import prepare
-from tests.data.helpers import JA_PARAGRAPHS, domain, make_config, write_jsonl
-from tests.helpers import REPO, run_training, tiny_overrides, train_losses
+from tests.data.helpers import JA_PARAGRAPHS, domain, losses_on_roots, make_config, write_jsonl
+from tests.helpers import REPO
 
 SMALL_MB = 0.002  # about 2 KB of tokens per shard: a root of many shards from a few hundred documents
 MERGED_MB = "0.05"  # en's training split (about 130 KB) merges into a few shards, the rest into one each
@@ -97,12 +97,8 @@ def test_merge_keeps_every_document_in_order_and_megatron_core_reads_it(many_sha
     assert training_stream(root) == stream
     assert {path: path.read_bytes() for path in sorted(root.glob("*/*/keys.bin"))} == keys
     assert not (root / ".partial").exists()
-    losses = {}  # the same training steps on the root before (the fixture's) and after the merge
-    for name, data in (("before", source), ("after", root)):
-        proc = run_training(tiny_overrides(data, tmp_path / f"run_{name}", "train.max_steps=3", "checkpoint.interval=0",
-                                           "train.eval_interval=0"), nproc=2, launcher="fork")
-        assert proc.returncode == 0, proc.stdout[-4000:]
-        losses[name] = train_losses(tmp_path / f"run_{name}" / "cpu_tiny")
+    # The same training steps on the root before (the fixture's) and after the merge.
+    losses = losses_on_roots({"before": source, "after": root}, tmp_path, steps=3)
     assert len(losses["before"]) == 3 and losses["after"] == losses["before"]
     on_disk = sorted(p.name for p in (root / "en" / "train").iterdir())
     listed = load_manifest(root)["domains"]["en"]["splits"]["train"]["shards"]

@@ -23,9 +23,9 @@ from data.prepare import PrepareError, prepare
 from data.task_plan import DONE_NAME, TASKS_DIR, balanced_starts, task_dir
 from data.tasks import TaskArgs, resolve_task, run_task, split_task_flags
 from data.config import ConfigError
-from tests.data.helpers import JA_PARAGRAPHS, write_jsonl
+from tests.data.helpers import JA_PARAGRAPHS, losses_on_roots, write_jsonl
 from tests.data.test_prepare import read_split, tree_bytes
-from tests.helpers import REPO, run_training, tiny_overrides, train_losses
+from tests.helpers import REPO
 
 TASKS = 5
 
@@ -105,12 +105,7 @@ def test_five_parallel_tasks_train_exactly_like_one_machine(tmp_path, tokenizer_
     assert sum(row["cross_task_duplicates"] for row in json.loads(
         (five / TASKS_DIR / "summary.json").read_text())["domains"]["en"]["tasks"]) >= 5
     # The same training steps on both roots.
-    losses = {}
-    for name, root in (("one", one), ("five", five)):
-        proc = run_training(tiny_overrides(root, tmp_path / f"run_{name}", "train.max_steps=4", "checkpoint.interval=0",
-                                           "train.eval_interval=0"), nproc=2, launcher="fork")
-        assert proc.returncode == 0, proc.stdout[-4000:]
-        losses[name] = train_losses(tmp_path / f"run_{name}" / "cpu_tiny")
+    losses = losses_on_roots({"one": one, "five": five}, tmp_path, steps=4)
     assert len(losses["one"]) == 4 and losses["five"] == losses["one"]
 
 
