@@ -1,6 +1,6 @@
 """Benchmark: `ayumi data prepare` against the field's tools, per worker, on the same corpus and tokenizer.
 
-    .venv/bin/python bench/data_prepare_peers.py [--work /tmp/ayumi_bench_peers] [--repeat 2] [--profile]
+    .venv/bin/python bench/data_prepare_peers.py [--work DIR] [--repeat 2] [--profile]
     .venv/bin/python bench/data_prepare_peers.py --mb 200 --tools ayumi --repeat 5   # the 1 -> 2 worker scaling
 
 Corpus: the demo corpus (.cache/demo_corpus, `ayumi demo` makes it; ~33 MB of jsonl: Japanese man
