@@ -17,7 +17,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Iterator, NamedTuple
 
 # Reasons a record or a file is skipped; `ReadStats.skipped` is keyed by these.
 SKIP_REASONS = (
@@ -316,7 +316,7 @@ def _decoded_lines(path: Path, recorder: Recorder) -> Iterator[tuple[int, str | 
 def _iter_jsonl(path: Path, recorder: Recorder, text_field: str) -> Iterator[Document]:
     # The same blocks and parser as data preparation's workers: one way to read jsonl.
     for first_line, block in read_jsonl_blocks(path, JSONL_BLOCK_BYTES):
-        texts, numbers, skips = parse_jsonl_block(block, first_line, text_field)
+        texts, numbers, skips, _ = parse_jsonl_block(block, first_line, text_field)
         for number, skip in skips:
             recorder.record(skip.reason, f"{path}:{number}", skip.problem, skip.fix)
         for text, number in zip(texts, numbers):
@@ -380,8 +380,20 @@ def read_jsonl_blocks(path: Path, block_bytes: int, span: tuple[int, int] | None
             position += len(block)
 
 
-def parse_jsonl_block(block: bytes, first_line: int, text_field: str) -> tuple[list[str], list[int], list[tuple[int, Skip]]]:
-    """The records of a `read_jsonl_blocks` block: (texts, their line numbers, (line number, Skip) per bad record)."""
+class ParsedBlock(NamedTuple):
+    """The records of one jsonl block (`parse_jsonl_block`)."""
+
+    texts: list[str]
+    numbers: list[int]
+    """The line number of each text."""
+    skips: list[tuple[int, Skip]]
+    """(line number, why) per record that is not a document."""
+    lines: int
+    """How many lines the block holds, counted while it was split (the next block's first line follows them)."""
+
+
+def parse_jsonl_block(block: bytes, first_line: int, text_field: str) -> ParsedBlock:
+    """The records of a `read_jsonl_blocks` block, its lines numbered from `first_line`."""
     lines = block.split(b"\n")
     if block.endswith(b"\n") or not block:
         lines.pop()  # after the last line ending: not a line
@@ -395,7 +407,7 @@ def parse_jsonl_block(block: bytes, first_line: int, text_field: str) -> tuple[l
             numbers.append(number)
         elif parsed is not None:
             skips.append((number, parsed))
-    return texts, numbers, skips
+    return ParsedBlock(texts, numbers, skips, len(lines))
 
 
 def _iter_text(path: Path, recorder: Recorder, text_unit: str) -> Iterator[Document]:

@@ -212,12 +212,12 @@ def encode_jsonl_blocks(clean: dict, blocks: list[bytes | tuple[str, int, int]],
     for index, block in enumerate(blocks):
         if isinstance(block, tuple):
             block = read_range(*block)
-        block_texts, block_lines, block_skips = parse_jsonl_block(block, 1, text_field)
-        texts += block_texts
-        lines += block_lines
-        docs_per_block.append(len(block_texts))
-        lines_per_block.append(block.count(b"\n") + (bool(block) and not block.endswith(b"\n")))
-        skips += [(index, line, skip) for line, skip in block_skips]
+        parsed = parse_jsonl_block(block, 1, text_field)
+        texts += parsed.texts
+        lines += parsed.numbers
+        docs_per_block.append(len(parsed.texts))
+        lines_per_block.append(parsed.lines)
+        skips += [(index, line, skip) for line, skip in parsed.skips]
     return encode_chunk(clean, texts)._replace(lines=lines, docs_per_block=docs_per_block,
                                                lines_per_block=lines_per_block, skips=skips)
 

@@ -42,7 +42,8 @@ def test_jsonl_blocks_parse_like_the_line_reader(tmp_path, block_bytes, final_ne
     texts, lines, skips = [], [], []
     for first_line, block in read_jsonl_blocks(path, block_bytes):
         assert block.endswith(b"\n") or block == path.read_bytes()[-len(block):], "blocks hold whole lines"
-        block_texts, block_lines, block_skips = parse_jsonl_block(block, first_line, "text")
+        block_texts, block_lines, block_skips, block_line_count = parse_jsonl_block(block, first_line, "text")
+        assert block_line_count == block.count(b"\n") + (not block.endswith(b"\n"))
         texts += block_texts
         lines += block_lines
         skips += block_skips
@@ -50,7 +51,7 @@ def test_jsonl_blocks_parse_like_the_line_reader(tmp_path, block_bytes, final_ne
     assert sorted(skip.reason for _, skip in skips) == sorted(
         reason for reason, count in stats.skipped.items() for _ in range(count))
     assert [line for line, _ in skips] == [2, 3, 4, 5]
-    assert parse_jsonl_block(b"", 1, "text") == ([], [], [])
+    assert parse_jsonl_block(b"", 1, "text") == ([], [], [], 0)
 
 
 def test_strict_raises_naming_file_and_line(tmp_path):
