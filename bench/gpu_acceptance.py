@@ -1009,8 +1009,11 @@ def device_of(args) -> str:
 # -- d. correctness ----------------------------------------------------------------------------------
 def correctness_variants(cpu_smoke: bool) -> dict[str, list[str]]:
     """Run name -> its overrides beside the base. `base` is bf16 ZeRO-1 eager, one micro batch of 8, with the
-    default fused LM-head loss in several chunks (correctness_base); `plain_loss` computes the whole logits."""
-    return {
+    default fused LM-head loss in several chunks (correctness_base); `plain_loss` computes the whole logits.
+
+    The CPU smoke run's base is fp32 already, so its `fp32` run would be base_again's run a third time (the same
+    overrides, seeded): it is not trained there, and its comparison reads base_again's losses (SMOKE_SAME_RUN)."""
+    variants = {
         "base": [], "base_again": [],
         "zero0": ["deepspeed=zero0"], "zero2": ["deepspeed=zero2"], "zero3": ["deepspeed=zero3"],
         "fp32": ["deepspeed.precision=fp32"],
@@ -1018,6 +1021,11 @@ def correctness_variants(cpu_smoke: bool) -> dict[str, list[str]]:
         "plain_loss": ["model.loss_chunk_tokens=0"],
         "accum4": ["train.micro_batch_size=2", "train.grad_accum=4"],
     }
+    return {name: extra for name, extra in variants.items() if not (cpu_smoke and name in SMOKE_SAME_RUN)}
+
+
+SMOKE_SAME_RUN = {"fp32": "base_again"}
+"""In the CPU smoke run (fp32 throughout), a correctness run -> the run it is identical to, whose losses stand for it."""
 
 
 def worker_correctness(args, work: Path) -> dict:
@@ -1049,6 +1057,9 @@ def worker_correctness(args, work: Path) -> dict:
                 failed[name] = last_error(work / f"{name}.log")
             else:
                 got[name] = losses(work / "runs" / name)
+            if args.cpu_smoke:
+                got.update({name: got[same] for name, same in SMOKE_SAME_RUN.items() if same in got})
+                failed.update({name: failed[same] for name, same in SMOKE_SAME_RUN.items() if same in failed})
             if "base" in got:
                 write_partial(args, correctness_report(got, steps, failed))
     return correctness_report(got, steps, failed)

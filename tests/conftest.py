@@ -8,6 +8,10 @@ os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# Inductor compiles its kernels in a pool of one process per core, each importing torch (~9 CPU-s a compiling
+# process, measured with a cold cache). Here the cores are already the workers' and their ranks': compiling in the
+# process itself does the same work without the pool. Read when torch._inductor.config is first imported.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
