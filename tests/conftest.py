@@ -51,22 +51,33 @@ if os.path.basename(os.environ.get("TORCHINDUCTOR_CACHE_DIR", _TESTS_CACHE)).sta
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"{_TESTS_CACHE}{_key}")
 
 # The files that take minutes go first, so that with several workers none of them starts last and leaves the
-# others idle (xdist hands out whole files in collection order). Measured in a sequential run, slowest first.
+# others idle (xdist hands out whole files in collection order: ./ayumi passes --no-loadscope-reorder, since xdist
+# would otherwise order the files by how many tests they hold). Slowest first: each file's test time in the suite
+# run as an AVX2-only CPU of 2026-11-29 (the offload test's file is placed by its first run, when DeepSpeed's CPU
+# Adam is built: 190 s, against 69 s later).
 HEAVY_FILES = (
     "tests/bench/test_gpu_acceptance_smoke.py",
-    "tests/demo/test_demo_spike.py",
     "tests/pretrain/engine/test_grad_accum_cpu.py",
+    "tests/demo/test_demo_spike.py",
     "tests/pretrain/test_train_cpu.py",
-    "tests/pretrain/checkpoint/test_checkpoint_async_cpu.py",
     "tests/pretrain/stability/test_stability_cpu.py",
     "tests/pretrain/plan/test_memory.py",
-    "tests/pretrain/job/test_signals.py",
-    "tests/pretrain/engine/test_tensor_parallel_cpu.py",
     "tests/pretrain/model/test_inductor_cache.py",
+    "tests/pretrain/job/test_signals.py",
+    "tests/pretrain/checkpoint/test_checkpoint_async_cpu.py",
     "tests/pretrain/model/test_compile.py",
-    "tests/pretrain/checkpoint/test_checkpoint_trust_cpu.py",
+    "tests/pretrain/test_resume_contract.py",
+    "tests/pretrain/engine/test_tensor_parallel_cpu.py",
+    "tests/pretrain/engine/test_precision.py",
+    "tests/pretrain/checkpoint/test_checkpoint_paths_cpu.py",
     "tests/pretrain/checkpoint/test_checkpoint_payloads_cpu.py",
+    "tests/pretrain/test_data_integrity.py",
+    "tests/pretrain/model/test_init_from_hf.py",
     "tests/pretrain/test_downstream_cpu.py",
+    "tests/pretrain/checkpoint/test_run_folder_data_cpu.py",
+    "tests/pretrain/test_curriculum_cpu.py",
+    "tests/pretrain/job/test_hang_watchdog.py",
+    "tests/pretrain/checkpoint/test_checkpoint_trust_cpu.py",
     "tests/test_readme_own_corpus.py",
 )
 
