@@ -1053,13 +1053,12 @@ def worker_correctness(args, work: Path) -> dict:
             if proc.poll() is None:
                 continue
             del pending[name]
+            # The run's result, and in the CPU smoke run that of each run it stands for (SMOKE_SAME_RUN).
+            names = [name, *(alias for alias, same in SMOKE_SAME_RUN.items() if args.cpu_smoke and same == name)]
             if proc.returncode != 0:  # a failed run fails its own comparisons, not the others
-                failed[name] = last_error(work / f"{name}.log")
+                failed.update(dict.fromkeys(names, last_error(work / f"{name}.log")))
             else:
-                got[name] = losses(work / "runs" / name)
-            if args.cpu_smoke:
-                got.update({name: got[same] for name, same in SMOKE_SAME_RUN.items() if same in got})
-                failed.update({name: failed[same] for name, same in SMOKE_SAME_RUN.items() if same in failed})
+                got.update(dict.fromkeys(names, losses(work / "runs" / name)))
             if "base" in got:
                 write_partial(args, correctness_report(got, steps, failed))
     return correctness_report(got, steps, failed)

@@ -36,7 +36,8 @@ if _worker:
 # Tests that compile in their own process (torch.compile on a function, not through the product's model.compile,
 # which keys the cache itself) get an inductor cache folder keyed by the CPU instruction-set setting too: torch's
 # key leaves it out, so a native run's kernels were served to a run as an AVX2-only CPU in the same temp folder,
-# and one segfaulted (pretrain/model/inductor_cache.py says why). On one machine the setting is these variables.
+# and one segfaulted (pretrain/model/inductor_cache.py says why). On one machine the setting is these variables:
+# keyed by them alone, since the product's isa_folder_name imports inductor and probes the CPU (~6 s a worker).
 # Each worker's folder is its own (set here in the worker: xdist's controller imports this file too, and its
 # environment is the workers').
 _TESTS_CACHE = "torchinductor-tests-"
